@@ -1,0 +1,60 @@
+"""skyrl_structured: SkyRL's gym generator on structured concurrency.
+
+Swap ``SkyRLGymGenerator`` for :class:`StructuredGymGenerator` and get the same
+``GeneratorOutput``, plus contained rollout failures, guaranteed environment cleanup and clean
+cancellation on asyncio and trio.
+"""
+
+from .collect import FailedRollout as FailedRollout
+from .config import ChatTemplateConfig as ChatTemplateConfig
+from .config import GeneratorConfig as GeneratorConfig
+from .config import InferenceEngineConfig as InferenceEngineConfig
+from .config import ResilienceSettings as ResilienceSettings
+from .config import SamplingParams as SamplingParams
+from .config import SkyRLGymConfig as SkyRLGymConfig
+from .envs import AsyncEnvironment as AsyncEnvironment
+from .envs import open_env as open_env
+from .episode import PromptTooLongError as PromptTooLongError
+from .generator import StructuredGymGenerator as StructuredGymGenerator
+from .types import ROLLOUT_ERROR_STOP_REASON as ROLLOUT_ERROR_STOP_REASON
+from .types import BatchMetadata as BatchMetadata
+from .types import ConversationType as ConversationType
+from .types import GeneratorInput as GeneratorInput
+from .types import GeneratorOutput as GeneratorOutput
+from .types import InferenceClient as InferenceClient
+from .types import InferenceEngineInput as InferenceEngineInput
+from .types import InferenceEngineOutput as InferenceEngineOutput
+from .types import StepWiseOutput as StepWiseOutput
+from .types import TrajectoryID as TrajectoryID
+from .types import TrajectoryOutput as TrajectoryOutput
+from .validate import GeneratorOutputError as GeneratorOutputError
+from .validate import validate_generator_output as validate_generator_output
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "ROLLOUT_ERROR_STOP_REASON",
+    "AsyncEnvironment",
+    "BatchMetadata",
+    "ChatTemplateConfig",
+    "ConversationType",
+    "FailedRollout",
+    "GeneratorConfig",
+    "GeneratorInput",
+    "GeneratorOutput",
+    "GeneratorOutputError",
+    "InferenceClient",
+    "InferenceEngineConfig",
+    "InferenceEngineInput",
+    "InferenceEngineOutput",
+    "PromptTooLongError",
+    "ResilienceSettings",
+    "SamplingParams",
+    "SkyRLGymConfig",
+    "StepWiseOutput",
+    "StructuredGymGenerator",
+    "TrajectoryID",
+    "TrajectoryOutput",
+    "open_env",
+    "validate_generator_output",
+)

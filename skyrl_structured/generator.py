@@ -1,0 +1,280 @@
+"""``StructuredGymGenerator``: SkyRL's ``SkyRLGymGenerator``, rebuilt on structured concurrency.
+
+Same constructor, same ``generate()``/``agent_loop()``, the same ``GeneratorOutput`` token for
+token. What changes is how rollouts live and die: each ``generate()`` is one task group, each
+rollout a child scope that contains its own failures (``skip_failed_rollouts``), closes its
+environment and finishes its inference session on every path, and lets cancellation through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from typing import Any
+from uuid import uuid4
+
+import anyio
+from anyio.lowlevel import RunVar
+
+from .batched import BatchedMixin, env_config_for
+from .collect import substitute_placeholders
+from .config import ResilienceSettings, resolve_resilience
+from .envs import CleanupStats, EnvCallRunner, open_env, shielded_cleanup
+from .episode import EpisodeMixin
+from .nursery import current_attempt, run_rollouts
+from .output import build_generator_output
+from .progress import Progress
+from .tokens import ChatTokenizer, load_custom_chat_template
+from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
+from .validate import check_generator_config, check_generator_input
+
+__all__ = ["StructuredGymGenerator"]
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
+    """Multi-turn rollouts against ``skyrl_gym`` environments, one task group per batch.
+
+    Args:
+        generator_cfg: SkyRL's ``GeneratorConfig`` or :class:`skyrl_structured.GeneratorConfig`.
+        skyrl_gym_cfg: SkyRL's ``SkyRLGymConfig`` or :class:`skyrl_structured.SkyRLGymConfig`.
+        inference_engine_client: anything with ``async generate(input, model=None)`` and
+            ``async finish_session(session_id)`` (SkyRL's clients, or :mod:`skyrl_structured.engines`).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        policy_model_name: passed as ``model`` on every engine call.
+
+    Raises:
+        ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        generator_cfg: Any,
+        skyrl_gym_cfg: Any,
+        inference_engine_client: Any,
+        tokenizer: Any,
+        policy_model_name: str | None = None,
+    ) -> None:
+        self.generator_cfg = generator_cfg
+        self.skyrl_gym_cfg = skyrl_gym_cfg
+        self.inference_engine_client = inference_engine_client
+        self.tokenizer = tokenizer
+        self.policy_model_name = policy_model_name
+        self.max_turns: int = generator_cfg.max_turns
+        self.batched: bool = generator_cfg.batched
+        self.use_conversation_multi_turn: bool = generator_cfg.use_conversation_multi_turn
+        self.custom_chat_template = load_custom_chat_template(generator_cfg.chat_template)
+        self.resilience: ResilienceSettings = resolve_resilience(generator_cfg)
+        check_generator_config(generator_cfg, skyrl_gym_cfg, self.resilience, self.custom_chat_template)
+        self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
+        self._chat = ChatTokenizer(
+            tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
+        )
+        # SkyRL exposes these; subclasses written against it read them.
+        self.generation_prompt_ids = self._chat.generation_prompt_ids
+        self.base_conversation = [dict(m) for m in ChatTokenizer._BASE]
+        self.base_conversation_token_ids = self._chat.base_ids
+        # One limiter for blocking env calls per generator and event loop (limiters are loop-bound).
+        self._env_limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_env_limiter_{id(self)}")
+
+    # ------------------------------------------------------------------ subclass hooks
+
+    def _setup_env_extras(
+        self,
+        _env_class: str,
+        env_extras: dict[str, Any],
+        _sampling_params: dict[str, Any] | None,
+        _trajectory_id: Any | None,
+    ) -> dict[str, Any]:
+        """Hook: adjust an environment's extras before it is created."""
+        return env_extras
+
+    def _post_process_agent_loop_output(
+        self, agent_loop_output: Any, _env_extras: dict[str, Any], _trajectory_id: Any | None
+    ) -> Any:
+        """Hook: reshape a rollout's output after rewards are placed, before it is returned."""
+        return agent_loop_output
+
+    # ------------------------------------------------------------------ helpers
+
+    def _env_runner(self) -> EnvCallRunner:
+        if self.max_env_workers <= 0:
+            return EnvCallRunner(None)
+        try:
+            limiter = self._env_limiter.get()
+        except LookupError:
+            limiter = anyio.CapacityLimiter(self.max_env_workers)
+            self._env_limiter.set(limiter)
+        return EnvCallRunner(limiter)
+
+    def _compute_cache_salt(self) -> str | None:
+        """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
+        if not getattr(self.generator_cfg, "use_cache_salt", True):
+            return None
+        weight_version = getattr(self.inference_engine_client, "weight_version", None)
+        if weight_version is None:
+            return None
+        prefix = f"{self.policy_model_name}@" if self.policy_model_name is not None else ""
+        return f"{prefix}{weight_version}"
+
+    def _get_logprobs(self, sampling_params: dict[str, Any] | None) -> bool:
+        if sampling_params is not None:
+            return sampling_params.get("logprobs", None) is not None
+        return self.generator_cfg.sampling_params.logprobs is not None
+
+    async def _finish_session(self, session_id: Hashable, cleanup: CleanupStats, error: BaseException | None) -> None:
+        def count_error() -> None:
+            cleanup.finish_session_errors += 1
+
+        def count_timeout() -> None:
+            cleanup.finish_session_timeouts += 1
+
+        await shielded_cleanup(
+            f"finish_session({session_id!r})",
+            lambda: self.inference_engine_client.finish_session(session_id),
+            limit_s=self.resilience.env_cleanup_timeout_s,
+            error=error,
+            on_error=count_error,
+            on_timeout=count_timeout,
+        )
+
+    # ------------------------------------------------------------------ one rollout
+
+    async def agent_loop(
+        self,
+        prompt: ConversationType,
+        env_class: str,
+        env_extras: dict[str, Any],
+        max_tokens: int,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None = None,
+        trajectory_id: Any | None = None,
+        cache_salt: str | None = None,
+    ) -> TrajectoryOutput | StepWiseOutput:
+        """Run one multi-turn rollout to completion and return its trajectory.
+
+        The environment is closed and the inference session finished on every exit path,
+        including errors and cancellation. Token-in-token-out throughout, except where SkyRL also
+        re-tokenizes: a ``postprocessed_action`` from the environment, and the custom chat
+        template path.
+
+        Raises:
+            PromptTooLongError: the prompt after ``env.init`` exceeds ``max_input_length`` (outside
+                step-wise mode, where the rollout instead has no steps).
+            Exception: whatever the engine, the environment or the tokenizer raised.
+        """
+        attempt = current_attempt()
+        started = time.monotonic()
+        time_splits = attempt.time_splits
+        session_id: Hashable = (
+            f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}" if trajectory_id is not None else uuid4().hex
+        )
+        try:
+            env_extras["max_turns"] = self.max_turns
+            env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
+            async with open_env(
+                env_class,
+                env_config=env_config_for(self.skyrl_gym_cfg, env_class),
+                extras=env_extras,
+                runner=self._env_runner(),
+                cleanup_timeout=self.resilience.env_cleanup_timeout_s,
+                stats=attempt.cleanup,
+            ) as env:
+                output: TrajectoryOutput | StepWiseOutput = await self._run_episode(
+                    env, prompt, max_input_length, sampling_params, session_id, cache_salt, time_splits
+                )
+            output = self._post_process_agent_loop_output(output, env_extras, trajectory_id)
+            output.e2e_time = time.monotonic() - started
+            output.time_splits = time_splits
+        except BaseException as exc:
+            await self._finish_session(session_id, attempt.cleanup, exc)
+            raise
+        await self._finish_session(session_id, attempt.cleanup, None)
+        return output
+
+    # ------------------------------------------------------------------ a batch
+
+    async def generate(self, input_batch: GeneratorInput, disable_tqdm: bool = False) -> GeneratorOutput:
+        """Generate one trajectory per prompt, in input order.
+
+        Raises:
+            ValueError: a malformed batch, before any rollout starts.
+            Exception: without ``skip_failed_rollouts``, the first failing rollout's own exception,
+                raised after every other rollout has been cancelled and cleaned up.
+            RuntimeError: with ``skip_failed_rollouts``, when every rollout failed or more than
+                ``max_failed_rollout_fraction`` did (``__cause__`` is the first failure).
+        """
+        cfg = self.generator_cfg
+        step_wise = bool(cfg.step_wise_trajectories)
+        check_generator_input(input_batch, step_wise=step_wise, policy=self.resilience.failed_rollout_policy)
+        prompts = input_batch["prompts"]
+        env_classes = list(input_batch["env_classes"])
+        env_extras = input_batch.get("env_extras")
+        if env_extras is None:
+            env_extras = [{} for _ in prompts]
+        trajectory_ids = input_batch.get("trajectory_ids", None)
+        sampling_params = input_batch.get("sampling_params", None)
+        max_tokens = cfg.sampling_params.max_generate_length
+        max_input_length = cfg.max_input_length
+        cache_salt = self._compute_cache_salt()
+
+        if self.batched:
+            return await self.generate_batched(
+                prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+            )
+
+        async def rollout(i: int) -> Any:
+            return await self.agent_loop(
+                prompts[i],
+                env_classes[i],
+                env_extras[i],
+                max_tokens,
+                max_input_length,
+                sampling_params=sampling_params,
+                trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
+                cache_salt=cache_salt,
+            )
+
+        with Progress(len(prompts), disable=disable_tqdm) as progress:
+            batch = await run_rollouts(
+                len(prompts), rollout, self.resilience, trajectory_ids=trajectory_ids, progress=progress
+            )
+        get_logprobs = self._get_logprobs(sampling_params)
+        results = batch.results
+        if batch.failures:
+            token_id = self.tokenizer.pad_token_id
+            if token_id is None:
+                token_id = self.tokenizer.eos_token_id
+            results = substitute_placeholders(
+                results,
+                token_id=token_id,
+                # Token-level rewards everywhere except with a custom chat template, which yields a float.
+                default_token_level_rewards=step_wise or not self.custom_chat_template,
+                with_logprobs=get_logprobs,
+                step_wise=step_wise,
+            )
+        return build_generator_output(
+            results,
+            generator_cfg=cfg,
+            resilience=self.resilience,
+            routed_experts=self._routed_experts(),
+            env_classes=env_classes,
+            trajectory_ids=trajectory_ids,
+            get_logprobs=get_logprobs,
+            failures=batch.failures,
+            retries=batch.retries,
+            cleanup=batch.cleanup,
+        )
+
+    # ------------------------------------------------------------------ batched single-turn
+
+
+def _split_lists(splits: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
+    """``{"llm": [...], "env": [...]}`` across rollouts, or None if any rollout lacks its split."""
+    if not splits or any(s is None for s in splits):
+        return None
+    first = splits[0]
+    assert first is not None
+    return {name: [s[name] for s in splits if s is not None] for name in first}

@@ -1,0 +1,217 @@
+"""Chat-template and token bookkeeping shared by the agent loop.
+
+These reproduce SkyRL's tokenization choices exactly (the "fixed base" observation encoding,
+the generation-prompt suffix, the built-in Qwen3 templates), since token-for-token parity with
+``SkyRLGymGenerator`` is the contract.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .types import ConversationType
+
+__all__ = [
+    "BUILTIN_CHAT_TEMPLATES",
+    "ChatTokenizer",
+    "load_custom_chat_template",
+]
+
+_MAX_TEMPLATE_BYTES = 1 << 20
+
+# Jinja2 templates with {% generation %} markers, so `return_assistant_tokens_mask` works.
+# Rendered text: "<|im_start|>{role}\n{content}<|im_end|>\n" per message; assistant content is
+# the generated span.
+_QWEN3_KEEP_THINKING = """\
+{%- for m in messages -%}
+{%- if m['role'] == 'assistant' -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- generation -%}{{- m['content'] ~ '<|im_end|>' -}}{%- endgeneration -%}
+{{- '\n' -}}
+{%- else -%}
+{{- '<|im_start|>' ~ m['role'] ~ '\n' ~ m['content'] ~ '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}"""
+
+# Same, but thinking text before '</think>' is dropped from every assistant turn except a final one.
+_QWEN3_DROP_THINKING = """\
+{%- for m in messages -%}
+{%- if m['role'] == 'assistant' -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- generation -%}
+{%- set text = m['content'] -%}
+{%- if '</think>' in text and not (loop.last and messages[-1]['role'] == 'assistant') -%}
+{%- set text = text.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{{- text ~ '<|im_end|>' -}}
+{%- endgeneration -%}
+{{- '\n' -}}
+{%- else -%}
+{{- '<|im_start|>' ~ m['role'] ~ '\n' ~ m['content'] ~ '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}"""
+
+BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
+    "qwen3_with_thinking": _QWEN3_KEEP_THINKING,
+    "qwen3_without_thinking": _QWEN3_DROP_THINKING,
+}
+
+_FIELD = "generator.chat_template"
+
+
+def _read_template_file(path: str) -> str:
+    if "\x00" in path:
+        raise ValueError(f"`{_FIELD}.name_or_path` contains a NUL byte: {path!r}")
+    if os.path.normpath(path).startswith(".."):
+        raise ValueError(
+            f"`{_FIELD}.name_or_path` {path!r} climbs out of the working directory; "
+            "give an absolute path or one below the current directory"
+        )
+    resolved = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(resolved):
+        raise ValueError(f"`{_FIELD}.name_or_path`: template file {path!r} does not exist")
+    if not os.path.isfile(resolved):
+        raise ValueError(f"`{_FIELD}.name_or_path`: {path!r} is not a regular file")
+    size = os.path.getsize(resolved)
+    if size > _MAX_TEMPLATE_BYTES:
+        raise ValueError(
+            f"`{_FIELD}.name_or_path`: template file {path!r} is {size} bytes; the limit is {_MAX_TEMPLATE_BYTES} bytes"
+        )
+    with open(resolved, encoding="utf-8") as f:
+        return f.read()
+
+
+def load_custom_chat_template(chat_template_cfg: Any) -> str | None:
+    """The Jinja2 template selected by a ``chat_template`` config, or None for the tokenizer's own.
+
+    Accepts SkyRL's ``ChatTemplateConfig``, ours, a mapping, or None.
+
+    Raises:
+        ValueError: unknown source or template name, or an unreadable template file.
+    """
+    if chat_template_cfg is None:
+        return None
+    if isinstance(chat_template_cfg, Mapping):
+        source = chat_template_cfg.get("source", "name")
+        name_or_path = chat_template_cfg.get("name_or_path")
+    else:
+        source = getattr(chat_template_cfg, "source", "name")
+        name_or_path = getattr(chat_template_cfg, "name_or_path", None)
+    if not source:
+        raise ValueError(f"`{_FIELD}.source` is required: 'name' or 'file'")
+    if not name_or_path:
+        return None
+    if source == "name":
+        if name_or_path not in BUILTIN_CHAT_TEMPLATES:
+            raise ValueError(
+                f"`{_FIELD}.name_or_path` {name_or_path!r} is not a built-in template; choose one of "
+                f"{', '.join(sorted(BUILTIN_CHAT_TEMPLATES))} or set source='file'"
+            )
+        return BUILTIN_CHAT_TEMPLATES[name_or_path]
+    if source == "file":
+        return _read_template_file(str(name_or_path))
+    raise ValueError(f"`{_FIELD}.source` must be 'name' or 'file', got {source!r}")
+
+
+def _as_ids(rendered: Any) -> list[int]:
+    # transformers 5 may return a BatchEncoding even with return_dict=False for some tokenizers.
+    if isinstance(rendered, Mapping):
+        rendered = rendered["input_ids"]
+    return list(rendered)
+
+
+class ChatTokenizer:
+    """A tokenizer bound to the generator's chat-template settings, with the constant parts cached."""
+
+    # A fixed two-message prefix: observations are rendered after it and the prefix's tokens cut
+    # off, so they get exactly the tokens the template would give them mid-conversation.
+    _BASE: ConversationType = [  # noqa: RUF012 - read-only class constant
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "I am a user."},
+    ]
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None, *, multi_turn: bool) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                "the tokenizer has no eos_token_id; the generator needs one to end turns and build "
+                "placeholders. Set tokenizer.eos_token (e.g. '<|im_end|>' for ChatML models)."
+            )
+        self.eos_token_id: int = tokenizer.eos_token_id
+        self.eos_token: str | None = tokenizer.eos_token
+        self.generation_prompt_ids: list[int] | None = self._generation_prompt_ids() if multi_turn else None
+        base = self.render(self._BASE, add_generation_prompt=False)
+        if self.eos_token_id in base:
+            # Keep everything up to the last EOS: what follows it belongs to the next message.
+            last = len(base) - 1 - base[::-1].index(self.eos_token_id)
+            base = base[: last + 1]
+        self.base_ids = base
+
+    def render(
+        self,
+        messages: ConversationType,
+        *,
+        add_generation_prompt: bool,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` under the chat template (ours or a custom one)."""
+        return _as_ids(
+            self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
+                return_dict=False,
+                **self.kwargs,
+            )
+        )
+
+    def _generation_prompt_ids(self) -> list[int]:
+        empty = [{"role": "user", "content": ""}]
+        without = _as_ids(self.tokenizer.apply_chat_template(empty, tokenize=True, return_dict=False))
+        with_prompt = _as_ids(
+            self.tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        return with_prompt[len(without) :]
+
+    def observation_ids(self, new_obs: ConversationType, *, done: bool, multi_turn: bool) -> list[int]:
+        """Tokens an environment observation adds to the sequence.
+
+        Multi-turn: the observation messages as the template renders them mid-conversation, plus
+        the generation prompt of the next turn unless the episode is done. Single-turn: the raw
+        observation text, encoded without special tokens.
+        """
+        if multi_turn:
+            if new_obs:
+                full = self.render([*self._BASE, *new_obs], add_generation_prompt=not done)
+                return full[len(self.base_ids) :]
+            if not done:
+                assert self.generation_prompt_ids is not None
+                return list(self.generation_prompt_ids)
+            return []
+        ids: list[int] = []
+        for message in new_obs:
+            ids.extend(self.tokenizer.encode(message["content"], add_special_tokens=False))
+        return ids
+
+    def assistant_spans(self, messages: ConversationType, chat_template: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``messages`` and the mask of assistant-generated tokens in them."""
+        encoded = self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=False,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            tokenize=True,
+            **self.kwargs,
+        )
+        return list(encoded["input_ids"]), list(encoded["assistant_masks"])
+
+    def strip_eos_text(self, text: str) -> str:
+        """``text`` without a trailing EOS string (the template re-adds it)."""
+        if self.eos_token and text.endswith(self.eos_token):
+            return text[: -len(self.eos_token)]
+        return text

@@ -1,0 +1,228 @@
+"""Checks made before work starts: the generator's configuration, a batch's input, and the
+trainer's contract for a finished batch (:func:`validate_generator_output`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import skyrl_gym
+
+from .config import ResilienceSettings
+
+__all__ = [
+    "GeneratorOutputError",
+    "check_generator_config",
+    "check_generator_input",
+    "validate_generator_output",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class GeneratorOutputError(ValueError):
+    """A ``GeneratorOutput`` breaks the contract SkyRL's trainer relies on."""
+
+
+def _routed_experts(generator_cfg: Any) -> bool:
+    engine_cfg = getattr(generator_cfg, "inference_engine", None)
+    return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
+
+
+def check_generator_config(
+    generator_cfg: Any, skyrl_gym_cfg: Any, settings: ResilienceSettings, custom_chat_template: str | None
+) -> None:
+    """Reject, at construction, every combination SkyRL rejects and those our knobs cannot honour.
+
+    Raises:
+        ValueError: naming the fields that conflict and how to resolve it.
+    """
+    batched = bool(generator_cfg.batched)
+    if generator_cfg.chat_template_kwargs and batched:
+        raise ValueError(
+            "`generator.chat_template_kwargs` is not compatible with `generator.batched=true`: in batched "
+            "mode the inference engine applies the chat template. Unset one of them."
+        )
+    if generator_cfg.step_wise_trajectories:
+        if batched:
+            raise ValueError("`generator.step_wise_trajectories` does not support `generator.batched=true`")
+        if custom_chat_template is not None:
+            raise ValueError(
+                "`generator.step_wise_trajectories` does not support a custom chat template, got "
+                f"`generator.chat_template`={generator_cfg.chat_template!r}"
+            )
+        if _routed_experts(generator_cfg):
+            raise ValueError(
+                "`generator.step_wise_trajectories` does not support "
+                "`generator.inference_engine.enable_return_routed_experts=true`"
+            )
+        if not generator_cfg.use_conversation_multi_turn:
+            raise ValueError("`generator.step_wise_trajectories` requires `generator.use_conversation_multi_turn=true`")
+    if settings.skip_failed_rollouts:
+        if batched:
+            raise ValueError(
+                "`generator.skip_failed_rollouts` does not work with `generator.batched=true`: the batched "
+                "path runs all prompts through one engine call, so there is no single rollout to replace. "
+                "Set batched=false to contain failures per rollout."
+            )
+        if _routed_experts(generator_cfg):
+            raise ValueError(
+                "`generator.skip_failed_rollouts` does not work with "
+                "`generator.inference_engine.enable_return_routed_experts=true`: a placeholder has no routed "
+                "expert indices to stand in for a failed rollout's. Disable one of them."
+            )
+    elif settings.failed_rollout_policy != "placeholder":
+        raise ValueError(
+            f"`generator.failed_rollout_policy={settings.failed_rollout_policy}` only acts on failed rollouts, "
+            "which exist only with `generator.skip_failed_rollouts=true`; enable it or leave the policy at "
+            "'placeholder'."
+        )
+    workers = getattr(skyrl_gym_cfg, "max_env_workers", 0)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(
+            f"`environment.skyrl_gym.max_env_workers` must be an integer >= 0 (0 runs env calls inline), "
+            f"got {workers!r}"
+        )
+
+
+def _env_registered(env_class: str) -> bool:
+    if ":" in env_class:  # "module:EnvName" is imported by skyrl_gym.make itself
+        return True
+    return env_class in skyrl_gym.registry
+
+
+def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str) -> None:
+    """Reject a malformed batch before any rollout starts.
+
+    Raises:
+        ValueError: naming the field, what is wrong with it, and the fix.
+    """
+    for key in ("prompts", "env_classes"):
+        if key not in input_batch or input_batch[key] is None:
+            raise ValueError(f"`input_batch['{key}']` is required: one entry per rollout")
+    n = len(input_batch["prompts"])
+    for key in ("env_classes", "env_extras", "trajectory_ids"):
+        value = input_batch.get(key)
+        if value is not None and len(value) != n:
+            raise ValueError(
+                f"`input_batch['{key}']` has {len(value)} entries but `input_batch['prompts']` has {n}; "
+                "give one per rollout"
+            )
+    sampling_params = input_batch.get("sampling_params")
+    if sampling_params is not None and not isinstance(sampling_params, dict):
+        raise ValueError(
+            f"`input_batch['sampling_params']` must be a dict in the engine's format or None, got "
+            f"{type(sampling_params).__name__}"
+        )
+    if step_wise and input_batch.get("trajectory_ids") is None:
+        raise ValueError(
+            "`input_batch['trajectory_ids']` is required with `generator.step_wise_trajectories=true`: "
+            "steps are grouped back into trajectories by id"
+        )
+    if policy != "placeholder" and input_batch.get("trajectory_ids") is None:
+        raise ValueError(
+            f"`generator.failed_rollout_policy={policy}` groups rollouts by "
+            "`input_batch['trajectory_ids'][i].instance_id`, but the batch has no trajectory_ids; pass them "
+            "or use failed_rollout_policy='placeholder'"
+        )
+    # When skyrl_gym.make has been replaced (tests often patch it), the replacement owns the names.
+    if getattr(skyrl_gym.make, "__module__", None) == "skyrl_gym.envs.registration":
+        unknown = sorted({c for c in input_batch["env_classes"] if not _env_registered(str(c))})
+        if unknown:
+            raise ValueError(
+                f"`input_batch['env_classes']` names environments skyrl_gym does not know: {unknown}. "
+                f"Registered: {sorted(skyrl_gym.registry)}. Register yours with skyrl_gym.register(id=..., "
+                "entry_point=...) before generating."
+            )
+
+
+def _fail(message: str) -> None:
+    raise GeneratorOutputError(message)
+
+
+def _key(trajectory_id: Any) -> str:
+    to_string = getattr(trajectory_id, "to_string", None)
+    return to_string() if callable(to_string) else str(trajectory_id)
+
+
+def _check_step_wise(output: Any, rows: int) -> None:
+    is_last_step = output.get("is_last_step")
+    trajectory_ids = output.get("trajectory_ids")
+    if is_last_step is None:
+        _fail("step-wise output has no `is_last_step`")
+    if trajectory_ids is None:
+        _fail("step-wise output has no `trajectory_ids`")
+    if len(is_last_step) != rows or len(trajectory_ids) != rows:
+        _fail(
+            f"step-wise `is_last_step` ({len(is_last_step)}) and `trajectory_ids` ({len(trajectory_ids)}) "
+            f"must both have one entry per row ({rows})"
+        )
+    if is_last_step[-1] is not True:
+        _fail("`is_last_step[-1]` must be True: the last row must end a trajectory")
+    keys = [_key(t) for t in trajectory_ids]
+    finished: set[str] = set()
+    for i, key in enumerate(keys):
+        if i > 0 and key != keys[i - 1]:
+            finished.add(keys[i - 1])
+            if key in finished:
+                _fail(
+                    f"trajectory {key!r} reappears at row {i} after other trajectories: step-wise training "
+                    "needs every trajectory's steps to be adjacent"
+                )
+    for i in range(rows - 1):
+        boundary = keys[i] != keys[i + 1]
+        if boundary and is_last_step[i] is not True:
+            _fail(f"row {i} ends trajectory {keys[i]!r} but `is_last_step[{i}]` is not True")
+        if not boundary and is_last_step[i] is True:
+            _fail(f"`is_last_step[{i}]` is True but trajectory {keys[i]!r} continues at row {i + 1}")
+
+
+def validate_generator_output(num_prompts: int, output: Any, step_wise: bool = False) -> None:
+    """Check a ``GeneratorOutput`` against the trainer's contract before training on it.
+
+    Lengths agree row by row (responses, loss masks, token-level rewards, logprobs), every batch
+    field has one entry per row, rewards are uniformly per-trajectory or per-token and, step-wise,
+    each trajectory's steps are adjacent and end with ``is_last_step``.
+
+    Raises:
+        GeneratorOutputError: the first violation found, with the row and the lengths involved.
+    """
+    responses: Sequence[Any] = output["response_ids"]
+    rows = len(responses)
+    if rows == 0:
+        _fail("no outputs generated: `response_ids` is empty")
+    if not step_wise and num_prompts != rows:
+        _fail(f"{num_prompts} prompts but {rows} responses")
+    if len(output["prompt_token_ids"]) != rows:
+        _fail(f"{rows} responses but {len(output['prompt_token_ids'])} prompt_token_ids")
+    for key in (
+        "loss_masks",
+        "rewards",
+        "rollout_logprobs",
+        "stop_reasons",
+        "trajectory_ids",
+        "rollout_expert_indices",
+        "is_last_step",
+        "pixel_values",
+        "image_grid_thw",
+    ):
+        value = output.get(key)
+        if isinstance(value, list) and len(value) != rows:
+            _fail(f"`{key}` has {len(value)} entries but `response_ids` has {rows}")
+    logprobs = output.get("rollout_logprobs")
+    for i, (ids, mask, reward) in enumerate(zip(responses, output["loss_masks"], output["rewards"], strict=True)):
+        if len(ids) != len(mask):
+            _fail(f"row {i}: {len(ids)} response ids but {len(mask)} loss-mask entries")
+        if isinstance(reward, list) and len(reward) != len(ids):
+            _fail(f"row {i}: {len(ids)} response ids but {len(reward)} token-level rewards")
+        if logprobs and len(logprobs[i]) != len(ids):
+            _fail(f"row {i}: {len(ids)} response ids but {len(logprobs[i])} rollout logprobs")
+    if not any(any(mask) for mask in output["loss_masks"]):
+        logger.warning("every token of this batch is loss-masked; the trainer's loss may be NaN")
+    rewards = output["rewards"]
+    token_level = isinstance(rewards[0], list)
+    if any(isinstance(r, list) != token_level for r in rewards):
+        _fail("rewards must be all per-trajectory floats or all per-token lists, not a mix")
+    if step_wise:
+        _check_step_wise(output, rows)

@@ -1,0 +1,281 @@
+"""Differential parity: StructuredGymGenerator against SkyRL's own SkyRLGymGenerator.
+
+Both generators get the same configuration object, tokenizer, environments and a deterministic
+engine; every field of their ``GeneratorOutput`` must be equal (wall-clock timings excepted), and
+the engine must have seen the same requests. SkyRL runs on asyncio (it is asyncio-only); ours runs
+on asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import anyio
+import pytest
+
+from skyrl_structured import (
+    ChatTemplateConfig,
+    GeneratorConfig,
+    InferenceEngineConfig,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+    validate_generator_output,
+)
+from skyrl_structured.testing import Reply, ScriptedEngine
+from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+from skyrl_structured.tokens import BUILTIN_CHAT_TEMPLATES
+
+from ._upstream import load_upstream_generator
+
+SkyRLGymGenerator = load_upstream_generator()
+
+TIMING_KEYS = {"trajectory_generation_times", "trajectory_time_splits"}
+
+
+def turn_handler(replies: dict[int, Reply | str]):
+    """Replies by turn number within each session, so interleaving never changes the answers."""
+    turns: dict[Any, int] = defaultdict(int)
+
+    def handler(call):
+        turns[call.session_id] += 1
+        return replies.get(turns[call.session_id], replies[max(replies)])
+
+    return handler
+
+
+def multi_turn_script():
+    return [
+        {"observation": "<observation>not yet</observation>", "reward": 0.25},
+        {"observation": "Try once more.", "reward": 0.5},
+        {"observation": None, "reward": 1.0, "done": True},
+    ]
+
+
+REPLIES = {1: "Let me think. #### 7", 2: "Hmm, 3 + 5 is 8. #### 8", 3: "#### 8"}
+
+
+def batch(n: int, *, env_class: str = SCRIPTED_ENV, script=None, sampling_params=None, with_ids=True):
+    extras = []
+    for _i in range(n):
+        e: dict[str, Any] = {"reward_spec": {"ground_truth": "8"}, "extra_info": {}, "ledger": EnvLedger()}
+        if env_class == SCRIPTED_ENV:
+            e["script"] = script() if script else multi_turn_script()
+        extras.append(e)
+    out: dict[str, Any] = {
+        "prompts": [
+            [{"role": "user", "content": f"Tom has 3 apples and buys 5 more (question {i})."}] for i in range(n)
+        ],
+        "env_classes": [env_class] * n,
+        "env_extras": extras,
+        "sampling_params": sampling_params,
+    }
+    if with_ids:
+        out["trajectory_ids"] = [TrajectoryID(instance_id=f"q{i // 2}", repetition_id=i % 2) for i in range(n)]
+    return out
+
+
+def copy_batch(b):
+    def copy_extras(e):
+        c = dict(e)
+        c["ledger"] = EnvLedger()
+        c["reward_spec"] = dict(e["reward_spec"])
+        return c
+
+    return {**b, "env_extras": [copy_extras(e) for e in b["env_extras"]], "prompts": [list(p) for p in b["prompts"]]}
+
+
+def run_upstream(cfg, gym_cfg, engine, tokenizer, b, **kw):
+    gen = SkyRLGymGenerator(cfg, gym_cfg, engine, tokenizer, **kw)
+    return asyncio.run(gen.generate(b, disable_tqdm=True))
+
+
+def run_ours(cfg, gym_cfg, engine, tokenizer, b, backend, **kw):
+    gen = StructuredGymGenerator(cfg, gym_cfg, engine, tokenizer, **kw)
+    return anyio.run(lambda: gen.generate(b, disable_tqdm=True), backend=backend)
+
+
+def assert_same_output(ours: dict, theirs: dict) -> None:
+    # SkyRL 0.3.0 predates `trajectory_time_splits`; everything else it returns must match exactly.
+    assert set(ours) - set(theirs) <= {"trajectory_time_splits"}
+    for key, value in theirs.items():
+        if key == "rollout_metrics":
+            continue
+        if key in TIMING_KEYS:
+            assert (value is None) == (ours[key] is None), key
+            if value is not None:
+                assert len(value) == len(ours[key]), key
+            continue
+        assert ours[key] == value, f"{key} differs:\nours   {ours[key]!r}\ntheirs {value!r}"
+    for key, value in theirs["rollout_metrics"].items():
+        if key.startswith("generate/trajectory_"):
+            # Wall-clock timings (SkyRL 0.3.0 also named them differently from SkyRL main).
+            continue
+        assert ours["rollout_metrics"][key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def engine_inputs(engine):
+    by_session = defaultdict(list)
+    for call in engine.calls:
+        by_session[call.session_id].append((call.prompt_token_ids, call.sampling_params, call.cache_salt, call.model))
+    return dict(by_session)
+
+
+def check_parity(tokenizer, backend, cfg, b, *, replies=REPLIES, logprobs=True, gym_cfg=None, **kw):
+    gym_cfg = gym_cfg or SkyRLGymConfig(max_env_workers=4)
+    theirs_engine = ScriptedEngine(
+        tokenizer, turn_handler(replies), logprobs=logprobs, weight_version=kw.pop("wv", None)
+    )
+    ours_engine = ScriptedEngine(
+        tokenizer, turn_handler(replies), logprobs=logprobs, weight_version=theirs_engine.weight_version
+    )
+    theirs = run_upstream(cfg, gym_cfg, theirs_engine, tokenizer, copy_batch(b), **kw)
+    ours = run_ours(cfg, gym_cfg, ours_engine, tokenizer, copy_batch(b), backend, **kw)
+    assert_same_output(ours, theirs)
+    if not cfg.batched:
+        assert engine_inputs(ours_engine) == engine_inputs(theirs_engine)
+    else:
+        assert [c.prompt_token_ids for c in ours_engine.calls] == [c.prompt_token_ids for c in theirs_engine.calls]
+    return ours, ours_engine
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+class TestParity:
+    def test_multi_turn_conversation_with_logprobs(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
+        ours, engine = check_parity(tokenizer, backend, cfg, batch(4))
+        validate_generator_output(4, ours)
+        assert ours["rollout_logprobs"] is not None
+        assert sorted(engine.finished_sessions) == sorted({c.session_id for c in engine.calls})
+        # Observation tokens sit between turns with loss 0, and rewards land on each turn's last token.
+        reward = ours["rewards"][0]
+        assert [round(r, 6) for r in reward if r] == [0.25, 0.5, 1.0]
+
+    def test_real_gsm8k_multi_turn_env(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
+        check_parity(tokenizer, backend, cfg, batch(4, env_class="gsm8k_multi_turn"))
+
+    def test_real_gsm8k_single_turn_env(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=1, max_input_length=4096)
+        check_parity(tokenizer, backend, cfg, batch(2, env_class="gsm8k"))
+
+    def test_single_turn_concatenation(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, use_conversation_multi_turn=False)
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(4))
+        assert all(ids[-1] == tokenizer.eos_token_id for ids in ours["response_ids"])
+
+    def test_single_turn_concatenation_truncated_by_length(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, use_conversation_multi_turn=False)
+        replies = {1: "#### 7", 2: Reply("and then", stop_reason="length"), 3: "x"}
+        check_parity(tokenizer, backend, cfg, batch(2), replies=replies)
+
+    @pytest.mark.parametrize("source", ["name", "file"])
+    def test_custom_chat_template_retokenization(self, tokenizer, backend, source, tmp_path):
+        if source == "file":
+            path = tmp_path / "qwen3_without_thinking.jinja"
+            path.write_text(BUILTIN_CHAT_TEMPLATES["qwen3_without_thinking"])
+            template = ChatTemplateConfig(source="file", name_or_path=str(path))
+        else:
+            template = ChatTemplateConfig(source="name", name_or_path="qwen3_without_thinking")
+        cfg = GeneratorConfig(
+            max_turns=3,
+            max_input_length=4096,
+            chat_template=template,
+            sampling_params=SamplingParams(logprobs=None),
+        )
+        replies = {1: "<think>reason a</think>#### 7", 2: "<think>reason b</think>#### 8", 3: "#### 8"}
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False)
+        assert all(isinstance(r, float) for r in ours["rewards"])
+
+    @pytest.mark.parametrize("name", ["qwen3_with_thinking", "qwen3_without_thinking"])
+    def test_builtin_templates_render_like_skyrl(self, tokenizer, backend, name):
+        cfg = GeneratorConfig(
+            max_turns=3,
+            max_input_length=4096,
+            chat_template=ChatTemplateConfig(source="name", name_or_path=name),
+            sampling_params=SamplingParams(logprobs=None),
+        )
+        replies = {1: "<think>\nstep one</think>\n#### 7", 2: "<think>two</think>#### 8", 3: "done"}
+        check_parity(tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False)
+
+    def test_step_wise_trajectories(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, step_wise_trajectories=True)
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(4))
+        validate_generator_output(4, ours, step_wise=True)
+        assert ours["is_last_step"].count(True) == 4
+
+    def test_stop_strings_append_eos(self, tokenizer, backend):
+        text = "<answer>8</answer>"
+        stopped = Reply(text, token_ids=tokenizer.encode(text, add_special_tokens=False))
+        params = dataclasses.asdict(SamplingParams(stop=["</answer>"]))
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
+        ours, _ = check_parity(
+            tokenizer, backend, cfg, batch(2, sampling_params=params), replies={1: stopped, 2: stopped, 3: stopped}
+        )
+        # The appended EOS is in the response but carries no loss and a dummy logprob.
+        first_turn_end = ours["response_ids"][0].index(tokenizer.eos_token_id)
+        assert ours["loss_masks"][0][first_turn_end] == 0
+        assert ours["rollout_logprobs"][0][first_turn_end] == 0.0
+
+    def test_postprocessed_action(self, tokenizer, backend):
+        def script():
+            return [
+                {"observation": "ok", "reward": 0.0, "postprocessed_action": "REWRITTEN #### 8"},
+                {"observation": None, "reward": 1.0, "done": True},
+            ]
+
+        cfg = GeneratorConfig(max_turns=2, max_input_length=4096, sampling_params=SamplingParams(logprobs=None))
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2, script=script), logprobs=False)
+        rewritten = tokenizer.encode("REWRITTEN #### 8", add_special_tokens=False)
+        assert ours["response_ids"][0][: len(rewritten)] == rewritten
+
+    def test_max_input_length_truncation(self, tokenizer, backend):
+        probe = GeneratorConfig(max_turns=3, max_input_length=4096)
+        full, _ = check_parity(tokenizer, backend, probe, batch(2))
+        prompt_len = len(full["prompt_token_ids"][0])
+        # Long enough for the first turn, too short for the second.
+        cfg = GeneratorConfig(max_turns=3, max_input_length=prompt_len + 5)
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2))
+        assert ours["stop_reasons"] == ["length", "length"]
+
+    @pytest.mark.parametrize("flag", ["zero_reward_on_non_stop", "apply_overlong_filtering"])
+    def test_non_stop_filters(self, tokenizer, backend, flag):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, **{flag: True})
+        replies = {1: "#### 7", 2: Reply("cut off mid", stop_reason="length"), 3: "#### 8"}
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2), replies=replies)
+        if flag == "zero_reward_on_non_stop":
+            assert all(not any(r) for r, s in zip(ours["rewards"], ours["stop_reasons"], strict=False) if s != "stop")
+        else:
+            assert all(
+                not any(m) for m, s in zip(ours["loss_masks"], ours["stop_reasons"], strict=False) if s != "stop"
+            )
+
+    def test_batched_single_turn(self, tokenizer, backend):
+        cfg = GeneratorConfig(batched=True, sampling_params=SamplingParams(max_generate_length=4))
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(3, env_class="gsm8k", with_ids=False))
+        assert all(len(r) <= 4 for r in ours["response_ids"])
+
+    def test_cache_salt_and_model_name(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=2, max_input_length=4096)
+        _, engine = check_parity(tokenizer, backend, cfg, batch(2), wv=7, policy_model_name="policy-lora")
+        assert {c.cache_salt for c in engine.calls} == {"policy-lora@7"}
+        assert {c.model for c in engine.calls} == {"policy-lora"}
+
+    def test_batch_sampling_params_without_logprobs(self, tokenizer, backend):
+        params = dataclasses.asdict(SamplingParams(logprobs=None, temperature=0.3))
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2, sampling_params=params), logprobs=False)
+        assert ours["rollout_logprobs"] is None
+
+    def test_inline_env_calls(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
+        check_parity(tokenizer, backend, cfg, batch(2), gym_cfg=SkyRLGymConfig(max_env_workers=0))
+
+    def test_routed_expert_config_off_by_default(self, tokenizer, backend):
+        cfg = GeneratorConfig(max_turns=2, max_input_length=4096, inference_engine=InferenceEngineConfig())
+        ours, _ = check_parity(tokenizer, backend, cfg, batch(2))
+        assert ours["rollout_expert_indices"] is None
