@@ -65,6 +65,9 @@ class AsyncEnvironment(Protocol):
 class CleanupStats:
     """Cleanup trouble seen during one ``generate()`` call (reported in ``rollout_metrics``)."""
 
+    envs_opened: int = 0
+    #: Environments whose close ran to the end (successfully or with an error), not abandoned.
+    envs_closed: int = 0
     env_close_errors: int = 0
     env_cleanup_timeouts: int = 0
     finish_session_errors: int = 0
@@ -285,14 +288,28 @@ async def open_env(
     patching environments after import works.
     """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
+    stats.envs_opened += 1
     env = _wrap(raw, runner)
-    entered = await env.__aenter__()
+    try:
+        entered = await env.__aenter__()
+    except BaseException:
+        # An async env whose own __aenter__ failed cleans up after itself (the protocol's rule).
+        stats.envs_closed += 1
+        raise
 
     def count_error() -> None:
         stats.env_close_errors += 1
+        stats.envs_closed += 1
 
     def count_timeout() -> None:
         stats.env_cleanup_timeouts += 1
+
+    async def close(exc: BaseException | None) -> None:
+        if exc is None:
+            await env.__aexit__(None, None, None)
+        else:
+            await env.__aexit__(type(exc), exc, exc.__traceback__)
+        stats.envs_closed += 1
 
     try:
         yield entered
@@ -300,7 +317,7 @@ async def open_env(
         error = exc
         await shielded_cleanup(
             f"closing environment {env_class!r}",
-            lambda: env.__aexit__(type(error), error, error.__traceback__),
+            lambda: close(error),
             limit_s=cleanup_timeout,
             error=error,
             on_error=count_error,
@@ -309,7 +326,7 @@ async def open_env(
         raise
     await shielded_cleanup(
         f"closing environment {env_class!r}",
-        lambda: env.__aexit__(None, None, None),
+        lambda: close(None),
         limit_s=cleanup_timeout,
         error=None,
         on_error=count_error,

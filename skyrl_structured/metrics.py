@@ -106,6 +106,8 @@ def failure_metrics(
         "generate/failed_rollout_fraction": len(failures) / total if total else 0.0,
         "generate/num_timed_out_rollouts": sum(1 for f in failures if f.timed_out),
         "generate/num_rollout_retries": retries,
+        "generate/num_envs_opened": cleanup.envs_opened,
+        "generate/num_envs_closed": cleanup.envs_closed,
         "generate/env_close_errors": cleanup.env_close_errors,
         "generate/env_cleanup_timeouts": cleanup.env_cleanup_timeouts,
         "generate/finish_session_errors": cleanup.finish_session_errors,
