@@ -163,8 +163,11 @@ class EpisodeMixin:
                 "cache_salt": cache_salt,
             }
             llm_started = time.monotonic()
-            engine_output = await self.inference_engine_client.generate(engine_input, model=self.policy_model_name)
-            time_splits["llm"] += time.monotonic() - llm_started
+            try:
+                engine_output = await self.inference_engine_client.generate(engine_input, model=self.policy_model_name)
+            finally:
+                # Recorded on every exit: a failed rollout's placeholder reports where its time went.
+                time_splits["llm"] += time.monotonic() - llm_started
             output: str = engine_output["responses"][0]
             output_ids: list[int] = list(engine_output["response_ids"][0])
             stop_reason = engine_output["stop_reasons"][0]
@@ -200,8 +203,10 @@ class EpisodeMixin:
                 added_eos = True
 
             env_started = time.monotonic()
-            step_output = await env.step(output)
-            time_splits["env"] += time.monotonic() - env_started
+            try:
+                step_output = await env.step(output)
+            finally:
+                time_splits["env"] += time.monotonic() - env_started
             new_obs = step_output["observations"]
             step_reward = step_output["reward"]
             state.done = step_output["done"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from .collect import FailedRollout, check_failure_budget
 from .config import ResilienceSettings
@@ -69,6 +70,16 @@ def _describe(index: int, trajectory_id: Any | None) -> str:
         return f"rollout {index}"
     to_string = getattr(trajectory_id, "to_string", None)
     return f"rollout {index} ({to_string() if callable(to_string) else trajectory_id})"
+
+
+def _raise_interrupt(group_error: BaseExceptionGroup[BaseException]) -> None:
+    for kind in (KeyboardInterrupt, SystemExit):
+        matched, _ = group_error.split(kind)
+        if matched is not None:
+            leaf: BaseException = matched
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            raise leaf from None
 
 
 async def run_rollouts(
@@ -168,9 +179,18 @@ async def run_rollouts(
                 progress.advance(failed=False)
             return
 
-    async with anyio.create_task_group() as group:
-        for index in range(count):
-            group.start_soon(child, index, group)
+    try:
+        async with anyio.create_task_group() as group:
+            for index in range(count):
+                group.start_soon(child, index, group)
+    except BaseExceptionGroup as group_error:
+        # Children catch every Exception, so only KeyboardInterrupt/SystemExit-like errors get here:
+        # re-raise the interrupt itself, as SkyRL's gather would, so `except KeyboardInterrupt` works.
+        _raise_interrupt(group_error)
+        raise
+    # A cancellation that arrived while the last rollouts were in shielded cleanup must still reach
+    # the caller: a cancelled generate() raises, it never returns a batch.
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
     if first_error is not None:
         raise first_error

@@ -1,0 +1,73 @@
+"""Builders shared by the generator tests: batches of scripted rollouts and a task census."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import sniffio
+
+from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+
+
+def two_turn_script() -> list[dict[str, Any]]:
+    return [
+        {"observation": "<observation>keep going</observation>", "reward": 0.5},
+        {"observation": None, "reward": 1.0, "done": True},
+    ]
+
+
+def make_batch(
+    n: int,
+    ledger: EnvLedger,
+    *,
+    group_size: int = 2,
+    extras: dict[int, dict[str, Any]] | None = None,
+    script=two_turn_script,
+    with_ids: bool = True,
+) -> dict[str, Any]:
+    """``n`` rollouts of the scripted env; ``extras[i]`` overrides rollout i's env extras."""
+    env_extras = []
+    for i in range(n):
+        e: dict[str, Any] = {"script": script(), "ledger": ledger}
+        e.update((extras or {}).get(i, {}))
+        env_extras.append(e)
+    batch: dict[str, Any] = {
+        "prompts": [[{"role": "user", "content": f"Question number {i}?"}] for i in range(n)],
+        "env_classes": [SCRIPTED_ENV] * n,
+        "env_extras": env_extras,
+    }
+    if with_ids:
+        batch["trajectory_ids"] = [TrajectoryID(f"q{i // group_size}", i % group_size) for i in range(n)]
+    return batch
+
+
+def turn_replies(*texts: str):
+    """A handler answering ``texts[k]`` on a session's k-th call (the last one repeats)."""
+    turns: dict[Any, int] = defaultdict(int)
+
+    def handler(call):
+        turns[call.session_id] += 1
+        return texts[min(turns[call.session_id], len(texts)) - 1]
+
+    return handler
+
+
+def make_generator(tokenizer, engine=None, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
+    cfg.setdefault("max_turns", 3)
+    cfg.setdefault("max_input_length", 4096)
+    engine = engine or ScriptedEngine(tokenizer, turn_replies("first #### 7", "second #### 8"))
+    return StructuredGymGenerator(GeneratorConfig(**cfg), SkyRLGymConfig(max_env_workers=workers), engine, tokenizer)
+
+
+def other_tasks() -> int:
+    """Tasks still alive besides the caller's own (asyncio), or the caller's child nurseries (trio)."""
+    if sniffio.current_async_library() == "asyncio":
+        me = asyncio.current_task()
+        return len([t for t in asyncio.all_tasks() if t is not me])
+    import trio
+
+    return len(trio.lowlevel.current_task().child_nurseries)
