@@ -1,0 +1,175 @@
+"""Configuration: SkyRL's names and defaults, the new knobs, and what construction refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import pytest
+
+from skyrl_structured import (
+    ChatTemplateConfig,
+    GeneratorConfig,
+    InferenceEngineConfig,
+    ResilienceSettings,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+)
+from skyrl_structured.config import resolve_resilience
+from skyrl_structured.testing import ScriptedEngine
+
+from ._upstream import load_upstream_generator
+from .helpers import make_batch, turn_replies
+
+load_upstream_generator()
+from skyrl.train import config as skyrl_config  # noqa: E402  (needs the loader's package shims)
+
+
+def test_generation_fields_mirror_skyrl_names_and_defaults():
+    theirs = skyrl_config.GeneratorConfig()
+    ours = GeneratorConfig()
+    for f in dataclasses.fields(skyrl_config.GeneratorConfig):
+        if f.name == "inference_engine":
+            assert (
+                ours.inference_engine.enable_return_routed_experts
+                == theirs.inference_engine.enable_return_routed_experts
+            )
+            continue
+        mine, upstream = getattr(ours, f.name), getattr(theirs, f.name)
+        if dataclasses.is_dataclass(upstream):
+            assert dataclasses.asdict(mine) == dataclasses.asdict(upstream), f.name
+        else:
+            assert mine == upstream, f.name
+    assert SkyRLGymConfig().max_env_workers == skyrl_config.SkyRLGymConfig().max_env_workers
+    assert [f.name for f in dataclasses.fields(SamplingParams)] == [
+        f.name for f in dataclasses.fields(skyrl_config.SamplingParams)
+    ]
+
+
+def test_every_field_documents_itself():
+    for cls in (GeneratorConfig, SamplingParams, ChatTemplateConfig, InferenceEngineConfig, SkyRLGymConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_new_knobs_default_when_absent_from_skyrl_config():
+    assert resolve_resilience(skyrl_config.GeneratorConfig()) == ResilienceSettings()
+    assert resolve_resilience({"skip_failed_rollouts": True}).skip_failed_rollouts is True
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "message"),
+    [
+        ("skip_failed_rollouts", "yes", r"`generator.skip_failed_rollouts` must be true or false, got 'yes'"),
+        ("rollout_timeout_s", 0, r"`generator.rollout_timeout_s` must be > 0 \(or null for no deadline\), got 0"),
+        ("rollout_timeout_s", "5", r"`generator.rollout_timeout_s` must be a number, got '5' \(str\)"),
+        ("max_rollout_retries", -1, r"`generator.max_rollout_retries` must be >= 0, got -1"),
+        ("max_rollout_retries", 1.5, r"`generator.max_rollout_retries` must be an integer, got 1.5"),
+        ("rollout_retry_backoff_s", -0.1, r"`generator.rollout_retry_backoff_s` must be >= 0"),
+        ("max_concurrent_rollouts", 0, r"`generator.max_concurrent_rollouts` must be >= 1, got 0"),
+        ("env_cleanup_timeout_s", float("nan"), r"`generator.env_cleanup_timeout_s` must be >= 0"),
+        ("max_failed_rollout_fraction", 1.5, r"must be within \[0, 1\], got 1.5"),
+        ("failed_rollout_policy", "drop", r"must be one of placeholder, mask_group, fill_group_mean; got 'drop'"),
+    ],
+)
+def test_bad_knob_values_are_refused_by_name(knob, value, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_resilience({knob: value})
+
+
+def build(tokenizer, gym=None, **cfg):
+    engine = ScriptedEngine(tokenizer, turn_replies("x"))
+    return StructuredGymGenerator(GeneratorConfig(**cfg), gym or SkyRLGymConfig(), engine, tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (
+            dict(batched=True, skip_failed_rollouts=True),
+            r"`generator.skip_failed_rollouts` does not work with `generator.batched=true`",
+        ),
+        (
+            dict(skip_failed_rollouts=True, inference_engine=InferenceEngineConfig(enable_return_routed_experts=True)),
+            r"a placeholder has no routed expert indices",
+        ),
+        (
+            dict(batched=True, chat_template_kwargs={"enable_thinking": False}),
+            r"`generator.chat_template_kwargs` is not compatible",
+        ),
+        (dict(step_wise_trajectories=True, batched=True), r"does not support `generator.batched=true`"),
+        (
+            dict(step_wise_trajectories=True, chat_template=ChatTemplateConfig(name_or_path="qwen3_with_thinking")),
+            r"does not support a custom chat template",
+        ),
+        (
+            dict(step_wise_trajectories=True, use_conversation_multi_turn=False),
+            r"requires `generator.use_conversation_multi_turn=true`",
+        ),
+        (
+            dict(
+                step_wise_trajectories=True, inference_engine=InferenceEngineConfig(enable_return_routed_experts=True)
+            ),
+            r"does not support `generator.inference_engine.enable_return_routed_experts=true`",
+        ),
+        (dict(failed_rollout_policy="mask_group"), r"only acts on failed rollouts.*skip_failed_rollouts=true"),
+        (dict(chat_template=ChatTemplateConfig(name_or_path="llama9")), r"'llama9' is not a built-in template"),
+        (
+            dict(chat_template=ChatTemplateConfig(source="url", name_or_path="x")),
+            r"must be 'name' or 'file', got 'url'",
+        ),
+    ],
+)
+def test_construction_refuses_conflicting_settings(tokenizer, cfg, message):
+    with pytest.raises(ValueError, match=message):
+        build(tokenizer, **cfg)
+
+
+def test_construction_refuses_negative_env_workers(tokenizer):
+    with pytest.raises(ValueError, match=r"`environment.skyrl_gym.max_env_workers` must be an integer >= 0"):
+        build(tokenizer, gym=SkyRLGymConfig(max_env_workers=-1))
+
+
+def test_template_file_errors_name_the_field(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"name_or_path`: template file .* does not exist"):
+        build(tokenizer, chat_template=ChatTemplateConfig(source="file", name_or_path=str(tmp_path / "nope.jinja")))
+    with pytest.raises(ValueError, match=r"is not a regular file"):
+        build(tokenizer, chat_template=ChatTemplateConfig(source="file", name_or_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"climbs out of the working directory"):
+        build(tokenizer, chat_template=ChatTemplateConfig(source="file", name_or_path="../x.jinja"))
+
+
+def test_tokenizer_without_eos_is_refused(tokenizer):
+    from skyrl_structured.tiny import build_chatml_tokenizer
+
+    bare = build_chatml_tokenizer()
+    bare.eos_token = None
+    with pytest.raises(ValueError, match=r"the tokenizer has no eos_token_id"):
+        build(bare)
+
+
+@pytest.mark.anyio
+async def test_skyrl_config_objects_are_accepted_unchanged(tokenizer, anyio_backend, ledger):
+    cfg = skyrl_config.GeneratorConfig(max_turns=2, max_input_length=4096)
+    gym = skyrl_config.SkyRLGymConfig(max_env_workers=2)
+    engine = ScriptedEngine(tokenizer, turn_replies("a #### 7", "b #### 8"))
+    gen = StructuredGymGenerator(cfg, gym, engine, tokenizer)
+    assert gen.resilience == ResilienceSettings()
+    out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop", "stop"]
+    ledger.assert_all_closed_once()
+
+
+def test_eval_sampling_params_default_like_skyrl():
+    cfg = GeneratorConfig(sampling_params=SamplingParams(max_generate_length=77))
+    assert cfg.eval_sampling_params == SamplingParams(temperature=0.0, max_generate_length=77)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_env_limiter_is_per_event_loop(tokenizer, backend, ledger):
+    # One generator used from two successive event loops (e.g. two anyio.run calls) must work.
+    gen = build(tokenizer, max_turns=2, max_input_length=4096)
+    for _ in range(2):
+        out = anyio.run(lambda: gen.generate(make_batch(2, ledger), disable_tqdm=True), backend=backend)
+        assert len(out["response_ids"]) == 2

@@ -1,0 +1,175 @@
+"""Environments as async context managers: threads or inline, async envs as is, close exactly once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+from skyrl_structured import open_env
+from skyrl_structured.envs import CleanupStats, EnvCallRunner, is_async_env
+from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+
+from .helpers import make_batch, make_generator
+
+pytestmark = pytest.mark.anyio
+
+EVENTS: list[Any] = []
+
+
+class AsyncCtxEnv(BaseTextEnv):
+    """Already speaks the async protocol: used as is."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.fail = (extras or {}).get("fail")
+
+    async def __aenter__(self):
+        EVENTS.append("enter")
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        EVENTS.append(("exit", exc_type))
+
+    async def init(self, prompt):
+        return prompt, {}
+
+    async def step(self, action):
+        if self.fail:
+            raise RuntimeError("async step failed")
+        return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+
+
+class AwaitingEnv(BaseTextEnv):
+    """Async init/step but no async context manager: closed through its (async) close."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+
+    async def init(self, prompt):
+        return prompt, {}
+
+    async def step(self, action):
+        return {"observations": [], "reward": 0.5, "done": True, "metadata": {}}
+
+    async def close(self):
+        EVENTS.append("awaited close")
+
+
+for name, cls in (("tests_async_ctx_env", AsyncCtxEnv), ("tests_awaiting_env", AwaitingEnv)):
+    if name not in skyrl_gym.registry:
+        skyrl_gym.register(id=name, entry_point=cls)
+
+
+async def test_sync_env_calls_run_in_worker_threads_or_inline(anyio_backend):
+    loop_thread = threading.get_ident()
+    seen: dict[str, int] = {}
+    for label, limiter in (("threads", anyio.CapacityLimiter(2)), ("inline", None)):
+        ledger = EnvLedger()
+        extras = {"ledger": ledger, "on_step": lambda turn, label=label: seen.__setitem__(label, threading.get_ident())}
+        stats = CleanupStats()
+        async with open_env(
+            SCRIPTED_ENV, env_config={}, extras=extras, runner=EnvCallRunner(limiter), cleanup_timeout=5, stats=stats
+        ) as env:
+            await env.init([{"role": "user", "content": "hi"}])
+            out = await env.step("action")
+            assert out["done"] is True
+        ledger.assert_all_closed_once()
+        assert (stats.envs_opened, stats.envs_closed) == (1, 1)
+    assert seen["threads"] != loop_thread
+    assert seen["inline"] == loop_thread
+
+
+async def test_env_closed_exactly_once_when_the_body_raises(anyio_backend):
+    ledger = EnvLedger()
+    with pytest.raises(ZeroDivisionError):
+        async with open_env(
+            SCRIPTED_ENV,
+            env_config={},
+            extras={"ledger": ledger},
+            runner=EnvCallRunner(anyio.CapacityLimiter(1)),
+            cleanup_timeout=5,
+            stats=CleanupStats(),
+        ):
+            1 / 0  # noqa: B018
+    ledger.assert_all_closed_once()
+
+
+async def test_async_env_is_used_as_is(tokenizer, anyio_backend):
+    from skyrl_structured.testing import ScriptedEngine
+
+    EVENTS.clear()
+    async with open_env(
+        "tests_async_ctx_env",
+        env_config={},
+        extras={},
+        runner=EnvCallRunner(None),
+        cleanup_timeout=5,
+        stats=CleanupStats(),
+    ) as env:
+        assert is_async_env(env)
+        assert isinstance(env, AsyncCtxEnv)
+    assert EVENTS == ["enter", ("exit", None)]
+
+    EVENTS.clear()
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, lambda call: "x"), skip_failed_rollouts=True)
+    batch = make_batch(2, EnvLedger(), extras={1: {"fail": True}})
+    batch["env_classes"] = ["tests_async_ctx_env"] * 2
+    out = await gen.generate(batch, disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop", "rollout_error"]
+    assert EVENTS.count("enter") == 2
+    assert sorted(str(e) for e in EVENTS if e != "enter") == sorted([str(("exit", None)), str(("exit", RuntimeError))])
+
+
+async def test_async_env_without_context_manager_is_closed_through_close(tokenizer, anyio_backend):
+    from skyrl_structured.testing import ScriptedEngine
+
+    EVENTS.clear()
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, lambda call: "x"))
+    batch = make_batch(2, EnvLedger())
+    batch["env_classes"] = ["tests_awaiting_env"] * 2
+    out = await gen.generate(batch, disable_tqdm=True)
+    assert out["rewards"][0][-1] == 0.5
+    assert EVENTS == ["awaited close", "awaited close"]
+
+
+async def test_a_call_still_queued_for_a_worker_never_starts_after_cancellation(tokenizer, anyio_backend):
+    # One worker thread: the first init to get it holds it; the other waits for it. Cancelling must not
+    # leave the waiting one stuck, and its init must never run after its env was closed.
+    ledger = EnvLedger()
+    holding = threading.Event()
+    release = threading.Event()
+    lock = threading.Lock()
+    inits: list[int] = []
+
+    def on_init() -> None:
+        with lock:
+            first = not holding.is_set()
+            holding.set()
+        if first:
+            release.wait(10)
+        else:
+            inits.append(1)
+
+    from .test_cancellation import HOOKED_ENV
+
+    batch = make_batch(2, ledger, extras={0: {"on_init": on_init}, 1: {"on_init": on_init}})
+    batch["env_classes"] = [HOOKED_ENV] * 2
+    gen = make_generator(tokenizer, workers=1, env_cleanup_timeout_s=10)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_soon() -> None:
+                await anyio.to_thread.run_sync(holding.wait, 10)
+                scope.cancel()
+                threading.Timer(0.1, release.set).start()
+
+            tg.start_soon(cancel_soon)
+            await gen.generate(batch, disable_tqdm=True)
+    assert scope.cancelled_caught
+    ledger.assert_all_closed_once()
+    assert inits == []

@@ -1,0 +1,63 @@
+"""The public surface: what `import skyrl_structured` offers, pinned so changes are deliberate."""
+
+from __future__ import annotations
+
+import skyrl_structured
+
+EXPECTED = {
+    "AsyncEnvironment",
+    "BatchMetadata",
+    "ChatTemplateConfig",
+    "ConversationType",
+    "FailedRollout",
+    "GeneratorConfig",
+    "GeneratorInput",
+    "GeneratorOutput",
+    "GeneratorOutputError",
+    "InferenceClient",
+    "InferenceEngineConfig",
+    "InferenceEngineInput",
+    "InferenceEngineOutput",
+    "PromptTooLongError",
+    "ROLLOUT_ERROR_STOP_REASON",
+    "ResilienceSettings",
+    "SamplingParams",
+    "SkyRLGymConfig",
+    "StepWiseOutput",
+    "StructuredGymGenerator",
+    "TrajectoryID",
+    "TrajectoryOutput",
+    "open_env",
+    "validate_generator_output",
+}
+
+
+def test_all_is_pinned_and_sorted():
+    assert set(skyrl_structured.__all__) == EXPECTED
+    assert list(skyrl_structured.__all__) == sorted(skyrl_structured.__all__, key=lambda n: (not n.isupper(), n))
+
+
+def test_every_exported_name_resolves():
+    for name in skyrl_structured.__all__:
+        assert getattr(skyrl_structured, name) is not None
+
+
+def test_public_classes_do_not_leak_private_module_paths_in_their_names():
+    for name in skyrl_structured.__all__:
+        obj = getattr(skyrl_structured, name)
+        module = getattr(obj, "__module__", "")
+        if module.startswith("skyrl_structured"):
+            assert not any(part.startswith("_") for part in module.split(".")), (name, module)
+
+
+def test_importing_the_package_does_not_import_heavy_or_patching_modules():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, skyrl_structured;"
+        "bad = [m for m in ('torch', 'trio_asyncio', 'vllm', 'httpx') if m in sys.modules];"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
