@@ -355,3 +355,29 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
     assert (bar.done, bar.failed) == (4, 2)
     assert bar._bar.postfix == "failed=2"
     assert bar._bar.desc == "Generating Trajectories"
+
+
+@pytest.mark.parametrize("policy", ["fill_group_mean", "mask_group"])
+async def test_group_policies_through_generate(tokenizer, anyio_backend, policy):
+    def script_with(reward):
+        return lambda: [{"observation": None, "reward": reward, "done": True}]
+
+    ledger = EnvLedger()
+    # Group q0: rewards 1.0, 0.0, failure; group q1: 1.0, 1.0, 1.0.
+    batch = make_batch(6, ledger, group_size=3)
+    for i, reward in enumerate([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]):
+        batch["env_extras"][i]["script"] = script_with(reward)()
+    gen = make_generator(
+        tokenizer, failing_engine(tokenizer, {"q0_2"}), skip_failed_rollouts=True, failed_rollout_policy=policy
+    )
+    out = await gen.generate(batch, disable_tqdm=True)
+    sums = [sum(r) for r in out["rewards"]]
+    if policy == "fill_group_mean":
+        assert sums == [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]
+        assert out["rewards"][2] == [0.5]
+        assert out["loss_masks"][2] == [0]
+        assert all(any(m) for i, m in enumerate(out["loss_masks"]) if i != 2)
+    else:
+        assert sums == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+        assert [any(m) for m in out["loss_masks"]] == [False, False, False, True, True, True]
+    ledger.assert_all_closed_once()
