@@ -36,6 +36,9 @@ class BatchedMixin:
     def _env_runner(self) -> EnvCallRunner:
         raise NotImplementedError
 
+    def _engine(self) -> Any:
+        raise NotImplementedError
+
     async def generate_batched(
         self,
         prompts: list[ConversationType],
@@ -77,7 +80,7 @@ class BatchedMixin:
             prompt_token_ids = [
                 list(ids) for ids in (rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)
             ]
-            engine_output = await self.inference_engine_client.generate(
+            engine_output = await self._engine().generate(
                 {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
                 model=self.policy_model_name,
             )

@@ -117,6 +117,7 @@ class _ThreadCall:
         self._lock = threading.Lock()
         self._state = "pending"
         self._waiter: anyio.Event | None = None
+        self._after: Callable[[], None] | None = None
 
     def start(self) -> bool:
         """In the worker thread: claim the call; False if cleanup already cancelled it."""
@@ -126,14 +127,35 @@ class _ThreadCall:
             self._state = "running"
             return True
 
-    def finish(self) -> None:
-        """In the worker thread, once the call has returned or raised."""
+    def finish(self) -> Callable[[], None] | None:
+        """In the worker thread, once the call has returned or raised; returns a deferred close, if any."""
         with self._lock:
             self._state = "finished"
             waiter = self._waiter
+            after = self._after
         if waiter is not None:
             with suppress(Exception):
                 anyio.from_thread.run_sync(waiter.set)
+        return after
+
+    def close_when_finished(self, close: Callable[[], None]) -> None:
+        """Cleanup gave up waiting for this call: close the environment as soon as the call returns.
+
+        The close then runs in the call's own worker thread, still never concurrently with it.
+        """
+        with self._lock:
+            if self._state == "running":
+                self._after = close
+                return
+
+        def run() -> None:
+            _enter_thread_call()
+            try:
+                close()
+            finally:
+                _leave_thread_call()
+
+        threading.Thread(target=run, name="skyrl-structured-late-close", daemon=True).start()
 
     async def settle(self) -> None:
         with self._lock:
@@ -160,11 +182,25 @@ class SyncEnvAdapter:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._in_flight is not None:
+        call = self._in_flight
+        if call is not None:
             # The rollout was cancelled while a worker thread was inside init/step: let that call
             # finish before closing, so close never runs concurrently with it.
-            await self._in_flight.settle()
+            try:
+                await call.settle()
+            except anyio.get_cancelled_exc_class():
+                # env_cleanup_timeout_s ran out first: close it once the stuck call returns instead.
+                call.close_when_finished(self._close_late)
+                raise
         await self._call(self.env.close)
+
+    def _close_late(self) -> None:
+        try:
+            self.env.close()
+        except Exception as exc:
+            logger.warning("closing an environment after its abandoned call returned failed: %r", exc)
+        else:
+            logger.warning("closed an environment after its abandoned call finally returned")
 
     async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
         result: tuple[ConversationType, dict[str, Any]] = await self._call(self.env.init, prompt)
@@ -188,8 +224,12 @@ class SyncEnvAdapter:
             try:
                 return fn(*args)
             finally:
-                _leave_thread_call()
-                call.finish()
+                try:
+                    deferred_close = call.finish()
+                    if deferred_close is not None:
+                        deferred_close()
+                finally:
+                    _leave_thread_call()
 
         self._in_flight = call
         result = await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._runner.limiter)

@@ -11,16 +11,32 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from .tokens import ChatTokenizer
 from .types import ConversationType, StepWiseOutput, TrajectoryOutput
 
-__all__ = ["EpisodeMixin", "PromptTooLongError"]
+__all__ = ["EpisodeMixin", "PromptTooLongError", "using_client"]
 
 logger = logging.getLogger(__name__)
+
+# (generator, the client its rollouts call) for the batch running in this context: the generator's
+# own client, or a bridge to it. Rollout tasks inherit it from generate().
+_BATCH_CLIENT: ContextVar[tuple[Any, Any] | None] = ContextVar("skyrl_structured_batch_client", default=None)
+
+
+@contextmanager
+def using_client(generator: Any, client: Any) -> Iterator[None]:
+    """Within the block, ``generator``'s rollouts call ``client`` instead of its own client."""
+    token = _BATCH_CLIENT.set((generator, client))
+    try:
+        yield
+    finally:
+        _BATCH_CLIENT.reset(token)
 
 
 class PromptTooLongError(ValueError):
@@ -82,6 +98,13 @@ class EpisodeMixin:
     def get_obs_ids_from_obs(self, new_obs: ConversationType, is_done: bool) -> list[int]:
         """Token ids an observation adds (chat-formatted in multi-turn mode, raw text otherwise)."""
         return self._chat.observation_ids(new_obs, done=is_done, multi_turn=self.use_conversation_multi_turn)
+
+    def _engine(self) -> Any:
+        """The client to call: the batch's (possibly bridged) client, else the generator's own."""
+        current = _BATCH_CLIENT.get()
+        if current is not None and current[0] is self:
+            return current[1]
+        return self.inference_engine_client
 
     def _retokenizes(self) -> bool:
         return bool(self.use_conversation_multi_turn and self.custom_chat_template)
@@ -164,7 +187,7 @@ class EpisodeMixin:
             }
             llm_started = time.monotonic()
             try:
-                engine_output = await self.inference_engine_client.generate(engine_input, model=self.policy_model_name)
+                engine_output = await self._engine().generate(engine_input, model=self.policy_model_name)
             finally:
                 # Recorded on every exit: a failed rollout's placeholder reports where its time went.
                 time_splits["llm"] += time.monotonic() - llm_started

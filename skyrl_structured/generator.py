@@ -20,8 +20,9 @@ from anyio.lowlevel import RunVar
 from .batched import BatchedMixin, env_config_for
 from .collect import substitute_placeholders
 from .config import ResilienceSettings, resolve_resilience
+from .engines.bridge import bridged_client
 from .envs import CleanupStats, EnvCallRunner, open_env, shielded_cleanup
-from .episode import EpisodeMixin
+from .episode import EpisodeMixin, using_client
 from .nursery import current_attempt, run_rollouts
 from .output import build_generator_output
 from .progress import Progress
@@ -133,7 +134,7 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
 
         await shielded_cleanup(
             f"finish_session({session_id!r})",
-            lambda: self.inference_engine_client.finish_session(session_id),
+            lambda: self._engine().finish_session(session_id),
             limit_s=self.resilience.env_cleanup_timeout_s,
             error=error,
             on_error=count_error,
@@ -220,10 +221,40 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
         max_input_length = cfg.max_input_length
         cache_salt = self._compute_cache_salt()
 
-        if self.batched:
-            return await self.generate_batched(
-                prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
-            )
+        # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
+        # trio-asyncio for the whole batch; anywhere else the client is used as is.
+        async with bridged_client(self.inference_engine_client) as client:
+            with using_client(self, client):
+                if self.batched:
+                    return await self.generate_batched(
+                        prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+                    )
+                return await self._generate_rollouts(
+                    prompts,
+                    env_classes,
+                    env_extras,
+                    trajectory_ids,
+                    sampling_params,
+                    max_tokens,
+                    max_input_length,
+                    cache_salt,
+                    disable_tqdm,
+                )
+
+    async def _generate_rollouts(
+        self,
+        prompts: list[ConversationType],
+        env_classes: list[str],
+        env_extras: list[dict[str, Any]],
+        trajectory_ids: list[Any] | None,
+        sampling_params: dict[str, Any] | None,
+        max_tokens: int,
+        max_input_length: int | None,
+        cache_salt: str | None,
+        disable_tqdm: bool,
+    ) -> GeneratorOutput:
+        cfg = self.generator_cfg
+        step_wise = bool(cfg.step_wise_trajectories)
 
         async def rollout(i: int) -> Any:
             return await self.agent_loop(
@@ -269,12 +300,3 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
         )
 
     # ------------------------------------------------------------------ batched single-turn
-
-
-def _split_lists(splits: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
-    """``{"llm": [...], "env": [...]}`` across rollouts, or None if any rollout lacks its split."""
-    if not splits or any(s is None for s in splits):
-        return None
-    first = splits[0]
-    assert first is not None
-    return {name: [s[name] for s in splits if s is not None] for name in first}

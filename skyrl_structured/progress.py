@@ -15,17 +15,21 @@ class Progress:
     def __init__(self, total: int, *, disable: bool, desc: str = "Generating Trajectories") -> None:
         self.failed = 0
         self.done = 0
-        self._bar = tqdm(total=total, desc=desc, miniters=max(1, total // 10), mininterval=5, disable=disable)
+        # A disabled bar is not created at all: tqdm would still start its monitor thread.
+        self._bar = None if disable else tqdm(total=total, desc=desc, miniters=max(1, total // 10), mininterval=5)
 
     def advance(self, *, failed: bool) -> None:
         self.done += 1
         if failed:
             self.failed += 1
-            self._bar.set_postfix(failed=self.failed, refresh=False)
-        self._bar.update(1)
+            if self._bar is not None:
+                self._bar.set_postfix(failed=self.failed, refresh=False)
+        if self._bar is not None:
+            self._bar.update(1)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
     def __enter__(self) -> Progress:
         return self

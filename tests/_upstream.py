@@ -27,3 +27,29 @@ def load_upstream_generator() -> Any:
     from skyrl.train.generators import skyrl_gym_generator
 
     return skyrl_gym_generator.SkyRLGymGenerator
+
+
+def load_upstream_validator() -> Any:
+    """SkyRL trainer's own ``validate_generator_output``, executed from the installed package's source.
+
+    Its module imports Ray, torchdata and the training workers, none of which the function uses, so the
+    two functions it needs are compiled on their own, against numpy and loguru.
+    """
+    import ast
+
+    import numpy as np
+    from loguru import logger
+
+    spec = importlib.util.find_spec("skyrl")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the parity tests need SkyRL: pip install --no-deps 'skyrl==0.3.0' loguru")
+    path = os.path.join(os.path.dirname(spec.origin), "train", "utils", "trainer_utils.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    wanted = {"validate_generator_output", "_validate_step_wise_fields"}
+    module = ast.Module(
+        body=[n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted], type_ignores=[]
+    )
+    namespace: dict[str, Any] = {"np": np, "logger": logger, "GeneratorOutput": dict, "List": list, "Dict": dict}
+    exec(compile(module, path, "exec"), namespace)
+    return namespace["validate_generator_output"]

@@ -295,3 +295,25 @@ async def test_trio_cancel_scope(tokenizer, anyio_backend):
     ledger.assert_all_closed_once()
     assert sorted(engine.finished_sessions) == ["q0_0", "q0_1", "q1_0"]
     assert trio.lowlevel.current_task().child_nurseries == []
+
+
+@pytest.mark.anyio
+async def test_env_whose_cleanup_was_abandoned_is_closed_when_its_stuck_step_returns(tokenizer, anyio_backend, caplog):
+    ledger = EnvLedger()
+    release = threading.Event()
+
+    def on_step(turn: int) -> None:
+        release.wait(10)
+
+    gen = make_generator(
+        tokenizer, workers=2, skip_failed_rollouts=True, rollout_timeout_s=0.1, env_cleanup_timeout_s=0.2
+    )
+    out = await gen.generate(make_batch(2, ledger, extras={1: {"on_step": on_step}}), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop", "rollout_error"]
+    assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 1
+    # The stuck env is still open: its step is running, and closing now would race it.
+    assert len(ledger.never_closed()) == 1
+    release.set()
+    await wait_thread_calls_drained()
+    ledger.assert_all_closed_once()
+    assert any("after its abandoned call finally returned" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,7 @@ import anyio
 
 from ..types import InferenceEngineInput, InferenceEngineOutput
 
-__all__ = ["EngineCall", "Reply", "ScriptedEngine"]
+__all__ = ["EngineCall", "Reply", "ScriptedEngine", "replies_by_turn"]
 
 
 @dataclass
@@ -49,6 +49,26 @@ class EngineCall:
 Handler = Callable[[EngineCall], "Reply | str | Awaitable[Reply | str]"]
 
 
+def replies_by_turn(*replies: Reply | str) -> Handler:
+    """A handler answering ``replies[k]`` to a session's (k+1)-th request; the last one repeats.
+
+    Counting per session keeps the answers the same however concurrent rollouts interleave.
+
+    Raises:
+        ValueError: no reply given.
+    """
+    if not replies:
+        raise ValueError("`replies` must hold at least one reply (text or Reply)")
+    turns: dict[Hashable | None, int] = {}
+
+    def handler(call: EngineCall) -> Reply | str:
+        turn = turns.get(call.session_id, 0)
+        turns[call.session_id] = turn + 1
+        return replies[min(turn, len(replies) - 1)]
+
+    return handler
+
+
 @dataclass
 class ScriptedEngine:
     """An inference client whose replies come from ``handler(call)``.
@@ -68,6 +88,11 @@ class ScriptedEngine:
     calls: list[EngineCall] = field(default_factory=list)
     finished_sessions: list[Hashable] = field(default_factory=list)
     started_sessions: set[Hashable] = field(default_factory=set)
+
+    @classmethod
+    def from_replies(cls, tokenizer: Any, *replies: Reply | str, **kwargs: Any) -> ScriptedEngine:
+        """An engine answering each session's k-th request with ``replies[k]`` (see :func:`replies_by_turn`)."""
+        return cls(tokenizer, replies_by_turn(*replies), **kwargs)
 
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         prompts = input_batch.get("prompt_token_ids") or []

@@ -53,7 +53,8 @@ class EnvLedger:
     overlaps: list[int] = field(default_factory=list)
     actions: dict[int, list[str]] = field(default_factory=dict)
 
-    def _add(self, env_id: int) -> None:
+    def add(self, env_id: int) -> None:
+        """Record a newly created environment."""
         with self._lock:
             self.created.append(env_id)
             self.closes[env_id] = 0
@@ -62,6 +63,7 @@ class EnvLedger:
             self.actions[env_id] = []
 
     def enter(self, env_id: int, what: str) -> None:
+        """Record the start of a call (``"init"``, ``"step"``, ``"close"``, ...) on ``env_id``."""
         with self._lock:
             if what == "close" and self.active_calls[env_id]:
                 self.overlaps.append(env_id)
@@ -72,6 +74,7 @@ class EnvLedger:
                 self.steps[env_id] += 1
 
     def leave(self, env_id: int) -> None:
+        """Record the end of the call started by the matching :meth:`enter`."""
         with self._lock:
             self.active_calls[env_id] -= 1
 
@@ -108,6 +111,12 @@ _ids = iter(range(1, 1 << 62))
 _ids_lock = threading.Lock()
 
 
+def next_env_key() -> int:
+    """A process-wide unique id for a ledger entry (thread-safe)."""
+    with _ids_lock:
+        return next(_ids)
+
+
 class ScriptedEnv(BaseTextEnv):  # type: ignore[misc]
     """A text environment that plays back ``extras["script"]`` (a list of :class:`Turn` or dicts).
 
@@ -126,11 +135,11 @@ class ScriptedEnv(BaseTextEnv):  # type: ignore[misc]
         self.fail: str | None = extras.get("fail")
         self.on_step: Callable[[int], None] | None = extras.get("on_step")
         self.max_turns = int(extras.get("max_turns", len(self.script)))
-        with _ids_lock:
-            self.env_id = next(_ids)
-        self.ledger._add(self.env_id)
+        self.env_id = next_env_key()
         if self.fail == "create":
+            # A constructor that raises leaves no environment behind: nothing to record, nothing to close.
             raise RuntimeError(f"scripted env {self.env_id}: failing in create")
+        self.ledger.add(self.env_id)
 
     def _maybe_fail(self, where: str) -> None:
         if self.fail == where or (where == "step" and self.fail == f"step:{self.turns}"):

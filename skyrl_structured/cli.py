@@ -1,0 +1,241 @@
+"""The ``skyrl-structured`` command (also ``python -m skyrl_structured``).
+
+``skyrl-structured rollout [--config FILE] [KEY=VALUE ...]`` runs one generation step through
+:class:`~skyrl_structured.StructuredGymGenerator` and reports it. With no arguments it runs offline
+on a CPU: the embedded arithmetic word problems, ``skyrl_gym``'s ``gsm8k`` environment and a tiny
+random model. Exit status: 0 done, 1 the step failed, 2 a configuration refused, 130/143 stopped
+by SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import random
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+
+from ._cli_config import ConfigError, check_config, load_config
+from ._cli_data import build_batch, load_dataset
+from ._cli_engine import EngineSetup, chaos_policy, wrap_env_classes
+from ._cli_help import keys_help
+from ._cli_report import format_summary, jsonable, summarize, write_outputs
+from ._cli_run import RunResult, run_step
+from ._cli_schema import RolloutConfig
+from .types import GeneratorInput
+
+__all__ = ["main"]
+
+PROG = "skyrl-structured"
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+_ROLLOUT_DESCRIPTION = """\
+Run one generation step -- every prompt of the dataset, n_samples_per_prompt rollouts each --
+through StructuredGymGenerator, print a summary and write generator_output.json,
+trajectories.jsonl and summary.json to run.output_dir.
+
+With no arguments it runs offline on a CPU: 12 embedded arithmetic word problems in SkyRL's
+gsm8k format, the gsm8k environment, and a tiny random model (rewards are 0: point engine.model
+at a real model, or engine.kind=http at vLLM servers, for real ones).
+
+Examples:
+  skyrl-structured rollout
+  skyrl-structured rollout chaos.failure_rate=0.3 generator.skip_failed_rollouts=true
+  skyrl-structured rollout engine.model=Qwen/Qwen2.5-0.5B-Instruct generator.sampling_params.max_generate_length=512
+  skyrl-structured rollout --config my_run.yaml run.backend=trio
+
+Exit status: 0 done, 1 the step failed, 2 configuration refused, 130 SIGINT, 143 SIGTERM."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=100)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="SkyRL's gym generator on structured concurrency: run and inspect a generation step.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    rollout = commands.add_parser(
+        "rollout",
+        help="run one generation step and report it",
+        description=_ROLLOUT_DESCRIPTION,
+        epilog="configuration keys (KEY=DEFAULT, then meaning):\n\n" + keys_help(),
+        formatter_class=_HelpFormatter,
+    )
+    rollout.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="configuration overrides (keys below)")
+    rollout.add_argument("--config", metavar="FILE", help="YAML file of settings, applied under the overrides")
+    rollout.add_argument(
+        "--print-config", action="store_true", help="print the resolved configuration as YAML and exit"
+    )
+    rollout.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    return parser
+
+
+def _error(message: str) -> None:
+    # One line: the message's own line breaks are folded so nothing reads like a traceback.
+    text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+
+
+def _status(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _TqdmLogHandler(logging.Handler):
+    """Log lines written above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _configure_logging(level: str) -> None:
+    handler = _TqdmLogHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _describe_failure(result: RunResult, skip_failed: bool) -> str:
+    error = result.error
+    assert error is not None
+    what = f"{type(error).__name__}: {error}"
+    if not result.started_generating:
+        return f"could not start the engine: {what}"
+    cause = error.__cause__
+    if isinstance(error, RuntimeError) and skip_failed and cause is not None:
+        # The failure budget's message counts failures by type; name the first one too.
+        return f"the step failed: {error} First error: {type(cause).__name__}: {cause}; --debug shows the traceback"
+    hint = "" if skip_failed else " (generator.skip_failed_rollouts=true contains failed rollouts)"
+    return f"a rollout failed and stopped the step: {what}{hint}; --debug shows the traceback"
+
+
+@dataclass
+class _Plan:
+    """A checked configuration and the batch it describes, ready to run."""
+
+    cfg: RolloutConfig
+    policy: Any
+    source: str
+    prompts: int
+    samples: int
+    batch: GeneratorInput
+    output_dir: Path
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """Everything checked before any work: configuration, chaos policy, dataset, env classes.
+
+    Raises:
+        ConfigError: the first problem found, naming the key, file or row.
+    """
+    cfg = load_config(args.overrides, args.config)
+    check_config(cfg)
+    policy = chaos_policy(cfg)
+    dataset = load_dataset(cfg.data.path, default_env_class=cfg.environment.env_class, max_prompts=cfg.data.max_prompts)
+    dataset.env_classes = wrap_env_classes(dataset.env_classes, policy, cfg.chaos.stage)
+    eval_phase = cfg.run.phase == "eval"
+    samples = cfg.generator.eval_n_samples_per_prompt if eval_phase else cfg.generator.n_samples_per_prompt
+    params = cfg.generator.eval_sampling_params if eval_phase else cfg.generator.sampling_params
+    assert params is not None  # GeneratorConfig fills eval_sampling_params at construction
+    batch = build_batch(dataset, n_samples=samples, params=params, phase=cfg.run.phase)
+    return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir))
+
+
+def _run(plan: _Plan, debug: bool) -> RunResult | int:
+    """Run the step; an exit status instead when it could not run at all."""
+    cfg = plan.cfg
+    if cfg.chaos.hang_rate > 0 and cfg.generator.rollout_timeout_s is None:
+        _status("note: chaos.hang_rate > 0 without generator.rollout_timeout_s: hung rollouts wait for Ctrl-C")
+    _status(
+        f"{PROG} rollout: {plan.prompts} prompts x {plan.samples} samples = {len(plan.batch['prompts'])} rollouts "
+        f"from {plan.source}; engine {cfg.engine.kind}; backend {cfg.run.backend}"
+    )
+
+    def engine_ready(setup: EngineSetup) -> None:
+        _status(f"engine ready: {setup.description}")
+
+    step = functools.partial(run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready)
+    try:
+        return anyio.run(step, backend=cfg.run.backend)
+    except KeyboardInterrupt:  # before the signal receiver was installed
+        _status("interrupted before the run started; nothing to clean up")
+        return 130
+    except Exception as exc:  # a bug in the command itself, not in a rollout
+        if debug:
+            traceback.print_exception(exc)
+        _error(f"internal error: {type(exc).__name__}: {exc}; --debug shows the traceback")
+        return EXIT_FAILED
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    try:
+        plan = _plan(args)
+    except ConfigError as exc:
+        _error(str(exc))
+        return EXIT_CONFIG
+    if args.print_config:
+        print(yaml.safe_dump(jsonable(plan.cfg), sort_keys=False), end="")
+        return 0
+    try:
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _error(f"`run.output_dir` {str(plan.output_dir)!r} cannot be created: {exc}")
+        return EXIT_CONFIG
+
+    _configure_logging(plan.cfg.run.log_level)
+    random.seed(plan.cfg.run.seed)  # retry backoff jitter
+    result = _run(plan, args.debug)
+    if isinstance(result, int):
+        return result
+    summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result)
+    try:
+        write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result)
+    except OSError as exc:
+        _error(f"could not write the output to {str(plan.output_dir)!r}: {exc}")
+        return EXIT_FAILED
+    if result.status == "failed":
+        if args.debug and result.error is not None:
+            traceback.print_exception(result.error)
+        if result.started_generating:
+            print(format_summary(summary, plan.output_dir), flush=True)
+        _error(_describe_failure(result, plan.cfg.generator.skip_failed_rollouts))
+        return EXIT_FAILED
+    print(format_summary(summary, plan.output_dir), flush=True)
+    if result.status == "interrupted":
+        assert result.signal is not None
+        return 128 + result.signal
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``skyrl-structured`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_CONFIG
+    handlers: dict[str, Any] = {"rollout": _rollout}
+    status: int = handlers[args.command](args)
+    return status

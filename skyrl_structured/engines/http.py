@@ -1,0 +1,238 @@
+"""``HTTPEngine``: one or more vLLM OpenAI-compatible servers (``vllm serve``) over HTTP.
+
+Token-in-token-out through ``POST /v1/completions`` (the wire format is in
+:mod:`skyrl_structured.engines.completions`). httpx runs on asyncio and on trio, so no bridge is
+needed. Each prompt is its own request; a session (a rollout's turns) sticks to one server for
+its prefix cache and is released by ``finish_session``. A server that cannot be reached (refused
+or dropped connection, connect timeout) is skipped in favour of the next one; a server that
+answers with an error status or an unusable body, or takes longer than ``timeout_s``, fails the
+request with an :class:`~skyrl_structured.engines.EngineError` naming it. A completion request
+has no side effects on the server, so retrying it elsewhere is safe.
+
+Cancelling the caller closes the request's connection; vLLM aborts a request whose client
+disconnected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from anyio.lowlevel import RunVar
+
+from ..types import InferenceEngineInput, InferenceEngineOutput
+from ._gather import gather_in_order
+from ._optional import import_optional
+from .completions import Completion, completion_request, error_message, parse_completion, session_header
+from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
+from .routing import StickyRouter
+from .sampling import SamplingSpec, default_spec, resolve_sampling
+
+__all__ = ["HTTPEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+def _normalise_url(url: str) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_urls must be http:// or https:// URLs, got {url!r}")
+    url = url.rstrip("/")
+    # Accept the OpenAI-client style ".../v1" too: the engine adds the path itself.
+    return url.removesuffix("/v1")
+
+
+class HTTPEngine:
+    """An inference client for vLLM servers.
+
+    Args:
+        base_urls: one server (``"http://host:8000"``) or several; a trailing ``/v1`` is accepted.
+        model: the served model name (``vllm serve ... --served-model-name``); a ``model`` passed
+            to :meth:`generate` (SkyRL passes its policy or LoRA adapter name) takes precedence.
+        tokenizer: the served model's tokenizer; only needed for requests that carry chat
+            ``prompts`` instead of ``prompt_token_ids``, and exposed as ``engine.tokenizer``.
+        timeout_s: how long to wait for a server's answer (per read; a non-streaming completion
+            sends nothing until it is done, so this bounds the generation time).
+        connect_timeout_s: how long to wait for a connection before failing over.
+        default_sampling_params: used when a request's ``sampling_params`` is None (see
+            :mod:`skyrl_structured.engines.sampling`).
+        max_connections: open connections across all servers; more requests wait for a free one.
+        api_key: sent as ``Authorization: Bearer`` (``vllm serve --api-key``).
+        headers: extra HTTP headers on every request.
+        failover_cooldown_s: how long an unreachable server is tried last.
+
+    Raises:
+        ImportError: httpx is not installed (``pip install 'skyrl-structured[http]'``).
+        ValueError: no URL, a URL that is not http(s), or bad default sampling params.
+    """
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        model: str,
+        *,
+        tokenizer: Any = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        default_sampling_params: Mapping[str, Any] | None = None,
+        max_connections: int = 256,
+        api_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        failover_cooldown_s: float = 30.0,
+    ) -> None:
+        self._httpx = import_optional("httpx", "http", needed_by="HTTPEngine")
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("base_urls is empty; give at least one vLLM server URL such as 'http://localhost:8000'")
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s and connect_timeout_s must be > 0, got timeout_s={timeout_s}, "
+                f"connect_timeout_s={connect_timeout_s}"
+            )
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.base_urls: tuple[str, ...] = tuple(_normalise_url(u) for u in urls)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.default_sampling: SamplingSpec = default_spec(default_sampling_params)
+        self.router = StickyRouter(self.base_urls, cooldown_s=failover_cooldown_s)
+        self._headers = dict(headers or {})
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        # httpx clients belong to the event loop that created them: one per loop.
+        self._client: RunVar[Any] = RunVar(f"skyrl_structured_http_client_{id(self)}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _get_client(self) -> Any:
+        client = self._client.get(None)
+        if client is None:
+            httpx = self._httpx
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s, pool=None),
+                limits=httpx.Limits(
+                    max_connections=self.max_connections, max_keepalive_connections=self.max_connections
+                ),
+                headers=self._headers,
+            )
+            self._client.set(client)
+        return client
+
+    async def __aenter__(self) -> HTTPEngine:
+        self._get_client()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close this event loop's connection pool (a later call opens a new one)."""
+        client = self._client.get(None)
+        if client is None:
+            return
+        self._client.set(None)
+        await client.aclose()
+
+    async def finish_session(self, session_id: Hashable) -> None:
+        """Release the session's server binding."""
+        self.router.release(session_id)
+
+    # ------------------------------------------------------------------ generation
+
+    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
+        ids = input_batch.get("prompt_token_ids")
+        if ids is not None:
+            return [list(p) for p in ids]
+        prompts = input_batch.get("prompts")
+        if prompts is None:
+            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
+        if self.tokenizer is None:
+            raise ValueError(
+                "input_batch has chat prompts but no prompt_token_ids; pass tokenizer= to HTTPEngine so it can "
+                "apply the chat template, or send token ids"
+            )
+        return [
+            list(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for p in prompts
+        ]
+
+    async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
+        """One completion per prompt, requested concurrently.
+
+        Raises:
+            EngineConnectionError: no server could be reached.
+            EngineTimeoutError: a server did not answer within ``timeout_s``.
+            EngineHTTPError: a server answered with a non-2xx status.
+            EngineResponseError: a server's answer lacks what the generator needs.
+            ValueError: bad sampling parameters (named).
+        """
+        spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
+        prompts = self._prompt_ids(input_batch)
+        session_ids = input_batch.get("session_ids") or [None] * len(prompts)
+        if len(session_ids) != len(prompts):
+            raise ValueError(f"input_batch has {len(prompts)} prompts but {len(session_ids)} session_ids")
+        served = model or self.model
+        cache_salt = input_batch.get("cache_salt")
+
+        def call(i: int) -> Any:
+            return lambda: self._complete(prompts[i], spec, session_ids[i], served, cache_salt)
+
+        results = await gather_in_order([call(i) for i in range(len(prompts))])
+        return {
+            "responses": [r.text for r in results],
+            "response_ids": [r.token_ids for r in results],
+            "stop_reasons": [r.stop_reason for r in results],
+            "response_logprobs": [r.logprobs or [] for r in results] if spec.logprobs is not None else None,
+        }
+
+    async def _complete(
+        self,
+        prompt_ids: list[int],
+        spec: SamplingSpec,
+        session_id: Hashable | None,
+        model: str,
+        cache_salt: str | None,
+    ) -> Completion:
+        httpx = self._httpx
+        client = self._get_client()
+        body = completion_request(prompt_ids, spec, model=model, cache_salt=cache_salt)
+        headers = session_header(session_id)
+        unreachable: dict[str, str] = {}
+        for url in self.router.candidates(session_id):
+            try:
+                response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+                httpx.WriteError,
+            ) as exc:
+                # Never reached the server, or it dropped the connection without answering.
+                unreachable[url] = f"{type(exc).__name__}: {exc}"
+                self.router.failed(url)
+                logger.warning("vLLM server %s unreachable (%s); trying the next one", url, unreachable[url])
+                continue
+            except httpx.TimeoutException as exc:
+                raise EngineTimeoutError(
+                    f"{url}/v1/completions did not answer within timeout_s={self.timeout_s:g}s "
+                    f"({type(exc).__name__}); raise HTTPEngine(timeout_s=...) for long generations",
+                    url=url,
+                ) from exc
+            except httpx.HTTPError as exc:  # anything else httpx raises (a bad URL, a proxy error, ...)
+                why = f"{type(exc).__name__}: {exc}"
+                raise EngineConnectionError(f"the request to {url} failed: {why}", failures={url: why}) from exc
+            self.router.succeeded(session_id, url)
+            if not 200 <= response.status_code < 300:
+                raise EngineHTTPError(url, response.status_code, error_message(response.content))
+            return parse_completion(response.content, url=url, want_logprobs=spec.logprobs is not None)
+        raise EngineConnectionError(
+            "no vLLM server could be reached: " + "; ".join(f"{u}: {why}" for u, why in unreachable.items()),
+            failures=unreachable,
+        )

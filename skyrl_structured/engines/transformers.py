@@ -1,0 +1,316 @@
+"""``TransformersEngine``: Hugging Face ``generate`` on CPU or GPU, behind SkyRL's inference-client interface.
+
+Token ids in, token ids out, like vLLM: generation stops on the tokenizer's EOS (or an EOS id the
+checkpoint's generation config names) and the response ids then end with it; the text is
+decoded with ``skip_special_tokens`` (default true); ``"stop"`` means EOS, a stop token or a stop
+string, ``"length"`` the token budget.
+
+``generate`` is blocking, so it runs in a worker thread; at most ``max_workers`` requests run
+at once (one per worker), the rest wait for a slot without blocking the event loop. When the
+caller is cancelled, a stopping criterion tells the running ``generate`` to stop at its next
+token, and the caller waits for that (one decoding step) before the cancellation propagates:
+no thread is left running behind a cancelled rollout.
+
+Logprobs are the chosen token's log-probability under the model's raw distribution (log-softmax
+of the logits before penalties, temperature and top-k/top-p), which is what vLLM returns by
+default (``--logprobs-mode raw_logprobs``) and what a trainer recomputes from the same weights.
+``logprobs_mode="processed"`` gives the distribution actually sampled from instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from anyio.lowlevel import RunVar
+
+from ..types import InferenceEngineInput, InferenceEngineOutput
+from ._gather import gather_in_order
+from ._optional import import_optional
+from .sampling import SamplingSpec, default_spec, resolve_sampling
+
+__all__ = ["TransformersEngine"]
+
+logger = logging.getLogger(__name__)
+
+_LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass
+class _Generated:
+    text: str
+    token_ids: list[int]
+    stop_reason: str
+    logprobs: list[float]
+
+
+def _truncate_at_stop(text: str, stops: Sequence[str], include: bool) -> tuple[str, bool]:
+    """Cut ``text`` at the earliest stop string (keeping it when ``include``); report whether one was found."""
+    best: tuple[int, int] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, len(stop))
+    if best is None:
+        return text, False
+    at, length = best
+    return text[: at + length] if include else text[:at], True
+
+
+class TransformersEngine:
+    """An inference client running a Hugging Face causal LM in worker threads.
+
+    Args:
+        model: a ``transformers`` causal LM (``generate``-capable), already loaded.
+        tokenizer: its tokenizer; EOS (and ``pad_token_id``) come from here.
+        device: move the model there (``"cpu"``, ``"cuda"``, ``"cuda:1"``); default: where it is.
+        default_sampling_params: used when a request's ``sampling_params`` is None (SkyRL's
+            trainer sends None in training), in SkyRL's or vLLM's keys; unset keys take SkyRL's
+            ``SamplingParams`` defaults. Build it from the generator's config, e.g.
+            ``dataclasses.asdict(cfg.sampling_params)``.
+        max_workers: requests generated at once, each in its own worker thread.
+        seed: seeds the per-request seeds drawn for requests that carry none, so a run is
+            reproducible; None draws them from the OS. A request's own ``seed`` always wins.
+        logprobs_mode: ``"raw"`` (vLLM's default) or ``"processed"``; see the module docstring.
+
+    Raises:
+        ImportError: torch is not installed (``pip install 'skyrl-structured[local]'``).
+        ValueError: ``max_workers < 1``, an unknown ``logprobs_mode``, or bad default sampling params.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str | None = None,
+        default_sampling_params: Mapping[str, Any] | None = None,
+        max_workers: int = 1,
+        seed: int | None = 0,
+        logprobs_mode: str = "raw",
+    ) -> None:
+        self._torch = import_optional("torch", "local", needed_by="TransformersEngine")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {logprobs_mode!r}")
+        if device is not None:
+            model = model.to(device)
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = self._torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_workers = max_workers
+        self.logprobs_mode = logprobs_mode
+        self.default_sampling = default_spec(default_sampling_params)
+        self._seeds: random.Random = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_transformers_{id(self)}")
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError("the tokenizer has no eos_token_id; TransformersEngine needs one to know when to stop")
+        # Like vLLM: the tokenizer's EOS, plus any EOS ids the checkpoint's generation config names.
+        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        extra_eos = model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos]
+        self._eos_ids: list[int] = [int(eos), *(int(e) for e in extra_eos if int(e) != int(eos))]
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad) if pad is not None else int(eos)
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        device: str | None = None,
+        dtype: Any = None,
+        default_sampling_params: Mapping[str, Any] | None = None,
+        seed: int | None = 0,
+        max_workers: int = 1,
+    ) -> TransformersEngine:
+        """Load a model and its tokenizer with ``transformers`` (from the Hub cache or a local path).
+
+        ``dtype`` is a ``torch.dtype`` or its name (``"bfloat16"``); default: the checkpoint's.
+        """
+        torch = import_optional("torch", "local", needed_by="TransformersEngine.from_pretrained")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype if dtype is not None else "auto")
+        return cls(
+            model,
+            tokenizer,
+            device=device,
+            default_sampling_params=default_sampling_params,
+            seed=seed,
+            max_workers=max_workers,
+        )
+
+    @classmethod
+    def tiny(cls, *, seed: int = 0, default_sampling_params: Mapping[str, Any] | None = None) -> TransformersEngine:
+        """A tiny random Llama with the offline ChatML tokenizer of :mod:`skyrl_structured.tiny` (no download).
+
+        Its text is noise, but every mechanism (ids, EOS, stop strings, logprobs, seeds) is real.
+        """
+        from ..tiny import build_chatml_tokenizer, build_tiny_model
+
+        tokenizer = build_chatml_tokenizer()
+        return cls(build_tiny_model(tokenizer, seed=seed), tokenizer, default_sampling_params=default_sampling_params)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> TransformersEngine:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Nothing to release: the model stays loaded (no request runs once its caller returned)."""
+
+    async def finish_session(self, session_id: Hashable) -> None:
+        """No per-session state is kept (there is no prefix cache); present for the client interface."""
+
+    # ------------------------------------------------------------------ generation
+
+    def _slot(self) -> anyio.CapacityLimiter:
+        try:
+            return self._limiter.get()
+        except LookupError:
+            limiter = anyio.CapacityLimiter(self.max_workers)
+            self._limiter.set(limiter)
+            return limiter
+
+    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
+        ids = input_batch.get("prompt_token_ids")
+        if ids is not None:
+            return [list(p) for p in ids]
+        prompts = input_batch.get("prompts")
+        if prompts is None:
+            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
+        return [
+            list(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for p in prompts
+        ]
+
+    async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
+        """Generate one completion per prompt (``model`` is ignored: one model is loaded).
+
+        Raises:
+            ValueError: bad sampling parameters, or ones this engine cannot honour (named).
+        """
+        spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
+        if spec.extra:
+            raise ValueError(
+                f"TransformersEngine does not support sampling_params {sorted(spec.extra)}; remove them or use "
+                "HTTPEngine/VLLMEngine, which pass extra vLLM parameters through"
+            )
+        prompts = self._prompt_ids(input_batch)
+        # Seeds are drawn here, in request order, so a seeded engine is reproducible.
+        seeds = [spec.seed if spec.seed is not None else self._seeds.getrandbits(63) for _ in prompts]
+
+        def call(i: int) -> Any:
+            return lambda: self._generate_one(prompts[i], spec, seeds[i])
+
+        results = await gather_in_order([call(i) for i in range(len(prompts))])
+        return {
+            "responses": [r.text for r in results],
+            "response_ids": [r.token_ids for r in results],
+            "stop_reasons": [r.stop_reason for r in results],
+            "response_logprobs": [r.logprobs for r in results] if spec.logprobs is not None else None,
+        }
+
+    async def _generate_one(self, prompt_ids: list[int], spec: SamplingSpec, seed: int) -> _Generated:
+        if not prompt_ids:
+            raise ValueError("a prompt has no tokens; TransformersEngine needs at least one prompt token")
+        cancel = threading.Event()
+
+        async def raise_flag_when_cancelled() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                cancel.set()
+
+        async with self._slot(), anyio.create_task_group() as group:
+            group.start_soon(raise_flag_when_cancelled)
+            try:
+                # Not abandonable: on cancellation the watcher raises the flag, generate stops at
+                # its next token, and only then does the cancellation continue.
+                result = await anyio.to_thread.run_sync(self._generate_blocking, prompt_ids, spec, seed, cancel)
+            finally:
+                group.cancel_scope.cancel()
+        return result
+
+    @staticmethod
+    def _neutral_generation_params(config_class: Any) -> dict[str, Any]:
+        """HF's global defaults, set explicitly.
+
+        transformers >= 5 fills every parameter left unset with the model's own
+        ``generation_config`` (a checkpoint's repetition penalty or top-k, say); the request's
+        sampling parameters must be the only ones that apply.
+        """
+        getter = getattr(config_class(), "_get_default_generation_params", None)
+        if getter is None:  # transformers 4.x: an explicit config is used as given
+            return {}
+        params = {k: v for k, v in dict(getter()).items() if v is not None}
+        params.pop("max_length", None)
+        return params
+
+    def _generate_blocking(
+        self, prompt_ids: list[int], spec: SamplingSpec, seed: int, cancel: threading.Event
+    ) -> _Generated:
+        torch = self._torch
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        from ._hf_sampling import CancelFlagCriteria, TokenPicker
+
+        stop_ids = self._eos_ids + [i for i in spec.stop_token_ids if i not in self._eos_ids]
+        picker = TokenPicker(
+            spec,
+            prompt_length=len(prompt_ids),
+            stop_token_ids=stop_ids,
+            seed=seed,
+            logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+        )
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            **{
+                **self._neutral_generation_params(GenerationConfig),
+                "max_new_tokens": spec.max_tokens,
+                "do_sample": False,  # TokenPicker samples; see _hf_sampling
+                "eos_token_id": stop_ids,
+                "pad_token_id": self._pad_id,
+                "stop_strings": list(spec.stop) or None,
+            }
+        )
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        extra: dict[str, Any] = {"tokenizer": self.tokenizer} if spec.stop else {}
+        with torch.inference_mode():
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([picker]),
+                stopping_criteria=StoppingCriteriaList([CancelFlagCriteria(cancel)]),
+                **extra,
+            )
+        token_ids: list[int] = sequences[0, len(prompt_ids) :].tolist()
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=spec.skip_special_tokens)
+        text, hit_stop_string = _truncate_at_stop(text, spec.stop, spec.include_stop_str_in_output)
+        stopped = hit_stop_string or (bool(token_ids) and token_ids[-1] in stop_ids)
+        return _Generated(
+            text=text,
+            token_ids=token_ids,
+            stop_reason="stop" if stopped else "length",
+            logprobs=picker.logprobs[: len(token_ids)],
+        )

@@ -1,0 +1,52 @@
+"""The SkyRL experiment running :class:`~skyrl_structured.StructuredGymGenerator` (needs ray).
+
+Imported on first use by :mod:`skyrl_structured.integrations.skyrl`; SkyRL's ``main_base`` imports
+ray and its trainer at module level, so this module does too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import ray
+    from skyrl.backends.skyrl_train.inference_servers.utils import resolve_policy_model_name
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+    from skyrl.train.utils import validate_cfg
+    from skyrl.train.utils.utils import initialize_ray
+except ImportError as exc:
+    raise ImportError(
+        f"running SkyRL's trainer needs SkyRL with its training dependencies, which could not be imported "
+        f"({exc}); install them with: pip install 'skyrl-structured[skyrl]' (see SkyRL's install guide for "
+        "the GPU stack)"
+    ) from exc
+
+from ..generator import StructuredGymGenerator
+
+__all__ = ["StructuredPPOExp", "run", "skyrl_entrypoint"]
+
+
+class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type information
+    """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator."""
+
+    def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> StructuredGymGenerator:
+        return StructuredGymGenerator(
+            generator_cfg=cfg.generator,
+            skyrl_gym_cfg=cfg.environment.skyrl_gym,
+            inference_engine_client=inference_engine_client,
+            tokenizer=tokenizer,
+            policy_model_name=resolve_policy_model_name(cfg),
+        )
+
+
+@ray.remote(num_cpus=1)  # type: ignore[misc,untyped-decorator]
+def skyrl_entrypoint(cfg: Any) -> None:
+    # As in SkyRL: the training loop runs in a Ray task, not on the head node.
+    StructuredPPOExp(cfg).run()
+
+
+def run(cfg: Any) -> None:
+    """Validate ``cfg`` the way SkyRL does, start Ray, and train."""
+    validate_cfg(cfg)
+    initialize_ray(cfg)
+    ray.get(skyrl_entrypoint.remote(cfg))

@@ -1,0 +1,320 @@
+"""``check_structured_concurrency``: put an environment class through every fault and cancellation.
+
+For each backend and each ``max_env_workers`` value it runs, each with a fresh generator
+(:class:`~skyrl_structured.StructuredGymGenerator`), a :class:`~skyrl_structured.testing.ScriptedEngine`
+and a fresh :class:`~skyrl_structured.testing.LeakTracker`:
+
+- a **baseline** batch with nothing injected: it must succeed with no placeholder;
+- the **fault matrix**: an exception injected into one rollout at ``create``, ``init``, engine
+  ``generate``, ``step``, ``close`` and ``finish_session``, with ``skip_failed_rollouts`` on and
+  off. A failing create/init/generate/step gives a well-formed placeholder in that rollout's row
+  (flag on) or re-raises *that very exception* (flag off, never an exception group); a failing close
+  or finish_session fails nothing and is counted;
+- the **cancellation matrix**: ``generate()`` cancelled while one rollout is inside each of those
+  stages (a synchronous ``step`` is held in its worker thread meanwhile): the cancellation must
+  reach the caller, never a batch or an error.
+
+After every case: each environment created was closed exactly once and never during one of its own
+calls, each inference session was finished, and no task, worker-thread call or thread was left
+behind. Each case runs in its own thread and event loop; one that does not finish in time (a
+cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import skyrl_gym
+
+from ..config import GeneratorConfig
+from ..generator import StructuredGymGenerator
+from ._matrix import CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap, run_case
+from .engines import Reply
+
+__all__ = [
+    "CANCEL_STAGES",
+    "DEFAULT_ENV_EXTRAS",
+    "DEFAULT_PROMPTS",
+    "DEFAULT_REPLIES",
+    "FAULT_STAGES",
+    "CaseResult",
+    "ConcurrencyReport",
+    "check_structured_concurrency",
+]
+
+#: Four short arithmetic questions (one rollout each).
+DEFAULT_PROMPTS: tuple[list[dict[str, str]], ...] = tuple(
+    [{"role": "user", "content": question}]
+    for question in (
+        "Tom has 3 apples and buys 5 more. How many apples does Tom have now?",
+        "A train travels 60 miles in 2 hours. What is its speed in miles per hour?",
+        "Sara reads 12 pages a day for 7 days. How many pages does she read?",
+        "There are 24 students and 4 teams. How many students are on each team?",
+    )
+)
+#: Extras in the ``gsm8k`` envs' format (ignored by environments that do not read them).
+DEFAULT_ENV_EXTRAS: Mapping[str, Any] = {"reward_spec": {"method": "rule", "ground_truth": "8"}, "extra_info": {}}
+#: What the scripted engine answers to each session's first, second, ... request.
+DEFAULT_REPLIES: tuple[str, ...] = ("Let me think step by step. #### 7", "Let me check again. #### 8")
+
+
+@dataclass
+class CaseResult:
+    """One case: what ran, and every problem found (none: it passed)."""
+
+    name: str
+    backend: str
+    kind: str
+    stage: str | None
+    skip_failed_rollouts: bool
+    max_env_workers: int
+    problems: list[str]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class ConcurrencyReport:
+    """Every case :func:`check_structured_concurrency` ran, with its problems."""
+
+    env_class: str
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line for the whole run, then each failing case with its problems."""
+        lines = [
+            f"check_structured_concurrency({self.env_class!r}): {len(self.cases)} cases, {len(self.failures)} failed"
+        ]
+        for case in self.failures:
+            lines.append(f"- [{case.backend}] {case.name}:")
+            lines.extend(f"    {problem}" for problem in case.problems)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+_tokenizer_lock = threading.Lock()
+_default_tokenizer: Any = None
+
+
+def _tiny_tokenizer() -> Any:
+    global _default_tokenizer
+    with _tokenizer_lock:
+        if _default_tokenizer is None:
+            from ..tiny import build_chatml_tokenizer
+
+            _default_tokenizer = build_chatml_tokenizer()
+        return _default_tokenizer
+
+
+def _cases(stages: Sequence[str], matrices: Sequence[str], workers: Sequence[int]) -> list[Case]:
+    cases = []
+    for count in workers:
+        cases.append(Case("baseline", None, False, count))
+        if "fault" in matrices:
+            cases.extend(Case("fault", s, skip, count) for s in FAULT_STAGES if s in stages for skip in (True, False))
+        if "cancel" in matrices:
+            cases.extend(Case("cancel", s, True, count) for s in CANCEL_STAGES if s in stages)
+    return cases
+
+
+def _run_isolated(backend: str, case: Case, setup: Setup) -> CaseResult:
+    trap = Trap(
+        case,
+        target_tag=setup.target,
+        target_session=setup.session_of(setup.target),
+        hold_s=setup.case_timeout_s,
+    )
+    found: list[list[str]] = []
+
+    def main() -> None:
+        try:
+            found.append(anyio.run(run_case, case, setup, trap, backend=backend))
+        except BaseException as exc:  # report anything, even an escaped cancellation, as a problem
+            found.append([f"the case crashed: {type(exc).__name__}: {exc}"])
+
+    started = time.monotonic()
+    thread = threading.Thread(target=main, name=f"skyrl_structured check: {case.name}", daemon=True)
+    thread.start()
+    thread.join(setup.hung_after_s)
+    if thread.is_alive():
+        trap.release.set()
+        problems = [
+            f"hung: still running after {setup.hung_after_s:g}s and abandoned (a cancellation swallowed in "
+            "a loop, or a call that never returns?)"
+        ]
+    else:
+        problems = found[0]
+    return CaseResult(
+        name=case.name,
+        backend=backend,
+        kind=case.kind,
+        stage=case.stage,
+        skip_failed_rollouts=case.skip_failed_rollouts,
+        max_env_workers=case.max_env_workers,
+        problems=problems,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _check_arguments(
+    env_class: str,
+    prompts: Sequence[Any],
+    extras: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    backends: Sequence[str],
+    stages: Sequence[str],
+    matrices: Sequence[str],
+    max_env_workers: Sequence[int],
+    replies: Sequence[Reply | str],
+    case_timeout_s: float,
+    leak_grace_s: float,
+) -> list[Mapping[str, Any]]:
+    if not isinstance(env_class, str) or env_class not in skyrl_gym.registry:
+        raise ValueError(
+            f"`env_class` {env_class!r} is not a registered skyrl_gym environment; register it first with "
+            "skyrl_gym.register(id=..., entry_point=YourEnvClass)"
+        )
+    if not prompts:
+        raise ValueError("`prompts` must hold at least one conversation (a list of chat messages)")
+    if isinstance(extras, Mapping):
+        per_rollout = [extras] * len(prompts)
+    else:
+        per_rollout = list(extras)
+        if len(per_rollout) != len(prompts):
+            raise ValueError(
+                f"`env_extras` has {len(per_rollout)} entries for {len(prompts)} prompts; give one dict per "
+                "prompt, or a single dict for all"
+            )
+    unknown = [b for b in backends if b not in ("asyncio", "trio")]
+    if unknown or not backends:
+        raise ValueError(f"`backends` must be a non-empty subset of ('asyncio', 'trio'), got {tuple(backends)!r}")
+    if "trio" in backends:
+        try:
+            import trio  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "the trio backend needs trio: pip install 'skyrl-structured[trio]', or pass backends=('asyncio',)"
+            ) from exc
+    bad_stages = [s for s in stages if s not in FAULT_STAGES]
+    if bad_stages:
+        raise ValueError(f"`stages` must be drawn from {', '.join(FAULT_STAGES)}; got {bad_stages!r}")
+    bad_matrices = [m for m in matrices if m not in ("fault", "cancel")]
+    if bad_matrices:
+        raise ValueError(f"`matrices` must be drawn from ('fault', 'cancel'); got {bad_matrices!r}")
+    if not max_env_workers or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in max_env_workers):
+        raise ValueError(f"`max_env_workers` must be a non-empty sequence of integers >= 0, got {max_env_workers!r}")
+    if not replies:
+        raise ValueError("`engine_replies` must hold at least one reply")
+    if not case_timeout_s > 0:
+        raise ValueError(f"`case_timeout_s` must be > 0, got {case_timeout_s!r}")
+    if not leak_grace_s >= 0:
+        raise ValueError(f"`leak_grace_s` must be >= 0, got {leak_grace_s!r}")
+    return per_rollout
+
+
+def check_structured_concurrency(
+    env_class: str,
+    *,
+    env_extras: Mapping[str, Any] | Sequence[Mapping[str, Any]] = DEFAULT_ENV_EXTRAS,
+    prompts: Sequence[Any] = DEFAULT_PROMPTS,
+    tokenizer: Any = None,
+    engine_replies: Sequence[Reply | str] = DEFAULT_REPLIES,
+    backends: Sequence[str] = ("asyncio", "trio"),
+    max_env_workers: Sequence[int] = (4, 0),
+    stages: Sequence[str] = FAULT_STAGES,
+    matrices: Sequence[str] = ("fault", "cancel"),
+    max_turns: int = 2,
+    env_config: Any = None,
+    generator_overrides: Mapping[str, Any] | None = None,
+    generator_class: type[StructuredGymGenerator] = StructuredGymGenerator,
+    case_timeout_s: float = 20.0,
+    leak_grace_s: float = 1.0,
+    raise_on_failure: bool = True,
+) -> ConcurrencyReport:
+    """Run ``env_class`` through the fault and cancellation matrices; see the module docstring.
+
+    Call it from a synchronous test: it runs its own event loops (one per case, in a thread).
+
+    Args:
+        env_class: a registered ``skyrl_gym`` environment id.
+        env_extras: the env extras of every rollout (one dict), or one dict per prompt. Copied
+            shallowly per rollout.
+        prompts: one rollout per conversation; the second rollout is the one faults target.
+        tokenizer: a Hugging Face tokenizer with a chat template; default: the offline tiny ChatML one.
+        engine_replies: the scripted engine's answer to each session's 1st, 2nd, ... request.
+        backends: event loops to run every case on.
+        max_env_workers: worker-thread counts to run every case with (0: env calls inline).
+        stages: restrict both matrices to these stages.
+        matrices: ``"fault"``, ``"cancel"`` or both (the baseline always runs).
+        max_turns: ``generator.max_turns``.
+        env_config: the environment's config (as SkyRL's ``environment.skyrl_gym.<env>`` holds it).
+        generator_overrides: other ``GeneratorConfig`` fields, e.g. ``{"use_conversation_multi_turn": False}``.
+            The check sets ``skip_failed_rollouts``, retries, timeouts and cleanup bounds itself.
+        generator_class: a ``StructuredGymGenerator`` subclass to check instead (your hooks run).
+        case_timeout_s: the most one case may take (its cleanups are bounded by a quarter of it);
+            a case still running well past it (``1.5 * case_timeout_s + leak_grace_s + 2``) is hung.
+        leak_grace_s: how long a case waits for worker threads to go idle before calling them leaks.
+        raise_on_failure: raise one AssertionError summarising every failing case.
+
+    Returns:
+        The report (also when every case passed).
+
+    Raises:
+        AssertionError: some case failed and ``raise_on_failure`` is true; the message is the report.
+        ValueError: an argument is malformed (the message names it).
+        ImportError: ``"trio"`` requested but trio is not installed.
+    """
+    per_rollout = _check_arguments(
+        env_class,
+        prompts,
+        env_extras,
+        backends,
+        stages,
+        matrices,
+        max_env_workers,
+        engine_replies,
+        case_timeout_s,
+        leak_grace_s,
+    )
+    overrides = {**(generator_overrides or {}), "max_turns": max_turns}
+    try:
+        GeneratorConfig(**overrides)
+    except TypeError as exc:
+        raise ValueError(f"`generator_overrides` names a field GeneratorConfig does not have: {exc}") from exc
+    setup = Setup(
+        env_class=env_class,
+        prompts=list(prompts),
+        extras=per_rollout,
+        tokenizer=tokenizer if tokenizer is not None else _tiny_tokenizer(),
+        replies=list(engine_replies),
+        generator_class=generator_class,
+        generator_overrides=overrides,
+        env_config=env_config,
+        case_timeout_s=case_timeout_s,
+        leak_grace_s=leak_grace_s,
+        target=1 if len(prompts) > 1 else 0,
+    )
+    report = ConcurrencyReport(env_class)
+    for backend in backends:
+        for case in _cases(stages, matrices, max_env_workers):
+            report.cases.append(_run_isolated(backend, case, setup))
+    if raise_on_failure and not report.ok:
+        raise AssertionError(report.summary())
+    return report

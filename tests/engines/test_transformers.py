@@ -1,0 +1,296 @@
+"""TransformersEngine against an independent reference: the model's own logits, step by step."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import pytest
+import torch
+
+from skyrl_structured.engines import TransformersEngine
+
+pytestmark = pytest.mark.anyio
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
+    """log-softmax of the model's logits (over ``temperature``) at each response position, in one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    out = []
+    for i, token in enumerate(response):
+        row = torch.log_softmax(logits[len(prompt) - 1 + i] / temperature, dim=-1)
+        out.append(float(row[token]))
+    return out
+
+
+def reference_greedy(model, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+        if token == eos:
+            break
+    return out
+
+
+async def generate(engine, prompt, params):
+    out = await engine.generate({"prompt_token_ids": [prompt], "sampling_params": params})
+    logprobs = out["response_logprobs"]
+    return (
+        out["response_ids"][0],
+        out["responses"][0],
+        out["stop_reasons"][0],
+        logprobs[0] if logprobs is not None else None,
+    )
+
+
+async def test_greedy_is_the_models_argmax_with_raw_logprobs(anyio_backend, tiny_engine, tiny_model, prompt_ids):
+    ids, text, reason, logprobs = await generate(
+        tiny_engine, prompt_ids, {"temperature": 0.0, "max_tokens": 12, "min_tokens": 0, "logprobs": 1}
+    )
+    assert ids == reference_greedy(tiny_model, prompt_ids, 12, tiny_engine.tokenizer.eos_token_id)
+    assert reason == ("stop" if ids[-1] == tiny_engine.tokenizer.eos_token_id else "length")
+    assert text == tiny_engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert logprobs == pytest.approx(reference_logprobs(tiny_model, prompt_ids, ids), abs=1e-4)
+
+
+async def test_sampled_logprobs_are_raw_by_default_and_processed_on_request(
+    anyio_backend, tiny_model, tokenizer, prompt_ids
+):
+    params = {"temperature": 0.5, "max_tokens": 8, "logprobs": 0, "seed": 11, "min_tokens": 0}
+    raw = TransformersEngine(tiny_model, tokenizer)
+    processed = TransformersEngine(tiny_model, tokenizer, logprobs_mode="processed")
+    ids, _, _, raw_lp = await generate(raw, prompt_ids, params)
+    ids_p, _, _, processed_lp = await generate(processed, prompt_ids, params)
+    assert ids_p == ids  # same seed, same draws
+    assert raw_lp == pytest.approx(reference_logprobs(tiny_model, prompt_ids, ids), abs=1e-4)
+    assert processed_lp == pytest.approx(reference_logprobs(tiny_model, prompt_ids, ids, temperature=0.5), abs=1e-4)
+    assert raw_lp != pytest.approx(processed_lp, abs=1e-3)
+
+
+async def test_length_stop_returns_exactly_max_tokens(anyio_backend, tiny_engine, prompt_ids):
+    ids, _, reason, logprobs = await generate(tiny_engine, prompt_ids, {"max_tokens": 5, "logprobs": 1, "seed": 1})
+    assert (len(ids), reason, len(logprobs)) == (5, "length", 5)
+
+
+async def test_eos_ends_the_response_with_stop_and_is_kept_in_the_ids_not_the_text(
+    anyio_backend, tiny_engine, prompt_ids
+):
+    eos = tiny_engine.tokenizer.eos_token_id
+    # The random model emits EOS now and then when sampling; find a seed where it does early.
+    for seed in range(50):
+        ids, text, reason, logprobs = await generate(
+            tiny_engine, prompt_ids, {"max_tokens": 600, "logprobs": 1, "seed": seed}
+        )
+        if reason == "stop":
+            break
+    else:
+        pytest.fail("no sampled response reached EOS within 600 tokens in 50 seeds")
+    assert ids[-1] == eos
+    assert eos not in ids[:-1]
+    assert len(logprobs) == len(ids) < 600
+    assert text == tiny_engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert "<|im_end|>" not in text
+
+
+async def test_min_tokens_keeps_eos_out_of_the_first_tokens(anyio_backend, tiny_engine, prompt_ids):
+    eos = tiny_engine.tokenizer.eos_token_id
+    for seed in range(50):
+        ids, *_ = await generate(tiny_engine, prompt_ids, {"max_tokens": 600, "seed": seed, "min_tokens": 0})
+        if eos in ids:
+            position = ids.index(eos)
+            break
+    else:
+        pytest.fail("no sampled response reached EOS within 600 tokens in 50 seeds")
+    ids, *_ = await generate(tiny_engine, prompt_ids, {"max_tokens": 600, "seed": seed, "min_tokens": position + 1})
+    assert eos not in ids[: position + 1]
+
+
+async def test_stop_strings_cut_the_text_and_the_ids(anyio_backend, tiny_engine, prompt_ids):
+    base = {"temperature": 1.0, "max_tokens": 40, "seed": 21, "logprobs": 1}
+    full_ids, full_text, _, _ = await generate(tiny_engine, prompt_ids, base)
+    # A stop string the unconstrained run produces after its first few tokens.
+    start = len(tiny_engine.tokenizer.decode(full_ids[:4]))
+    stop = next(full_text[i : i + 2] for i in range(start, len(full_text) - 1) if full_text[i : i + 2].isprintable())
+    cut = full_text.index(stop)
+
+    ids, text, reason, logprobs = await generate(tiny_engine, prompt_ids, {**base, "stop": [stop]})
+    assert reason == "stop"
+    assert text == full_text[: cut + len(stop)]
+    assert ids == full_ids[: len(ids)]  # same draws, cut where the stop string completed
+    assert stop in tiny_engine.tokenizer.decode(ids)
+    assert stop not in tiny_engine.tokenizer.decode(ids[:-1])
+    assert len(logprobs) == len(ids)
+
+    _, text, _, _ = await generate(
+        tiny_engine, prompt_ids, {**base, "stop": [stop], "include_stop_str_in_output": False}
+    )
+    assert text == full_text[:cut]
+
+
+async def test_stop_token_ids_stop_generation(anyio_backend, tiny_engine, prompt_ids):
+    full_ids, *_ = await generate(tiny_engine, prompt_ids, {"max_tokens": 20, "seed": 4})
+    stopper = full_ids[5]
+    ids, _, reason, _ = await generate(
+        tiny_engine, prompt_ids, {"max_tokens": 20, "seed": 4, "stop_token_ids": [stopper]}
+    )
+    assert reason == "stop"
+    assert ids == full_ids[: full_ids.index(stopper) + 1]
+
+
+async def test_seeds(anyio_backend, tiny_model, tokenizer, prompt_ids):
+    engine = TransformersEngine(tiny_model, tokenizer, seed=0)
+    a, *_ = await generate(engine, prompt_ids, {"max_tokens": 10, "seed": 123})
+    b, *_ = await generate(engine, prompt_ids, {"max_tokens": 10, "seed": 123})
+    c, *_ = await generate(engine, prompt_ids, {"max_tokens": 10, "seed": 124})
+    assert a == b != c
+    # Without a request seed, each request draws its own from the engine's seed: varied, reproducible.
+    batch = {"prompt_token_ids": [prompt_ids] * 3, "sampling_params": {"max_tokens": 10}}
+    first = (await engine.generate(batch))["response_ids"]
+    again = (await TransformersEngine(tiny_model, tokenizer, seed=0).generate(batch))["response_ids"]
+    assert len({tuple(r) for r in first}) == 3
+    assert again == first
+
+
+async def test_the_models_generation_config_does_not_leak_into_requests(
+    anyio_backend, tiny_model, tokenizer, prompt_ids
+):
+    params = {"temperature": 0.0, "max_tokens": 12}
+    expected, *_ = await generate(TransformersEngine(tiny_model, tokenizer), prompt_ids, params)
+    saved = tiny_model.generation_config
+    try:
+        tiny_model.generation_config = type(saved)(repetition_penalty=3.0, do_sample=True, top_k=2)
+        got, *_ = await generate(TransformersEngine(tiny_model, tokenizer), prompt_ids, params)
+    finally:
+        tiny_model.generation_config = saved
+    assert got == expected
+
+
+async def test_defaults_apply_when_the_request_has_no_sampling_params(anyio_backend, tiny_model, tokenizer, prompt_ids):
+    engine = TransformersEngine(
+        tiny_model, tokenizer, default_sampling_params={"max_generate_length": 3, "temperature": 0.0, "logprobs": None}
+    )
+    out = await engine.generate({"prompt_token_ids": [prompt_ids], "sampling_params": None})
+    assert len(out["response_ids"][0]) == 3
+    assert out["response_logprobs"] is None
+
+
+async def test_chat_prompts_are_templated(anyio_backend, tiny_engine, prompt_ids):
+    params = {"temperature": 0.0, "max_tokens": 6}
+    from_ids = await tiny_engine.generate({"prompt_token_ids": [prompt_ids], "sampling_params": params})
+    messages = [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many?"}]
+    from_chat = await tiny_engine.generate({"prompts": [messages], "sampling_params": params})
+    assert from_chat["response_ids"] == from_ids["response_ids"]
+
+
+async def test_unsupported_sampling_params_are_refused_by_name(anyio_backend, tiny_engine, prompt_ids):
+    with pytest.raises(ValueError, match=r"does not support sampling_params \['presence_penalty'\]"):
+        await tiny_engine.generate({"prompt_token_ids": [prompt_ids], "sampling_params": {"presence_penalty": 1.0}})
+
+
+class GenerateProbe:
+    """Wraps ``model.generate`` to see, from the worker threads, how calls overlap and end."""
+
+    def __init__(self, model, *, hold: threading.Event | None = None, barrier: threading.Barrier | None = None):
+        self.model = model
+        self.inner = model.generate
+        self.hold = hold
+        self.barrier = barrier
+        self.lock = threading.Lock()
+        self.running = 0
+        self.max_running = 0
+        self.entered = threading.Event()
+        self.finished = 0
+        self.threads: set[int] = set()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            self.threads.add(threading.get_ident())
+        self.entered.set()
+        try:
+            if self.barrier is not None:
+                self.barrier.wait(timeout=30)
+            if self.hold is not None:
+                assert self.hold.wait(timeout=30)
+            return self.inner(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.finished += 1
+
+
+@pytest.fixture
+def probe_engine(tiny_model, tokenizer):
+    engines = []
+
+    def make(**probe_kwargs):
+        engine = TransformersEngine(tiny_model, tokenizer, max_workers=probe_kwargs.pop("max_workers", 1))
+        probe = GenerateProbe(tiny_model, **probe_kwargs)
+        engine.model = type("ProbedModel", (), {"generate": probe})()
+        engines.append(engine)
+        return engine, probe
+
+    return make
+
+
+async def test_one_request_at_a_time_per_worker(anyio_backend, probe_engine, prompt_ids):
+    engine, probe = probe_engine(max_workers=1)
+    batch = {"prompt_token_ids": [prompt_ids] * 4, "sampling_params": {"max_tokens": 4}}
+    out = await engine.generate(batch)
+    assert len(out["response_ids"]) == 4
+    assert probe.max_running == 1
+
+
+async def test_max_workers_run_side_by_side_in_threads(anyio_backend, probe_engine, prompt_ids):
+    # The barrier only opens if two generate calls are inside the model at once.
+    engine, probe = probe_engine(max_workers=2, barrier=threading.Barrier(2))
+    out = await engine.generate({"prompt_token_ids": [prompt_ids] * 2, "sampling_params": {"max_tokens": 4}})
+    assert len(out["response_ids"]) == 2
+    assert probe.max_running == 2
+    assert threading.get_ident() not in probe.threads
+
+
+async def test_generation_never_blocks_the_event_loop(anyio_backend, probe_engine, prompt_ids):
+    hold = threading.Event()
+    engine, probe = probe_engine(hold=hold)
+    ticks = 0
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.generate, {"prompt_token_ids": [prompt_ids], "sampling_params": {"max_tokens": 3}})
+            await anyio.to_thread.run_sync(probe.entered.wait)
+            for _ in range(5):  # the loop keeps running while generate is held inside the model
+                await anyio.lowlevel.checkpoint()
+                ticks += 1
+            hold.set()
+    assert ticks == 5
+    assert probe.finished == 1
+
+
+async def test_cancelling_a_long_generate_stops_its_thread_before_returning(anyio_backend, probe_engine, prompt_ids):
+    engine, probe = probe_engine()
+    # A million tokens would take hours on this model: only the cancel flag can end it.
+    params = {"max_tokens": 1_000_000, "min_tokens": 1_000_000}
+    with anyio.fail_after(60):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(engine.generate, {"prompt_token_ids": [prompt_ids], "sampling_params": params})
+                await anyio.to_thread.run_sync(probe.entered.wait)
+                scope.cancel()
+    assert scope.cancelled_caught
+    assert probe.finished == 1  # the worker thread had returned before the cancellation completed
+    assert probe.running == 0
+
+
+def test_constructor_checks(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="max_workers must be >= 1"):
+        TransformersEngine(tiny_model, tokenizer, max_workers=0)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        TransformersEngine(tiny_model, tokenizer, logprobs_mode="softmax")

@@ -1,0 +1,102 @@
+"""The wire format and the mapping against vLLM's own classes; runs only where vLLM is importable.
+
+vLLM is not installed in CI. With it (``pip install 'skyrl-structured[vllm]'`` on a GPU machine,
+or vLLM's wheel unpacked on ``PYTHONPATH``) these check that what ``HTTPEngine`` sends validates
+as vLLM's ``CompletionRequest``, that vLLM's ``CompletionResponse``/``ErrorResponse`` JSON parses,
+that the test server answers in vLLM's schema, and that ``VLLMEngine`` builds vLLM's real
+``SamplingParams`` and reads its real ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol", reason="vLLM is not installed")
+
+from vllm.logprobs import FlatLogprobs, Logprob  # noqa: E402
+from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+
+from skyrl_structured.engines import VLLMEngine  # noqa: E402
+from skyrl_structured.engines.completions import completion_request, error_message, parse_completion  # noqa: E402
+from skyrl_structured.engines.sampling import default_spec, resolve_sampling  # noqa: E402
+from skyrl_structured.engines.vllm import completion_from_request_output, vllm_sampling_kwargs  # noqa: E402
+from skyrl_structured.testing.vllm_server import serve_vllm  # noqa: E402
+
+from .fake_vllm import FakeAsyncLLM  # noqa: E402
+
+PARAMS = {"temperature": 0.7, "top_k": 20, "max_tokens": 12, "logprobs": 1, "stop": ["###"], "seed": 5}
+
+
+def test_our_request_body_is_a_valid_completion_request():
+    body = completion_request([5, 6, 7], resolve_sampling(PARAMS, default_spec(None)), model="policy", cache_salt="p@2")
+    assert not set(body) - set(protocol.CompletionRequest.model_fields)
+    request = protocol.CompletionRequest.model_validate(body)
+    assert (request.prompt, request.return_token_ids, request.logprobs) == ([5, 6, 7], True, 1)
+    params = request.to_sampling_params(12, {})
+    assert (params.temperature, params.top_k, params.stop, params.seed, params.include_stop_str_in_output) == (
+        0.7,
+        20,
+        ["###"],
+        5,
+        True,
+    )
+
+
+def test_vllms_response_and_error_bodies_parse():
+    choice = protocol.CompletionResponseChoice(
+        index=0,
+        text=" 8",
+        finish_reason="stop",
+        token_ids=[220, 151645],
+        logprobs=protocol.CompletionLogProbs(token_logprobs=[-0.25, -9999.0], tokens=[" 8", "<|im_end|>"]),
+    )
+    usage = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    response = protocol.CompletionResponse(model="policy", choices=[choice], usage=usage)
+    parsed = parse_completion(response.model_dump_json().encode(), url="http://x", want_logprobs=True)
+    assert (parsed.token_ids, parsed.logprobs, parsed.stop_reason) == ([220, 151645], [-0.25, -9999.0], "stop")
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    error = ErrorResponse(error=ErrorInfo(message="max_tokens too large", type="BadRequestError", code=400))
+    assert error_message(error.model_dump_json().encode()) == "max_tokens too large"
+
+
+@pytest.mark.anyio
+async def test_the_test_server_answers_in_vllms_schema(anyio_backend, tiny_engine):
+    body = completion_request([5, 6, 7], resolve_sampling(PARAMS, default_spec(None)), model="policy")
+    async with serve_vllm(tiny_engine, model="policy") as server, httpx.AsyncClient() as http:
+        ok = await http.post(f"{server.url}/v1/completions", json=body)
+        missing = await http.post(f"{server.url}/v1/completions", json={"prompt": [1], "model": "nope"})
+    protocol.CompletionResponse.model_validate(ok.json())
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    ErrorResponse.model_validate(missing.json())
+
+
+@pytest.mark.parametrize("container", [list, FlatLogprobs])
+def test_real_request_outputs_map(container):
+    positions = [{t: Logprob(-0.1 * (i + 1), rank=1), 999: Logprob(-9.0, rank=2)} for i, t in enumerate([11, 12, 2])]
+    logprobs = container() if container is FlatLogprobs else []
+    for position in positions:
+        logprobs.append(position)
+    completion = CompletionOutput(
+        index=0, text="eleven", token_ids=[11, 12, 2], cumulative_logprob=None, logprobs=logprobs, finish_reason="stop"
+    )
+    output = RequestOutput("r", None, [1], None, [completion], True)
+    mapped = completion_from_request_output(output, want_logprobs=True)
+    assert (mapped.token_ids, mapped.stop_reason) == ([11, 12, 2], "stop")
+    assert mapped.logprobs == pytest.approx([-0.1, -0.2, -0.3])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio would import trio-asyncio into this process
+async def test_vllm_engine_builds_real_sampling_params(anyio_backend):
+    fake = FakeAsyncLLM()
+    async with VLLMEngine(fake) as engine:
+        await engine.generate({"prompt_token_ids": [[1]], "sampling_params": {"temperature": 0.0, "max_tokens": 4}})
+    params = fake.calls[0][1]
+    assert isinstance(params, SamplingParams)
+    assert (params.output_kind, params.max_tokens, params.temperature) == (RequestOutputKind.FINAL_ONLY, 4, 0.0)
+    spec = resolve_sampling(PARAMS, default_spec(None))
+    SamplingParams(**vllm_sampling_kwargs(spec), output_kind=RequestOutputKind.FINAL_ONLY)

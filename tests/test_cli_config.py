@@ -1,0 +1,227 @@
+"""`skyrl-structured rollout` configuration: overrides, YAML file, typing, refusals, --help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from skyrl_structured import GeneratorConfig, SamplingParams
+from skyrl_structured._cli_config import ConfigError, check_config, load_config
+from skyrl_structured._cli_engine import chaos_policy
+from skyrl_structured._cli_help import keys_help
+from skyrl_structured._cli_schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, CLI_PRESET, SECTIONS, key_specs
+from skyrl_structured.cli import main
+
+
+def test_defaults_are_the_library_defaults_plus_the_preset():
+    cfg = load_config([])
+    library = GeneratorConfig()
+    assert cfg.generator.n_samples_per_prompt == CLI_PRESET["generator.n_samples_per_prompt"] == 4
+    assert cfg.generator.sampling_params.max_generate_length == 48
+    # SkyRL derives the eval defaults from the training length: greedy at the preset's length.
+    assert cfg.generator.eval_sampling_params == SamplingParams(temperature=0.0, max_generate_length=48)
+    for f in dataclasses.fields(GeneratorConfig):
+        if f.name not in ("n_samples_per_prompt", "sampling_params", "eval_sampling_params"):
+            assert getattr(cfg.generator, f.name) == getattr(library, f.name), f.name
+    assert cfg.engine.kind == "transformers"
+    assert cfg.engine.model is None
+    assert cfg.run.backend == "asyncio"
+    assert cfg.data.path is None
+
+
+def test_dotted_overrides_use_skyrls_names_and_are_typed_by_the_field():
+    cfg = load_config(
+        [
+            "generator.max_turns=3",
+            "generator.sampling_params.temperature=0",  # an int literal for a float field
+            "generator.sampling_params.stop=['</answer>', '####']",
+            "generator.skip_failed_rollouts=true",
+            "generator.rollout_timeout_s=30",
+            "generator.max_concurrent_rollouts=null",
+            "generator.chat_template_kwargs={enable_thinking: false}",
+            "environment.skyrl_gym.max_env_workers=0",
+            "run.output_dir=2024",  # a number-looking value for a text field stays text
+            "run.backend=trio",
+            "engine.base_urls=http://10.0.0.1:8000",  # one URL for a list field
+        ]
+    )
+    gen = cfg.generator
+    assert gen.max_turns == 3
+    assert gen.sampling_params.temperature == 0.0
+    assert isinstance(gen.sampling_params.temperature, float)
+    assert gen.sampling_params.stop == ["</answer>", "####"]
+    assert gen.skip_failed_rollouts is True
+    assert gen.rollout_timeout_s == 30.0
+    assert gen.max_concurrent_rollouts is None
+    assert gen.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.environment.skyrl_gym.max_env_workers == 0
+    assert cfg.run.output_dir == "2024"
+    assert cfg.run.backend == "trio"
+    assert cfg.engine.base_urls == ["http://10.0.0.1:8000"]
+
+
+def test_a_section_takes_a_mapping_and_an_optional_section_takes_null():
+    cfg = load_config(["generator.sampling_params={temperature: 0.5, top_k: 20}"])
+    assert cfg.generator.sampling_params.temperature == 0.5
+    assert cfg.generator.sampling_params.top_k == 20
+    # The preset's length survives a mapping that does not mention it.
+    assert cfg.generator.sampling_params.max_generate_length == 48
+    cfg = load_config(["generator.eval_sampling_params.temperature=0.3"])
+    assert cfg.generator.eval_sampling_params is not None
+    assert cfg.generator.eval_sampling_params.temperature == 0.3
+    cfg = load_config(["generator.eval_sampling_params.temperature=0.3", "generator.eval_sampling_params=null"])
+    assert cfg.generator.eval_sampling_params == SamplingParams(temperature=0.0, max_generate_length=48)
+
+
+def test_yaml_file_sits_under_the_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "generator": {"max_turns": 2, "sampling_params": {"temperature": 0.2}},
+                "run": {"seed": 7, "output_dir": "from_file"},
+            }
+        )
+    )
+    cfg = load_config(["run.seed=9"], str(path))
+    assert cfg.generator.max_turns == 2
+    assert cfg.generator.sampling_params.temperature == 0.2
+    assert cfg.run.seed == 9
+    assert cfg.run.output_dir == "from_file"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("generator.max_turn=3", r"unknown key `generator.max_turn`; did you mean `generator.max_turns`\?"),
+        ("generator.temperature=0.5", r"did you mean `generator.sampling_params.temperature`"),
+        ("genrator.max_turns=1", r"unknown section `genrator`.*did you mean `generator`\?.*Sections: generator, "),
+        ("trainer.epochs=1", r"configures SkyRL's trainer"),
+        ("generator.max_turns.x=1", r"`generator.max_turns` is a single value, not a section"),
+        ("generator.max_turns=three", r"`generator.max_turns` takes int, got 'three' \(str\); default: 1"),
+        ("generator.max_turns=2.5", r"`generator.max_turns` takes int, got '2.5' \(float\)"),
+        ("generator.skip_failed_rollouts=maybe", r"`generator.skip_failed_rollouts` takes bool, got 'maybe'"),
+        ("generator.skip_failed_rollouts=1", r"takes bool, got '1' \(int\)"),
+        ("generator.max_turns=null", r"`generator.max_turns` cannot be null"),
+        ("run.backend=curio", r"`run.backend` must be one of asyncio, trio; got 'curio'"),
+        ("generator.failed_rollout_policy=mask", r"must be one of placeholder, mask_group, fill_group_mean"),
+        ("chaos.stage=steps", r"did you mean 'step'\?"),
+        ("generator.sampling_params=0.5", r"`generator.sampling_params` is a section"),
+        ("generator.sampling_params=null", r"is a section and cannot be null"),
+        ("generator.chat_template_kwargs=[1]", r"`generator.chat_template_kwargs` takes mapping"),
+        ("max_turns", r"expected KEY=VALUE, got 'max_turns'"),
+        ("+generator.new=1", r"the '\+' prefix is not supported"),
+    ],
+)
+def test_bad_overrides_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([override])
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=r"--config file .*missing.yaml' does not exist"):
+        load_config([], str(missing))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("generator: {max_turns: 2\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML"):
+        load_config([], str(bad))
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- generator\n")
+    with pytest.raises(ConfigError, match=r"must hold a mapping of sections"):
+        load_config([], str(listing))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("generator:\n  max_turn: 2\n")
+    with pytest.raises(ConfigError, match=rf"unknown key `generator.max_turn` \(in {typo}\); did you mean"):
+        load_config([], str(typo))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["generator.skip_failed_rollouts=true", "generator.batched=true"], r"does not work with `generator.batched"),
+        (["generator.max_failed_rollout_fraction=1.5"], r"`generator.max_failed_rollout_fraction` must be within"),
+        (["generator.rollout_timeout_s=0"], r"`generator.rollout_timeout_s` must be > 0"),
+        (["generator.failed_rollout_policy=mask_group"], r"only acts on failed rollouts"),
+        (["generator.n_samples_per_prompt=0"], r"`generator.n_samples_per_prompt` must be >= 1, got 0"),
+        (["generator.sampling_params.top_p=0"], r"`generator.sampling_params.top_p` must be within \(0, 1\]"),
+        (["generator.sampling_params.max_generate_length=0"], r"max_generate_length` must be >= 1"),
+        (["generator.vision_language_generator=true"], r"not supported"),
+        (["generator.chat_template.name_or_path=nope"], r"is not a built-in template"),
+        (["engine.kind=http"], r"`engine.model` is required with `engine.kind=http`"),
+        (["engine.kind=http", "engine.model=m", "engine.base_urls=localhost:8000"], r"must start with http://"),
+        (["engine.kind=vllm"], r"`engine.model` is required with `engine.kind=vllm`"),
+        (["engine.tokenizer=gpt2"], r"`engine.tokenizer` applies to engine.kind=http and vllm"),
+        (["engine.dtype=float64"], r"`engine.dtype` must be one of float32, float16, bfloat16"),
+        (["chaos.failure_rate=1.5"], r"`chaos.failure_rate` is a probability"),
+        (["chaos.slow_s=-1"], r"`chaos.slow_s` must be >= 0"),
+        (["data.max_prompts=0"], r"`data.max_prompts` must be >= 1"),
+    ],
+)
+def test_out_of_range_and_conflicting_values_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(load_config(overrides))
+
+
+def test_chaos_policy_is_the_test_kits_own_and_refuses_impossible_rates():
+    from skyrl_structured.testing.chaos import ChaosPolicy
+
+    assert chaos_policy(load_config([])) is None
+    policy = chaos_policy(load_config(["chaos.failure_rate=0.3", "chaos.stage=step", "run.seed=5"]))
+    assert isinstance(policy, ChaosPolicy)
+    assert (policy.failure_rate, policy.stage, policy.seed) == (0.3, "step", 5)
+    assert chaos_policy(load_config(["chaos.failure_rate=0.3", "chaos.seed=2", "run.seed=5"])).seed == 2
+    with pytest.raises(ConfigError, match=r"chaos\.\*: `failure_rate \+ hang_rate \+ slow_rate` must be at most 1"):
+        chaos_policy(load_config(["chaos.failure_rate=0.6", "chaos.hang_rate=0.6"]))
+
+
+def test_chaos_stages_match_the_test_kit():
+    from skyrl_structured.testing import chaos
+
+    assert (*CHAOS_ENGINE_STAGES, *CHAOS_ENV_STAGES) == chaos.STAGES
+    assert key_specs()["chaos.stage"].choices == (*chaos.STAGES, "any")
+
+
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rollout", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    specs = key_specs()
+    assert keys_help() in text
+    for path, spec in specs.items():
+        if spec.section is None:
+            assert f"  {path}=" in text, path
+            first_words = " ".join(spec.help.split()[:4])
+            assert first_words in " ".join(text.split()), path
+    for section in SECTIONS:
+        assert f"{section}.*" in text
+    assert "generator.n_samples_per_prompt=4" in text
+    assert "library/SkyRL default 5" in text
+
+
+def test_print_config_shows_the_resolved_configuration(capsys):
+    assert main(["rollout", "--print-config", "generator.max_turns=2", "run.backend=trio"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["generator"]["max_turns"] == 2
+    assert printed["generator"]["n_samples_per_prompt"] == 4
+    assert printed["run"]["backend"] == "trio"
+    assert set(printed) == set(SECTIONS)
+
+
+def test_refusal_is_one_line_and_exit_status_2(capsys, tmp_path):
+    out_dir = tmp_path / "out"
+    assert main(["rollout", "generator.max_turn=3", f"run.output_dir={out_dir}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("skyrl-structured: error: unknown key `generator.max_turn`")
+    assert not out_dir.exists()
+
+
+def test_no_command_prints_usage(capsys):
+    assert main([]) == 2
+    assert "rollout" in capsys.readouterr().out

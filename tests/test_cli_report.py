@@ -1,0 +1,101 @@
+"""The rollout command's report: figures, table and files, from a real generator run (both backends)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyrl_structured import GeneratorConfig, SkyRLGymConfig, validate_generator_output
+from skyrl_structured._cli_config import load_config
+from skyrl_structured._cli_data import build_batch, load_dataset
+from skyrl_structured._cli_report import format_summary, summarize, write_outputs
+from skyrl_structured._cli_run import RunResult, Tally, _CountingGenerator
+from skyrl_structured.testing import EngineCall, ScriptedEngine
+
+
+def _answer(call: EngineCall) -> str:
+    if call.session_id == "1_1":
+        raise ConnectionError("sandbox lost")
+    return "I think it is #### 7"
+
+
+@pytest.mark.anyio
+async def test_step_wise_multi_turn_run_is_reported_row_by_row(anyio_backend, tokenizer, tmp_path):
+    dataset = load_dataset(None, default_env_class="gsm8k", max_prompts=2)
+    dataset.env_classes[0] = "gsm8k_multi_turn"  # two turns, each scored for its format
+    gen_cfg = GeneratorConfig(
+        max_turns=2, step_wise_trajectories=True, skip_failed_rollouts=True, n_samples_per_prompt=2
+    )
+    batch = build_batch(dataset, n_samples=2, params=gen_cfg.sampling_params, phase="train")
+    generator = _CountingGenerator(
+        gen_cfg, SkyRLGymConfig(max_env_workers=2), ScriptedEngine(tokenizer, _answer), tokenizer
+    )
+    generator.tally = Tally()
+    output = await generator.generate(batch, disable_tqdm=True)
+    result = RunResult(status="ok", tally=generator.tally, output=output, engine="scripted", tokenizer=tokenizer)
+
+    tally = result.tally
+    assert (tally.attempts_started, tally.attempts_finished, tally.attempts_failed) == (4, 3, 1)
+    assert tally.sessions_finished == 4
+    assert tally.cleanup is not None
+    assert tally.cleanup.envs_opened == tally.cleanup.envs_closed == 4
+
+    cfg = load_config([f"run.output_dir={tmp_path}"])
+    summary = summarize(cfg, dataset.source, len(dataset), 2, result)
+    assert summary["rollouts"] == 4
+    assert (summary["rollouts_ok"], summary["rollouts_failed"]) == (3, 1)
+    assert summary["failures_by_type"] == {"ConnectionError": 1}
+    # Final steps only: each multi-turn rollout ends on a formatted wrong answer (0.2 / 2 turns),
+    # the single-turn gsm8k env gives a wrong answer nothing.
+    assert summary["mean_reward"] == pytest.approx((0.1 + 0.1 + 0.0) / 3)
+    assert summary["rollouts_rewarded"] == 2
+    assert summary["stop_reasons"] == {"rollout_error": 1, "stop": 5}
+    assert summary["envs_opened"] == summary["envs_closed"] == 4
+
+    table = format_summary(summary, tmp_path)
+    assert table.startswith("skyrl-structured rollout: done\n")
+    assert "  rollouts failed     1\n" in table
+    assert "  failures by type    ConnectionError 1\n" in table
+    assert "  environments        4 opened = 4 closed\n" in table
+
+    write_outputs(tmp_path, summary, cfg, batch, result)
+    written = json.loads((tmp_path / "generator_output.json").read_text())
+    validate_generator_output(4, written, step_wise=True)
+    rows = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    # Rollouts 0_0 and 0_1 took two turns each; 1_0 one; 1_1 is a one-step placeholder.
+    assert [r["trajectory_id"]["instance_id"] + "_" + str(r["trajectory_id"]["repetition_id"]) for r in rows] == [
+        "0_0",
+        "0_0",
+        "0_1",
+        "0_1",
+        "1_0",
+        "1_1",
+    ]
+    assert [r["env_class"] for r in rows] == ["gsm8k_multi_turn"] * 4 + ["gsm8k"] * 2
+    assert rows[-1]["stop_reason"] == "rollout_error"
+    assert rows[-1]["loss_mask"] == [0]
+    # A first turn's response carries the environment's next observation; the last turn's does not.
+    assert rows[0]["response_text"].startswith("I think it is #### 7<|im_end|>\n<|im_start|>user\nNow provide")
+    assert rows[1]["response_text"] == "I think it is #### 7<|im_end|>"
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["config"]["generator"]["n_samples_per_prompt"] == 4  # the resolved config, as run
+    assert saved["rollouts_failed"] == 1
+
+
+def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
+    for name in ("generator_output.json", "trajectories.jsonl"):
+        (tmp_path / name).write_text("{}")
+    cfg = load_config([])
+    tally = Tally(attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_finished=3)
+    result = RunResult(status="interrupted", tally=tally, signal=2, engine="scripted")
+    summary = summarize(cfg, "embedded arithmetic.jsonl", 3, 1, result)
+    write_outputs(tmp_path, summary, cfg, {"prompts": []}, result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["status"] == "interrupted"
+    assert (saved["rollouts_finished"], saved["rollouts_cancelled"], saved["signal"]) == (1, 2, 2)
+    table = format_summary(summary, tmp_path)
+    assert table.startswith("skyrl-structured rollout: interrupted\n")
+    assert "  inference sessions  3 finished of 3 started\n" in table
+    assert f"  output              {tmp_path}/ (summary.json)" in table

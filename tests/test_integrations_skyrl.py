@@ -1,0 +1,175 @@
+"""The SkyRL swap: config subclasses, the knob list, the entrypoint's checks, and the missing-SkyRL error.
+
+SkyRL is installed here without its training stack (no ray), so ``StructuredPPOExp`` cannot be
+built; what can run does: the config classes go through SkyRL's own parser, a generator built
+from them contains a failing rollout, and ``main`` refuses a bad configuration before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import types
+import typing
+
+import pytest
+
+from skyrl_structured import (
+    GeneratorConfig,
+    ResilienceSettings,
+    StructuredGymGenerator,
+    TrajectoryID,
+    validate_generator_output,
+)
+from skyrl_structured.testing import ScriptedEngine
+
+skyrl_config = pytest.importorskip("skyrl.train.config")
+integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
+
+
+def test_without_skyrl_the_module_says_what_to_install():
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class HideSkyRL(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "skyrl" or name.startswith("skyrl."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, HideSkyRL())
+        import skyrl_structured
+        import skyrl_structured.integrations
+        try:
+            import skyrl_structured.integrations.skyrl
+        except ImportError as exc:
+            print("ImportError:", exc)
+            print("cause:", type(exc.__cause__).__name__)
+        else:
+            print("imported")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("ImportError: skyrl_structured.integrations.skyrl needs SkyRL, which could not be ")
+    assert lines[0].endswith("install it with: pip install 'skyrl-structured[skyrl]'")
+    assert lines[1] == "cause: ModuleNotFoundError"
+
+
+def _added_fields(cls: type, base: type) -> dict[str, dataclasses.Field]:
+    inherited = {f.name for f in dataclasses.fields(base)}
+    return {f.name: f for f in dataclasses.fields(cls) if f.name not in inherited}
+
+
+def test_knobs_match_skyrl_structured_generator_config():
+    skyrl_generator = skyrl_config.GeneratorConfig
+    ours = _added_fields(GeneratorConfig, skyrl_generator)
+    added = _added_fields(integration.StructuredGeneratorConfig, skyrl_generator)
+    knobs = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
+    assert tuple(ours) == tuple(added) == integration.STRUCTURED_KNOBS == knobs
+    library = GeneratorConfig()
+    subclassed = integration.StructuredGeneratorConfig()
+    our_types = typing.get_type_hints(GeneratorConfig)
+    their_types = typing.get_type_hints(integration.StructuredGeneratorConfig)
+    for name in knobs:
+        assert getattr(subclassed, name) == getattr(library, name), name
+        assert their_types[name] == our_types[name], name
+        assert added[name].metadata["help"] == ours[name].metadata["help"], name
+
+
+def test_subclassed_configs_keep_every_skyrl_field():
+    assert issubclass(integration.StructuredGeneratorConfig, skyrl_config.GeneratorConfig)
+    assert issubclass(integration.StructuredTrainConfig, skyrl_config.SkyRLTrainConfig)
+    skyrl_defaults = skyrl_config.GeneratorConfig()
+    ours = integration.StructuredGeneratorConfig()
+    for f in dataclasses.fields(skyrl_config.GeneratorConfig):
+        assert getattr(ours, f.name) == getattr(skyrl_defaults, f.name), f.name
+    generator_field = {f.name: f for f in dataclasses.fields(integration.StructuredTrainConfig)}["generator"]
+    # SkyRL's parser finds nested sections from the field's type, which must be the class itself.
+    assert generator_field.type is integration.StructuredGeneratorConfig
+    assert isinstance(generator_field.default_factory(), integration.StructuredGeneratorConfig)
+
+
+@pytest.fixture
+def skyrl_cli_parser(monkeypatch):
+    """``StructuredTrainConfig.from_cli_overrides``, SkyRL's own parser.
+
+    SkyRLTrainConfig's ``__post_init__`` imports ``skyrl.backends``, which needs SkyRL's training
+    stack; where that import fails, the one helper it uses is provided (LoRA is off here).
+    """
+    try:
+        importlib.import_module("skyrl.backends.skyrl_train.inference_servers.utils")
+    except Exception:
+        for name in ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.inference_servers"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        utils = types.ModuleType("skyrl.backends.skyrl_train.inference_servers.utils")
+        utils._uses_lora_weight_sync = lambda cfg: False
+        monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    return integration.StructuredTrainConfig.from_cli_overrides
+
+
+def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parser):
+    cfg = skyrl_cli_parser(
+        ["generator.skip_failed_rollouts=true", "generator.rollout_timeout_s=45", "generator.max_turns=3"]
+    )
+    assert type(cfg.generator) is integration.StructuredGeneratorConfig
+    assert cfg.generator.skip_failed_rollouts is True
+    assert cfg.generator.rollout_timeout_s == 45
+    assert cfg.generator.max_turns == 3
+    assert cfg.generator.max_rollout_retries == 0
+    with pytest.raises(ValueError, match=r"Invalid fields \{'skip_failed_rollout'\} for StructuredGeneratorConfig"):
+        skyrl_cli_parser(["generator.skip_failed_rollout=true"])
+
+
+def test_main_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_parser):
+    with pytest.raises(ValueError, match=r"`generator.skip_failed_rollouts` does not work with `generator.batched"):
+        integration.main(["generator.skip_failed_rollouts=true", "generator.batched=true"])
+    with pytest.raises(ValueError, match=r"`generator.max_failed_rollout_fraction` must be within \[0, 1\]"):
+        integration.main(["generator.max_failed_rollout_fraction=2.0"])
+    with pytest.raises(ValueError, match=r"vision_language_generator=true` is not supported"):
+        integration.main(["generator.vision_language_generator=true"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="ray is installed: the experiment imports")
+def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser):
+    with pytest.raises(ImportError, match=r"running SkyRL's trainer needs SkyRL with its training dependencies"):
+        integration.StructuredPPOExp  # noqa: B018 - the attribute access is the import
+    # main() parses and checks first (SkyRL's override_entrypoint key is its routing, not a field).
+    with pytest.raises(ImportError, match=r"pip install 'skyrl-structured\[skyrl\]'"):
+        integration.main(["trainer.override_entrypoint=skyrl_structured.integrations.skyrl"])
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        integration.nope  # noqa: B018
+
+
+@pytest.mark.anyio
+async def test_generator_built_from_skyrl_configs_contains_a_failed_rollout(anyio_backend, tokenizer):
+    def answer(call):
+        if call.session_id == "q1_0":
+            raise ConnectionError("sandbox lost")
+        return "2 + 2 = 4 #### 4"
+
+    generator = StructuredGymGenerator(
+        integration.StructuredGeneratorConfig(skip_failed_rollouts=True, max_input_length=1024),
+        skyrl_config.SkyRLGymConfig(max_env_workers=2),
+        ScriptedEngine(tokenizer, answer),
+        tokenizer,
+    )
+    n = 4
+    batch = {
+        "prompts": [[{"role": "user", "content": "What is 2 + 2?"}]] * n,
+        "env_classes": ["gsm8k"] * n,
+        "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": "4"}} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
+    }
+    output = await generator.generate(batch, disable_tqdm=True)
+    validate_generator_output(n, output)
+    assert output["stop_reasons"] == ["stop", "stop", "rollout_error", "stop"]
+    assert [sum(r) for r in output["rewards"]] == [1.0, 1.0, 0.0, 1.0]
+    assert output["loss_masks"][2] == [0]
+    metrics = output["rollout_metrics"]
+    assert metrics["generate/failures/ConnectionError"] == 1
+    assert metrics["generate/num_envs_opened"] == metrics["generate/num_envs_closed"] == n

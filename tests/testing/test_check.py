@@ -1,0 +1,353 @@
+"""check_structured_concurrency: passes for well-behaved environments, reports broken ones and core regressions.
+
+The check is synchronous (it runs its own event loops, one per case); every case runs on asyncio
+and trio unless a test narrows ``backends``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+from skyrl_structured import StructuredGymGenerator
+from skyrl_structured.envs import SyncEnvAdapter, _ThreadCall
+from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
+from skyrl_structured.testing.check import CANCEL_STAGES, FAULT_STAGES
+
+# Broken environments below keep their leaked threads and tasks alive until this is set (at the
+# end of each test), so nothing outlives the test that made it.
+STOP = threading.Event()
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftovers():
+    STOP.clear()
+    yield
+    STOP.set()
+
+
+def _register(env_id: str, cls: type) -> str:
+    if env_id not in skyrl_gym.registry:
+        skyrl_gym.register(id=env_id, entry_point=cls)
+    return env_id
+
+
+# ---------------------------------------------------------------------- well-behaved environments
+
+
+@pytest.mark.parametrize("env_class", [SCRIPTED_ENV, "gsm8k", "gsm8k_multi_turn"])
+def test_check_passes_for_real_environments(env_class):
+    report = check_structured_concurrency(env_class)
+    # 2 backends x 2 worker settings x (baseline + 6 stages x 2 flag values + 6 cancellations)
+    assert len(report.cases) == 2 * 2 * (1 + 12 + 6)
+    assert report.ok, report.summary()
+    assert {c.backend for c in report.cases} == {"asyncio", "trio"}
+    assert {c.stage for c in report.cases if c.kind == "fault"} == set(FAULT_STAGES)
+    assert {c.stage for c in report.cases if c.kind == "cancel"} == set(CANCEL_STAGES)
+    assert str(report).splitlines() == [f"check_structured_concurrency({env_class!r}): 76 cases, 0 failed"]
+
+
+class AsyncCounterEnv(skyrl_gym.Env):
+    """A well-behaved async environment: its own context manager, async init/step, a live resource."""
+
+    open_count = 0
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        self.turns = 0
+        self.max_turns = int((extras or {}).get("max_turns", 2))
+        self.entered = False
+
+    async def __aenter__(self):
+        AsyncCounterEnv.open_count += 1
+        self.entered = True
+        return self
+
+    async def __aexit__(self, *exc_info):
+        await anyio.lowlevel.checkpoint()
+        AsyncCounterEnv.open_count -= 1
+
+    async def init(self, prompt):
+        await anyio.lowlevel.checkpoint()
+        return prompt, {}
+
+    async def step(self, action):
+        await anyio.sleep(0.001)  # "talks to a sandbox"
+        self.turns += 1
+        done = self.turns >= self.max_turns
+        observations = [] if done else [{"role": "user", "content": "go on"}]
+        return BaseTextEnvStepOutput(observations=observations, reward=float(done), done=done, metadata={})
+
+    def get_metrics(self):
+        return {"turns": self.turns}
+
+
+def test_check_passes_for_an_async_environment():
+    env_class = _register("tests_check_async_counter", AsyncCounterEnv)
+    report = check_structured_concurrency(env_class, max_env_workers=(2,))
+    assert report.ok, report.summary()
+    assert AsyncCounterEnv.open_count == 0
+
+
+# ---------------------------------------------------------------------- broken environments
+
+
+class ThreadLeakingEnv(BaseTextEnv):
+    """Starts a heartbeat thread in init; its close forgets to stop it (close is never effective)."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._stop = threading.Event()
+
+    def init(self, prompt):
+        def beat() -> None:
+            while not self._stop.wait(0.02) and not STOP.is_set():
+                pass
+
+        threading.Thread(target=beat, name="heartbeat").start()
+        return prompt, {}
+
+    def step(self, action):
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+
+    def close(self):
+        pass  # BUG: should be self._stop.set()
+
+
+def test_check_reports_a_thread_left_running_by_close():
+    env_class = _register("tests_check_thread_leak", ThreadLeakingEnv)
+    narrow = {"max_env_workers": (2,), "stages": ("step",), "leak_grace_s": 0.1}
+    report = check_structured_concurrency(env_class, raise_on_failure=False, **narrow)
+    assert not report.ok
+    assert len(report.failures) == len(report.cases)  # every case leaks: the bug is in every rollout
+    for case in report.failures:
+        # Daemon, as the check's case threads are: a thread inherits that flag from its creator.
+        assert any(p.startswith("thread left running: daemon thread 'heartbeat' at ") for p in case.problems)
+    with pytest.raises(AssertionError, match=r"(?s)cases, \d+ failed\n- \[asyncio\] baseline.*heartbeat"):
+        check_structured_concurrency(env_class, **narrow)
+
+
+class TaskLeakingEnv(skyrl_gym.Env):
+    """An async env that starts a keepalive task outside any task group and never stops it."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        self.turns = 0
+
+    async def init(self, prompt):
+        async def keepalive() -> None:
+            while not STOP.is_set():  # noqa: ASYNC110 - STOP is a threading.Event shared with other tests
+                await anyio.sleep(0.02)
+
+        try:
+            asyncio.get_running_loop().create_task(keepalive())
+        except RuntimeError:  # not asyncio: trio
+            import trio
+
+            trio.lowlevel.spawn_system_task(keepalive)
+        return prompt, {}
+
+    async def step(self, action):
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+
+    async def close(self):
+        pass  # BUG: should cancel the keepalive task
+
+    def get_metrics(self):
+        return {}
+
+
+def test_check_reports_a_task_left_running():
+    env_class = _register("tests_check_task_leak", TaskLeakingEnv)
+    report = check_structured_concurrency(
+        env_class, raise_on_failure=False, max_env_workers=(0,), stages=("init", "step"), leak_grace_s=0
+    )
+    baseline = [c for c in report.cases if c.kind == "baseline"]
+    assert {c.backend for c in baseline} == {"asyncio", "trio"}
+    for case in baseline:
+        leaks = [p for p in case.problems if p.startswith("task left running:")]
+        assert len(leaks) == 4, case.problems  # one per rollout
+        assert all(f"{case.backend} task" in p and "keepalive" in p for p in leaks)
+
+
+class CancellationSwallowingEnv(skyrl_gym.Env):
+    """An async env whose step polls a sandbox and retries on *any* error, cancellation included."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        self.turns = 0
+
+    async def init(self, prompt):
+        return prompt, {}
+
+    async def step(self, action):
+        polls = 0
+        give_up = time.monotonic() + 30
+        while polls < 3 and not STOP.is_set() and time.monotonic() < give_up:
+            try:
+                await anyio.sleep(0.005)
+                polls += 1
+            except BaseException:  # BUG: swallows the cancellation and polls again
+                continue
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+
+    def get_metrics(self):
+        return {}
+
+
+def test_check_reports_a_cancellation_swallowed_in_a_loop_as_hung():
+    env_class = _register("tests_check_swallow", CancellationSwallowingEnv)
+    report = check_structured_concurrency(
+        env_class,
+        raise_on_failure=False,
+        max_env_workers=(0,),
+        stages=("step",),
+        matrices=("cancel",),
+        case_timeout_s=0.3,
+        leak_grace_s=0,
+    )
+    assert [(c.backend, c.kind, c.ok) for c in report.cases] == [
+        ("asyncio", "baseline", True),
+        ("asyncio", "cancel", False),
+        ("trio", "baseline", True),
+        ("trio", "cancel", False),
+    ]
+    for case in report.failures:
+        assert case.problems == [
+            "hung: still running after 2.45s and abandoned (a cancellation swallowed in a loop, or a call "
+            "that never returns?)"
+        ]
+
+
+def test_check_reports_an_environment_whose_own_calls_fail():
+    # ScriptedEnv's "fail" extra makes every rollout's step raise: the baseline must say so.
+    report = check_structured_concurrency(
+        SCRIPTED_ENV,
+        env_extras={"fail": "step"},
+        raise_on_failure=False,
+        backends=("trio",),
+        max_env_workers=(2,),
+        matrices=(),
+    )
+    (case,) = report.cases
+    (problem,) = case.problems
+    assert re.fullmatch(
+        r"generate\(\) raised RuntimeError: scripted env \d+: failing in step \(turn 1\) with no fault injected",
+        problem,
+    )
+
+
+# ---------------------------------------------------------------------- core regressions it would catch
+
+
+def test_check_catches_environments_left_open(monkeypatch):
+    async def never_close(self, exc_type, exc, tb):
+        return None
+
+    monkeypatch.setattr(SyncEnvAdapter, "__aexit__", never_close)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, raise_on_failure=False, backends=("asyncio",), max_env_workers=(2,), matrices=()
+    )
+    assert report.cases[0].problems == [
+        "generate/num_envs_closed reports 4, but 0 were seen",  # the generator's own count is cross-checked
+        "4 of 4 environments were never closed",
+    ]
+
+
+def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypatch):
+    async def do_not_wait(self):
+        return None
+
+    monkeypatch.setattr(_ThreadCall, "settle", do_not_wait)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV,
+        raise_on_failure=False,
+        max_env_workers=(2,),
+        stages=("step",),
+        matrices=("cancel",),
+        leak_grace_s=0.1,
+    )
+    for case in report.cases:
+        if case.kind == "cancel":
+            assert "1 environments were closed while one of their calls was running" in case.problems
+        else:
+            assert case.ok
+
+
+class SessionLeakingGenerator(StructuredGymGenerator):
+    async def _finish_session(self, session_id, cleanup, error):
+        return None  # BUG: never tells the engine the session is over
+
+
+def test_check_catches_unfinished_sessions():
+    report = check_structured_concurrency(
+        SCRIPTED_ENV,
+        generator_class=SessionLeakingGenerator,
+        raise_on_failure=False,
+        backends=("trio",),
+        max_env_workers=(0,),
+        matrices=(),
+    )
+    assert report.cases[0].problems == [
+        "4 inference sessions were never finished: " + ", ".join(repr(f"check{i}_0") for i in range(4))
+    ]
+
+
+class CancellationToBatchGenerator(StructuredGymGenerator):
+    async def generate(self, input_batch, disable_tqdm=False):
+        try:
+            return await super().generate(input_batch, disable_tqdm)
+        except anyio.get_cancelled_exc_class():
+            return {}  # BUG: a cancelled step must never produce a batch
+
+
+def test_check_catches_a_swallowed_cancellation():
+    report = check_structured_concurrency(
+        SCRIPTED_ENV,
+        generator_class=CancellationToBatchGenerator,
+        raise_on_failure=False,
+        max_env_workers=(2,),
+        matrices=("cancel",),
+    )
+    cancels = [c for c in report.cases if c.kind == "cancel"]
+    assert len(cancels) == 2 * len(CANCEL_STAGES)
+    for case in cancels:
+        assert case.problems == [
+            "the cancellation was swallowed: generate() returned a batch although it was cancelled"
+        ], case.name
+
+
+# ---------------------------------------------------------------------- arguments and report
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"env_class": "no_such_env"}, r"`env_class` 'no_such_env' is not a registered skyrl_gym environment"),
+        ({"prompts": []}, r"`prompts` must hold at least one conversation"),
+        ({"env_extras": [{}, {}]}, r"`env_extras` has 2 entries for 4 prompts"),
+        ({"backends": ("curio",)}, r"`backends` must be a non-empty subset of \('asyncio', 'trio'\)"),
+        ({"stages": ("tokenize",)}, r"`stages` must be drawn from create, init, generate, step, close"),
+        ({"matrices": ("timeouts",)}, r"`matrices` must be drawn from \('fault', 'cancel'\)"),
+        ({"max_env_workers": (-1,)}, r"`max_env_workers` must be a non-empty sequence of integers >= 0"),
+        ({"engine_replies": ()}, r"`engine_replies` must hold at least one reply"),
+        ({"case_timeout_s": 0}, r"`case_timeout_s` must be > 0"),
+        ({"generator_overrides": {"max_turn": 3}}, r"`generator_overrides` names a field GeneratorConfig does not"),
+    ],
+)
+def test_check_rejects_bad_arguments(kwargs, message):
+    kwargs.setdefault("env_class", SCRIPTED_ENV)
+    with pytest.raises(ValueError, match=message):
+        check_structured_concurrency(**kwargs)
+
+
+def test_report_lists_failing_cases_with_their_problems():
+    report = ConcurrencyReport("my_env")
+    assert report.ok
+    assert report.summary() == "check_structured_concurrency('my_env'): 0 cases, 0 failed"

@@ -1,0 +1,226 @@
+"""LeakTracker: each kind of leak is seen, named and cleared; a clean generate() run is clean."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import pytest
+import skyrl_gym
+from tqdm import tqdm
+from tqdm._monitor import TMonitor
+
+from skyrl_structured.testing import SCRIPTED_ENV, ChaosPolicy, LeakTracker, ScriptedEngine, register_chaos_env
+from skyrl_structured.testing._census import thread_states
+
+from ._helpers import batch, generator
+
+
+@pytest.mark.anyio
+async def test_clean_generate_run_is_clean(tokenizer, anyio_backend):
+    tracker = LeakTracker()
+    engine = tracker.track_engine(ScriptedEngine.from_replies(tokenizer, "#### 7", "#### 8"))
+    env_id = tracker.track_env(SCRIPTED_ENV)
+    script = [{"observation": "again", "reward": 0.5}, {"reward": 1.0, "done": True}]
+    try:
+        async with tracker:
+            out = await generator(tokenizer, engine, workers=2).generate(
+                batch(env_id, 4, script=script), disable_tqdm=True
+            )
+        assert out["stop_reasons"] == ["stop"] * 4
+        assert tracker.checked
+        assert tracker.ledger.opened == 4
+        assert tracker.sessions_started == {f"t{i}_0": 2 for i in range(4)}  # two turns each
+        assert tracker.sessions_finished == {f"t{i}_0": 1 for i in range(4)}
+    finally:
+        tracker.close()
+    assert env_id not in skyrl_gym.registry
+
+
+def test_environments_never_closed_or_closed_twice_are_reported():
+    tracker = LeakTracker()
+    env_id = tracker.track_env("gsm8k")
+    extras = {"reward_spec": {"ground_truth": "8"}}
+    skyrl_gym.make(env_id, extras=extras)  # never closed
+    twice = skyrl_gym.make(env_id, extras=extras)
+    twice.close()
+    twice.close()
+    once = skyrl_gym.make(env_id, extras=extras)
+    once.close()
+    leaks = tracker.leaks()
+    assert leaks == [
+        "1 of 3 environments were never closed",
+        "1 environments were closed more than once ([2] times)",
+    ]
+    with pytest.raises(AssertionError, match=r"leaks found:\n  - 1 of 3 environments were never closed\n  - 1 env"):
+        tracker.assert_clean()
+    tracker.close()
+
+
+@pytest.mark.anyio
+async def test_unfinished_sessions_are_reported_and_retries_must_finish_again(tokenizer, anyio_backend):
+    tracker = LeakTracker()
+    scripted = ScriptedEngine.from_replies(tokenizer, "#### 8", weight_version=5)
+    engine = tracker.track_engine(scripted)
+    assert engine.weight_version == 5  # everything else is the wrapped engine's
+    request = {"prompt_token_ids": [[1], [2]], "session_ids": ["a", "b"], "sampling_params": None}
+    await engine.generate(request)
+    await engine.finish_session("b")
+    assert tracker.open_sessions() == ["a"]
+    assert tracker.leaks() == ["1 inference sessions were never finished: 'a'"]
+    await engine.finish_session("a")
+    assert tracker.leaks() == []
+    await engine.generate({"prompt_token_ids": [[1]], "session_ids": ["a"], "sampling_params": None})  # a retry
+    assert tracker.open_sessions() == ["a"]
+    await engine.finish_session("a")
+    assert tracker.sessions_finished == {"a": 2, "b": 1}
+    await tracker.assert_clean_async()
+
+
+@pytest.mark.anyio
+async def test_a_task_left_in_a_task_group_is_reported(anyio_backend):
+    tracker = LeakTracker()
+
+    async def lingering() -> None:
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lingering)
+        await anyio.lowlevel.checkpoint()
+        leaks = tracker.task_leaks()
+        assert len(leaks) == 1
+        assert "lingering" in leaks[0]
+        assert leaks[0].startswith(f"task left running: {anyio_backend} task")
+        group.cancel_scope.cancel()
+    assert tracker.task_leaks() == []
+
+
+@pytest.mark.anyio
+async def test_a_detached_task_is_reported(anyio_backend):
+    tracker = LeakTracker()
+    stop = anyio.Event()
+
+    async def detached() -> None:
+        await stop.wait()
+
+    if anyio_backend == "asyncio":
+        task = asyncio.get_running_loop().create_task(detached())
+    else:
+        import trio
+
+        trio.lowlevel.spawn_system_task(detached)
+    await anyio.lowlevel.checkpoint()
+    with pytest.raises(AssertionError, match=r"task left running: .* task .*detached"):
+        await tracker.assert_clean_async(grace_s=0)
+    stop.set()
+    with anyio.fail_after(5):
+        while tracker.task_leaks():  # noqa: ASYNC110 - polling the census is what is under test
+            await anyio.sleep(0.01)
+    if anyio_backend == "asyncio":
+        assert task.done()
+    await tracker.assert_clean_async()
+
+
+@pytest.mark.anyio
+async def test_async_with_checks_on_exit_unless_the_body_raised(anyio_backend):
+    tracker = LeakTracker()
+    thread_stop = threading.Event()
+    thread = threading.Thread(target=thread_stop.wait, args=(10,), name="leaky-worker")
+    with pytest.raises(AssertionError, match=r"thread left running: thread 'leaky-worker' at .*threading.py"):
+        async with tracker:
+            thread.start()
+    with pytest.raises(KeyError):  # the body's own error wins; no leak report on top of it
+        async with tracker:
+            raise KeyError("body")
+    thread_stop.set()
+    thread.join(10)
+    await tracker.assert_clean_async()
+
+
+def test_extra_threads_are_reported_idle_pool_workers_are_not():
+    stop = threading.Event()
+    tracker = LeakTracker()
+    ignoring = LeakTracker(ignore_thread=lambda t: t.name == "known-helper")
+
+    async def use_pool() -> None:
+        for _ in range(3):
+            await anyio.to_thread.run_sync(sum, [1, 2])
+        assert tracker.thread_leaks() == []  # idle workers stay for reuse: not leaks
+
+    anyio.run(use_pool, backend="trio")
+    daemon = threading.Thread(target=stop.wait, args=(10,), name="leaky-daemon", daemon=True)
+    daemon.start()
+    helper = threading.Thread(target=stop.wait, args=(10,), name="known-helper")
+    helper.start()
+    try:
+        assert [line.split(" at ")[0] for line in tracker.thread_leaks()] == [
+            "thread left running: daemon thread 'leaky-daemon'",
+            "thread left running: thread 'known-helper'",
+        ]
+        assert [line.split(" at ")[0] for line in ignoring.thread_leaks()] == [
+            "thread left running: daemon thread 'leaky-daemon'"
+        ]
+    finally:
+        stop.set()
+        daemon.join(10)
+        helper.join(10)
+    tracker.assert_clean()
+
+
+def test_tqdm_monitor_thread_is_never_a_leak():
+    tracker = LeakTracker()
+    monitor = TMonitor(tqdm, 10)
+    try:
+        assert tracker.thread_leaks() == []
+    finally:
+        monitor.exit()
+
+
+@pytest.mark.anyio
+async def test_thread_states_tell_idle_from_busy_pool_workers(anyio_backend):
+    release = threading.Event()
+    entered = anyio.Event()
+
+    def blocking() -> None:
+        anyio.from_thread.run_sync(entered.set)
+        release.wait(10)
+
+    pool = "anyio" if anyio_backend == "asyncio" else "trio"
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, blocking)
+        await entered.wait()
+        busy = [s for s in thread_states() if s.busy]
+        assert len(busy) == 1
+        assert busy[0].pool == pool
+        # The innermost frame of the code it runs, not the pool's plumbing.
+        assert busy[0].where.endswith("in test_thread_states_tell_idle_from_busy_pool_workers.<locals>.blocking")
+        release.set()
+    with anyio.fail_after(5):
+        while any(s.busy for s in thread_states()):  # noqa: ASYNC110 - a thread's stack has no event to await
+            await anyio.sleep(0.01)
+    assert any(s.pool == pool and not s.busy for s in thread_states())
+
+
+@pytest.mark.anyio
+async def test_abandoned_close_shows_as_a_running_env_call_and_a_busy_worker(tokenizer, anyio_backend):
+    policy = ChaosPolicy(hang_rate=1.0, stage="close", sync_hang_s=30)
+    tracker = LeakTracker()
+    env_id = tracker.track_env(register_chaos_env(SCRIPTED_ENV, policy))
+    engine = tracker.track_engine(ScriptedEngine.from_replies(tokenizer, "#### 8"))
+    try:
+        gen = generator(tokenizer, engine, workers=2, env_cleanup_timeout_s=0.1)
+        out = await gen.generate(batch(env_id, 2), disable_tqdm=True)
+        assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 2
+        leaks = await tracker.leaks_async(grace_s=0.05)
+        assert leaks[0] == "2 environment calls are still running in worker threads"
+        busy = [line for line in leaks[1:] if line.startswith("thread still busy:")]
+        assert len(busy) == 2
+        assert all("chaos.py" in line and "ChaosPolicy.inject" in line for line in busy)
+        policy.release_hangs()
+        await tracker.assert_clean_async(grace_s=5)
+    finally:
+        policy.release_hangs()
+        tracker.close()
