@@ -299,7 +299,8 @@ async def shielded_cleanup(
     the rollout is already raising, if any); an overrun is abandoned, logged and reported through
     ``on_timeout``. Neither replaces the rollout's own outcome.
     """
-    with anyio.CancelScope(shield=True), anyio.move_on_after(limit_s) as scope:
+    # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline.
+    with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit_s) as scope:
         try:
             await cleanup()
         except Exception as cleanup_exc:

@@ -24,19 +24,29 @@ __all__ = ["EpisodeMixin", "PromptTooLongError", "using_client"]
 
 logger = logging.getLogger(__name__)
 
-# (generator, the client its rollouts call) for the batch running in this context: the generator's
-# own client, or a bridge to it. Rollout tasks inherit it from generate().
-_BATCH_CLIENT: ContextVar[tuple[Any, Any] | None] = ContextVar("skyrl_structured_batch_client", default=None)
+
+@dataclass(frozen=True)
+class _Batch:
+    """What one ``generate()`` call fixes for all its rollouts (inherited by their tasks)."""
+
+    generator: Any
+    #: The client rollouts call: the generator's own, or a trio-asyncio bridge to it.
+    client: Any
+    #: ``asdict(generator_cfg.sampling_params)``, computed once rather than per rollout.
+    default_params: dict[str, Any]
+
+
+_BATCH: ContextVar[_Batch | None] = ContextVar("skyrl_structured_batch", default=None)
 
 
 @contextmanager
 def using_client(generator: Any, client: Any) -> Iterator[None]:
     """Within the block, ``generator``'s rollouts call ``client`` instead of its own client."""
-    token = _BATCH_CLIENT.set((generator, client))
+    token = _BATCH.set(_Batch(generator, client, _sampling_params_dict(generator.generator_cfg.sampling_params)))
     try:
         yield
     finally:
-        _BATCH_CLIENT.reset(token)
+        _BATCH.reset(token)
 
 
 class PromptTooLongError(ValueError):
@@ -99,12 +109,18 @@ class EpisodeMixin:
         """Token ids an observation adds (chat-formatted in multi-turn mode, raw text otherwise)."""
         return self._chat.observation_ids(new_obs, done=is_done, multi_turn=self.use_conversation_multi_turn)
 
+    def _batch(self) -> _Batch | None:
+        batch = _BATCH.get()
+        return batch if batch is not None and batch.generator is self else None
+
     def _engine(self) -> Any:
         """The client to call: the batch's (possibly bridged) client, else the generator's own."""
-        current = _BATCH_CLIENT.get()
-        if current is not None and current[0] is self:
-            return current[1]
-        return self.inference_engine_client
+        batch = self._batch()
+        return batch.client if batch is not None else self.inference_engine_client
+
+    def _default_sampling_params(self) -> dict[str, Any]:
+        batch = self._batch()
+        return batch.default_params if batch is not None else _sampling_params_dict(self.generator_cfg.sampling_params)
 
     def _retokenizes(self) -> bool:
         return bool(self.use_conversation_multi_turn and self.custom_chat_template)
@@ -138,7 +154,8 @@ class EpisodeMixin:
             chat_template=self.custom_chat_template if retokenize else None,
         )
         initial_prompt_length = len(initial_ids)
-        current_params = sampling_params if sampling_params is not None else _sampling_params_dict(cfg.sampling_params)
+        # Read only (stop strings, logprobs): one dict per batch serves every rollout.
+        current_params = sampling_params if sampling_params is not None else self._default_sampling_params()
         stop_strings: list[str] | None = current_params.get("stop", None)
         append_eos_after_stop = (
             stop_strings is not None and cfg.append_eos_token_after_stop_str_in_multi_turn and multi_turn

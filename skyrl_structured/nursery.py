@@ -120,14 +120,15 @@ async def run_rollouts(
                 async with slot:
                     attempt.started = time.monotonic()
                     deadline = settings.rollout_timeout_s
-                    with anyio.CancelScope(
-                        deadline=anyio.current_time() + deadline if deadline is not None else float("inf")
-                    ) as scope:
+                    if deadline is None:
                         result = await rollout(index)
-                    if scope.cancelled_caught:
-                        raise TimeoutError(
-                            f"{_describe(index, trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"
-                        )
+                    else:
+                        with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
+                            result = await rollout(index)
+                        if scope.cancelled_caught:
+                            raise TimeoutError(
+                                f"{_describe(index, trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"
+                            )
             except Exception as exc:
                 elapsed = time.monotonic() - attempt.started
                 if attempts <= settings.max_rollout_retries:

