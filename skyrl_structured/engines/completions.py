@@ -79,17 +79,8 @@ def completion_request(
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt_token_ids),
-        "max_tokens": spec.max_tokens,
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "top_k": spec.top_k,
-        "min_p": spec.min_p,
-        "repetition_penalty": spec.repetition_penalty,
-        "min_tokens": spec.min_tokens,
-        "include_stop_str_in_output": spec.include_stop_str_in_output,
-        "skip_special_tokens": spec.skip_special_tokens,
+        **spec.vllm_fields(),
         "return_token_ids": True,
-        "n": 1,
         "stream": False,
     }
     if spec.stop:

@@ -87,6 +87,21 @@ class SamplingSpec:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def vllm_fields(self) -> dict[str, Any]:
+        """The sampling fields vLLM's HTTP request and its ``SamplingParams`` share, always explicit."""
+        return {
+            "n": 1,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+
 
 def _flatten(params: Mapping[str, Any]) -> dict[str, Any]:
     """Top-level keys win over ``additional_kwargs`` (SkyRL adds those only where absent)."""

@@ -57,16 +57,7 @@ def vllm_sampling_kwargs(spec: SamplingSpec) -> dict[str, Any]:
     ``spec.extra`` is passed through, so any other ``SamplingParams`` field can be set.
     """
     kwargs: dict[str, Any] = {
-        "n": 1,
-        "max_tokens": spec.max_tokens,
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "top_k": spec.top_k,
-        "min_p": spec.min_p,
-        "repetition_penalty": spec.repetition_penalty,
-        "min_tokens": spec.min_tokens,
-        "include_stop_str_in_output": spec.include_stop_str_in_output,
-        "skip_special_tokens": spec.skip_special_tokens,
+        **spec.vllm_fields(),
         "seed": spec.seed,
         "stop": list(spec.stop) or None,
         "stop_token_ids": list(spec.stop_token_ids) or None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from contextlib import AsyncExitStack
 from urllib.parse import urlsplit
 
 import pytest
@@ -149,8 +150,8 @@ async def test_an_enclosing_trio_asyncio_loop_is_reused():
         assert await run_asyncio(asyncio.sleep, 0, result=5) == 5
 
 
-@pytest.mark.trio
-async def test_the_generator_under_trio_with_an_asyncio_only_client(tokenizer):
+async def generate_through_asyncio_client(tokenizer, *, bridge_by_hand: bool) -> None:
+    """Three two-turn rollouts under trio against an asyncio-only client, bridged by hand or by generate()."""
     ledger = EnvLedger()
     script = [{"observation": "<observation>more</observation>", "reward": 0.5}, {"reward": 1.0, "done": True}]
     cfg = GeneratorConfig(max_turns=2, sampling_params=SamplingParams(max_generate_length=8, logprobs=None))
@@ -161,8 +162,9 @@ async def test_the_generator_under_trio_with_an_asyncio_only_client(tokenizer):
     }
     async with serve_vllm(scripted(tokenizer)) as server:
         client = AsyncioStreamsClient(server.url, "test-model")
-        async with AsyncioBridge(client) as bridged:
-            generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), bridged, tokenizer)
+        async with AsyncExitStack() as stack:
+            used = await stack.enter_async_context(AsyncioBridge(client)) if bridge_by_hand else client
+            generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), used, tokenizer)
             output = await generator.generate(batch, disable_tqdm=True)
     assert len(server.completions()) == 6
     assert output["stop_reasons"] == ["stop"] * 3
@@ -171,24 +173,14 @@ async def test_the_generator_under_trio_with_an_asyncio_only_client(tokenizer):
 
 
 @pytest.mark.trio
+async def test_the_generator_under_trio_with_an_asyncio_only_client(tokenizer):
+    await generate_through_asyncio_client(tokenizer, bridge_by_hand=True)
+
+
+@pytest.mark.trio
 async def test_the_generator_bridges_an_asyncio_only_client_by_itself_under_trio(tokenizer):
-    ledger = EnvLedger()
-    script = [{"observation": "<observation>more</observation>", "reward": 0.5}, {"reward": 1.0, "done": True}]
-    cfg = GeneratorConfig(max_turns=2, sampling_params=SamplingParams(max_generate_length=8, logprobs=None))
-    batch = {
-        "prompts": [[{"role": "user", "content": f"Q{i}?"}] for i in range(3)],
-        "env_classes": [SCRIPTED_ENV] * 3,
-        "env_extras": [{"script": script, "ledger": ledger} for _ in range(3)],
-    }
-    async with serve_vllm(scripted(tokenizer)) as server:
-        client = AsyncioStreamsClient(server.url, "test-model")
-        # No AsyncioBridge here: generate() sees an asyncio-only client under trio and bridges it.
-        generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), client, tokenizer)
-        output = await generator.generate(batch, disable_tqdm=True)
-    assert len(server.completions()) == 6
-    assert output["stop_reasons"] == ["stop"] * 3
-    assert len(client.finished_sessions) == 3
-    ledger.assert_all_closed_once()
+    # No AsyncioBridge given: generate() sees an asyncio-only client under trio and bridges it.
+    await generate_through_asyncio_client(tokenizer, bridge_by_hand=False)
 
 
 @pytest.mark.trio
