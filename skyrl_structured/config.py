@@ -23,6 +23,7 @@ __all__ = [
     "SamplingParams",
     "SkyRLGymConfig",
     "resolve_resilience",
+    "routed_experts_enabled",
 ]
 
 FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
@@ -178,6 +179,12 @@ class ResilienceSettings:
     env_cleanup_timeout_s: float = 30.0
     max_failed_rollout_fraction: float = 1.0
     failed_rollout_policy: str = "placeholder"
+
+
+def routed_experts_enabled(generator_cfg: Any) -> bool:
+    """Whether ``generator.inference_engine.enable_return_routed_experts`` is on (any config object)."""
+    engine_cfg = getattr(generator_cfg, "inference_engine", None)
+    return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
 
 
 def _get(cfg: Any, name: str, default: Any) -> Any:

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from .config import routed_experts_enabled
 from .tokens import ChatTokenizer
 from .types import ConversationType, StepWiseOutput, TrajectoryOutput
 
@@ -349,8 +350,7 @@ class EpisodeMixin:
             state.rollout_expert_indices = turn.rollout_expert_indices
 
     def _routed_experts(self) -> bool:
-        engine_cfg = getattr(self.generator_cfg, "inference_engine", None)
-        return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
+        return routed_experts_enabled(self.generator_cfg)
 
     def _assemble(
         self,

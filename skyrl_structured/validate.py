@@ -9,7 +9,7 @@ from typing import Any
 
 import skyrl_gym
 
-from .config import ResilienceSettings
+from .config import ResilienceSettings, routed_experts_enabled
 
 __all__ = [
     "GeneratorOutputError",
@@ -23,11 +23,6 @@ logger = logging.getLogger(__name__)
 
 class GeneratorOutputError(ValueError):
     """A ``GeneratorOutput`` breaks the contract SkyRL's trainer relies on."""
-
-
-def _routed_experts(generator_cfg: Any) -> bool:
-    engine_cfg = getattr(generator_cfg, "inference_engine", None)
-    return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
 
 
 def check_generator_config(
@@ -52,7 +47,7 @@ def check_generator_config(
                 "`generator.step_wise_trajectories` does not support a custom chat template, got "
                 f"`generator.chat_template`={generator_cfg.chat_template!r}"
             )
-        if _routed_experts(generator_cfg):
+        if routed_experts_enabled(generator_cfg):
             raise ValueError(
                 "`generator.step_wise_trajectories` does not support "
                 "`generator.inference_engine.enable_return_routed_experts=true`"
@@ -66,7 +61,7 @@ def check_generator_config(
                 "path runs all prompts through one engine call, so there is no single rollout to replace. "
                 "Set batched=false to contain failures per rollout."
             )
-        if _routed_experts(generator_cfg):
+        if routed_experts_enabled(generator_cfg):
             raise ValueError(
                 "`generator.skip_failed_rollouts` does not work with "
                 "`generator.inference_engine.enable_return_routed_experts=true`: a placeholder has no routed "
