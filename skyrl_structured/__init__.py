@@ -14,8 +14,10 @@ from .config import SamplingParams as SamplingParams
 from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
+from .episode import MalformedEngineReplyError as MalformedEngineReplyError
 from .episode import PromptTooLongError as PromptTooLongError
 from .generator import StructuredGymGenerator as StructuredGymGenerator
+from .nursery import RolloutCancelledError as RolloutCancelledError
 from .types import ROLLOUT_ERROR_STOP_REASON as ROLLOUT_ERROR_STOP_REASON
 from .types import BatchMetadata as BatchMetadata
 from .types import ConversationType as ConversationType
@@ -47,8 +49,10 @@ __all__ = (
     "InferenceEngineConfig",
     "InferenceEngineInput",
     "InferenceEngineOutput",
+    "MalformedEngineReplyError",
     "PromptTooLongError",
     "ResilienceSettings",
+    "RolloutCancelledError",
     "SamplingParams",
     "SkyRLGymConfig",
     "StepWiseOutput",

@@ -8,17 +8,22 @@ a zero loss mask and zero reward, so they keep the batch size without teaching a
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .config import FailureBudgetAction
 from .types import ROLLOUT_ERROR_STOP_REASON, StepWiseOutput, TrajectoryOutput
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "FailedRollout",
     "apply_group_policy",
     "check_failure_budget",
+    "failure_budget_exceeded",
     "failure_summary",
     "first_trajectory",
     "infer_token_level_rewards",
@@ -119,25 +124,54 @@ def failure_summary(failures: Sequence[FailedRollout]) -> str:
     return ", ".join(f"{n} x {name}" for name, n in counts.most_common())
 
 
-def check_failure_budget(failures: Sequence[FailedRollout], total: int, max_fraction: float) -> None:
-    """Raise when every rollout failed, or more than ``max_fraction`` of them did.
+def failure_budget_exceeded(failed: int, total: int, max_fraction: float) -> bool:
+    """Whether ``failed`` of ``total`` rollouts is over budget: all of them, or more than ``max_fraction``."""
+    return failed > 0 and (failed >= total or failed > max_fraction * total)
+
+
+def check_failure_budget(
+    failures: Sequence[FailedRollout], total: int, max_fraction: float, *, action: FailureBudgetAction = "raise"
+) -> bool:
+    """Act on a step whose every rollout failed, or more than ``max_fraction`` of them did.
+
+    With ``action="raise"`` such a step raises; with ``"warn"`` it logs one warning and the caller
+    returns the step with placeholders for the failed rows (``generator.failure_budget_action``).
+
+    Returns:
+        Whether the budget was exceeded (only ever True with ``action="warn"``).
 
     Raises:
-        RuntimeError: chained (``__cause__``) to the first failure's exception.
+        RuntimeError: over budget with ``action="raise"``; chained (``__cause__``) to the first
+            failure's exception.
     """
-    if not failures:
-        return
+    if not failure_budget_exceeded(len(failures), total, max_fraction):
+        return False
     first = min(failures, key=lambda f: f.index).exception
     if len(failures) >= total:
-        raise RuntimeError(
+        what = (
             f"All {total} rollouts failed ({failure_summary(failures)}); a step made only of "
-            "placeholders carries no training signal. The first error is chained below."
-        ) from first
-    if len(failures) > max_fraction * total:
-        raise RuntimeError(
+            "placeholders carries no training signal."
+        )
+    else:
+        what = (
             f"{len(failures)} of {total} rollouts failed ({failure_summary(failures)}), more than "
-            f"generator.max_failed_rollout_fraction={max_fraction:g} allows. The first error is chained below."
-        ) from first
+            f"generator.max_failed_rollout_fraction={max_fraction:g} allows."
+        )
+    if action == "warn":
+        logger.warning(
+            "%s Returning the step with %d placeholder(s) because generator.failure_budget_action=warn; "
+            "the first error was %s: %s",
+            what,
+            len(failures),
+            type(first).__name__,
+            first,
+        )
+        return True
+    raise RuntimeError(
+        f"{what} The first error is chained below. Where generate() gets one prompt group at a time "
+        "(SkyRL's fully-async trainer), generator.failure_budget_action=warn returns such a step with "
+        "placeholders instead."
+    ) from first
 
 
 def _trajectory_score(reward: Any) -> float:

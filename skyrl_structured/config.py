@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 __all__ = [
     "FAILED_ROLLOUT_POLICIES",
+    "FAILURE_BUDGET_ACTIONS",
     "ChatTemplateConfig",
     "GeneratorConfig",
     "InferenceEngineConfig",
@@ -28,6 +29,8 @@ __all__ = [
 
 FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
 FAILED_ROLLOUT_POLICIES: tuple[str, ...] = ("placeholder", "mask_group", "fill_group_mean")
+FailureBudgetAction = Literal["raise", "warn"]
+FAILURE_BUDGET_ACTIONS: tuple[str, ...] = ("raise", "warn")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
@@ -85,8 +88,8 @@ class GeneratorConfig:
     batched: bool = _help("Single-turn batched generation through one engine call.", False)
     max_turns: int = _help("Maximum turns per multi-turn rollout.", 1)
     max_input_length: int | None = _help(
-        "Longest input (prompt plus history) sent to the engine at any turn; a longer one ends the "
-        "rollout with stop_reason 'length'. null means no limit.",
+        "Longest input (prompt plus history) sent to the engine at any turn, in tokens (a positive "
+        "integer); a longer one ends the rollout with stop_reason 'length'. null means no limit.",
         None,
     )
     chat_template: ChatTemplateConfig = _help_factory(
@@ -122,7 +125,8 @@ class GeneratorConfig:
         False,
     )
     rollout_timeout_s: float | None = _help(
-        "Deadline for each rollout attempt in seconds; an attempt over it fails with TimeoutError. null means none.",
+        "Deadline for each rollout attempt in seconds (> 0); an attempt over it fails with TimeoutError. "
+        "null (or .inf) means none.",
         None,
     )
     max_rollout_retries: int = _help("Times a failed rollout is re-run from scratch with a fresh environment.", 0)
@@ -134,11 +138,20 @@ class GeneratorConfig:
         None,
     )
     env_cleanup_timeout_s: float = _help(
-        "Bound on each cleanup (environment close, session finish) in seconds; an overrun is abandoned with a warning.",
+        "Bound on each cleanup (environment close, session finish) in seconds, finite and > 0; an overrun "
+        "is abandoned with a warning.",
         30.0,
     )
     max_failed_rollout_fraction: float = _help(
-        "With skip_failed_rollouts, a step whose failed share exceeds this fraction raises.", 1.0
+        "With skip_failed_rollouts, a step whose failed share exceeds this fraction (or whose every "
+        "rollout failed) is over budget: see failure_budget_action.",
+        1.0,
+    )
+    failure_budget_action: FailureBudgetAction = _help(
+        "With skip_failed_rollouts, what an over-budget step does: 'raise' a RuntimeError, or 'warn' "
+        "(log a warning, return placeholders for the failed rows, report generate/failure_budget_exceeded=1). "
+        "Use 'warn' where generate() gets one prompt group at a time (SkyRL's fully-async trainer).",
+        "raise",
     )
     failed_rollout_policy: str = _help(
         "How failures enter the batch: 'placeholder', 'mask_group' (mask the failure's whole "
@@ -178,6 +191,7 @@ class ResilienceSettings:
     max_concurrent_rollouts: int | None = None
     env_cleanup_timeout_s: float = 30.0
     max_failed_rollout_fraction: float = 1.0
+    failure_budget_action: FailureBudgetAction = "raise"
     failed_rollout_policy: str = "placeholder"
 
 
@@ -193,51 +207,135 @@ def _get(cfg: Any, name: str, default: Any) -> Any:
     return getattr(cfg, name, default)
 
 
-def _check_number(name: str, value: Any, *, allow_none: bool, integer: bool, minimum: float) -> None:
+def _shown(value: Any, *, with_type: bool) -> str:
+    return f"{value!r} ({type(value).__name__})" if with_type else repr(value)
+
+
+def invalid_value(path: str, value: Any, requirement: str, fix: str = "", *, with_type: bool = False) -> ValueError:
+    """The one wording of every refused setting: the field, what it takes, what it got, and the fix."""
+    message = f"`{path}` must be {requirement}; got {_shown(value, with_type=with_type)}"
+    return ValueError(f"{message}. {fix}" if fix else message)
+
+
+def check_number(
+    path: str,
+    value: Any,
+    *,
+    integer: bool,
+    minimum: float,
+    strict: bool = False,
+    seconds: bool = False,
+    null_means: str | None = None,
+    fix: str = "",
+) -> Any:
+    """Check a numeric setting and return it (None where null is allowed and given).
+
+    The rule is ``value >= minimum`` (``> minimum`` with ``strict``), finite, and an ``int`` where
+    ``integer``; a ``bool`` is never a number. ``null_means`` allows None and says what it means.
+
+    Raises:
+        ValueError: from :func:`invalid_value`, naming ``path``.
+    """
+    what = "an integer" if integer else ("a finite number of seconds" if seconds else "a finite number")
+    requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
+    if null_means is not None:
+        requirement += f", or null for {null_means}"
     if value is None:
-        if allow_none:
-            return
-        raise ValueError(f"`generator.{name}` must be a number, got None")
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        want = "an integer" if integer else "a number"
-        raise ValueError(f"`generator.{name}` must be {want}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < minimum:
-        raise ValueError(f"`generator.{name}` must be >= {minimum:g}, got {value!r}")
+        if null_means is not None:
+            return None
+        raise invalid_value(path, value, requirement, fix, with_type=True)
+    number: int | float
+    if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and not integer):
+        number = value
+    else:
+        raise invalid_value(path, value, requirement, fix, with_type=True)
+    infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite
+    if infinite or number < minimum or (strict and number == minimum):
+        raise invalid_value(path, value, requirement, fix)
+    return value
 
 
 def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
     """Read and check the new knobs from ``generator_cfg``; absent ones take their defaults.
 
+    Every timeout follows one rule: a finite number of seconds > 0, and null (where the knob is
+    optional) for no limit; ``rollout_timeout_s`` also takes ``inf`` (YAML ``.inf``) as null.
+
     Raises:
-        ValueError: a knob has the wrong type or range; the message names it and what it accepts.
+        ValueError: a knob has the wrong type or range; the message names it, what it accepts, what
+            it got, and how to fix it.
     """
     defaults = ResilienceSettings()
     values = {f.name: _get(generator_cfg, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
     if not isinstance(values["skip_failed_rollouts"], bool):
-        raise ValueError(
-            f"`generator.skip_failed_rollouts` must be true or false, got {values['skip_failed_rollouts']!r}"
+        raise invalid_value(
+            "generator.skip_failed_rollouts", values["skip_failed_rollouts"], "true or false", with_type=True
         )
-    _check_number("rollout_timeout_s", values["rollout_timeout_s"], allow_none=True, integer=False, minimum=0)
-    if values["rollout_timeout_s"] is not None and values["rollout_timeout_s"] <= 0:
-        raise ValueError(
-            f"`generator.rollout_timeout_s` must be > 0 (or null for no deadline), got {values['rollout_timeout_s']!r}"
-        )
-    _check_number("max_rollout_retries", values["max_rollout_retries"], allow_none=False, integer=True, minimum=0)
-    _check_number(
-        "rollout_retry_backoff_s", values["rollout_retry_backoff_s"], allow_none=False, integer=False, minimum=0
+    timeout = values["rollout_timeout_s"]
+    if isinstance(timeout, float) and timeout == math.inf:
+        values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null
+    check_number(
+        "generator.rollout_timeout_s",
+        values["rollout_timeout_s"],
+        integer=False,
+        minimum=0,
+        strict=True,
+        seconds=True,
+        null_means="no deadline (.inf means the same)",
+        fix="Set the longest one rollout attempt may run, e.g. 600, or null for no deadline.",
     )
-    _check_number(
-        "max_concurrent_rollouts", values["max_concurrent_rollouts"], allow_none=True, integer=True, minimum=1
+    check_number(
+        "generator.max_rollout_retries",
+        values["max_rollout_retries"],
+        integer=True,
+        minimum=0,
+        fix="0 runs each rollout once, without retries.",
     )
-    _check_number("env_cleanup_timeout_s", values["env_cleanup_timeout_s"], allow_none=False, integer=False, minimum=0)
+    check_number(
+        "generator.rollout_retry_backoff_s",
+        values["rollout_retry_backoff_s"],
+        integer=False,
+        minimum=0,
+        seconds=True,
+        fix="0 retries at once.",
+    )
+    check_number(
+        "generator.max_concurrent_rollouts",
+        values["max_concurrent_rollouts"],
+        integer=True,
+        minimum=1,
+        null_means="no limit",
+        fix="null runs every rollout of the batch at once.",
+    )
+    check_number(
+        "generator.env_cleanup_timeout_s",
+        values["env_cleanup_timeout_s"],
+        integer=False,
+        minimum=0,
+        strict=True,
+        seconds=True,
+        fix="It bounds each environment close and session finish (0 would abandon every one of them, "
+        "inf would let a hung close block the step); keep the default 30, or raise it for slow environments.",
+    )
     fraction = values["max_failed_rollout_fraction"]
-    _check_number("max_failed_rollout_fraction", fraction, allow_none=False, integer=False, minimum=0)
-    if fraction > 1:
-        raise ValueError(f"`generator.max_failed_rollout_fraction` must be within [0, 1], got {fraction!r}")
+    fraction_fix = "It is the largest failed share a step tolerates; 1.0 (the default) tolerates any short of all."
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise invalid_value(
+            "generator.max_failed_rollout_fraction", fraction, "within [0, 1]", fraction_fix, with_type=True
+        )
+    if not 0 <= fraction <= 1:  # NaN fails both comparisons
+        raise invalid_value("generator.max_failed_rollout_fraction", fraction, "within [0, 1]", fraction_fix)
+    if values["failure_budget_action"] not in FAILURE_BUDGET_ACTIONS:
+        raise invalid_value(
+            "generator.failure_budget_action",
+            values["failure_budget_action"],
+            f"one of {', '.join(FAILURE_BUDGET_ACTIONS)}",
+            "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
+        )
     if values["failed_rollout_policy"] not in FAILED_ROLLOUT_POLICIES:
-        raise ValueError(
-            f"`generator.failed_rollout_policy` must be one of {', '.join(FAILED_ROLLOUT_POLICIES)}; "
-            f"got {values['failed_rollout_policy']!r}"
+        raise invalid_value(
+            "generator.failed_rollout_policy",
+            values["failed_rollout_policy"],
+            f"one of {', '.join(FAILED_ROLLOUT_POLICIES)}",
         )
     return ResilienceSettings(**values)

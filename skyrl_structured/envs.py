@@ -1,38 +1,40 @@
 """Environments as async context managers: created, used and closed exactly once on every path.
 
 ``skyrl_gym`` environments are synchronous. :func:`open_env` wraps one so that ``init``,
-``step`` and ``close`` run in worker threads through one shared :class:`anyio.CapacityLimiter`
-(or inline, when ``max_env_workers`` is 0, as SkyRL does). An environment that already speaks
-the async protocol (``__aenter__``/``__aexit__`` and ``async`` ``init``/``step``) is used as is.
+``step`` and ``close`` run in the generator's worker threads (at most ``max_env_workers``, see
+:mod:`skyrl_structured._env_threads`), or inline when ``max_env_workers`` is 0, as SkyRL does. An
+environment that already speaks the async protocol (``__aenter__``/``__aexit__`` and ``async``
+``init``/``step``) is used as is; one with async ``init``/``step`` but a plain ``close`` gets that
+close run in a worker thread, never on the event loop.
 
 Cleanup is shielded from cancellation and bounded in time: if the rollout was cancelled while a
 worker thread was still inside ``step``, cleanup first waits for that call so that ``close``
-never races it; a cleanup that overruns ``env_cleanup_timeout_s`` is abandoned with a warning.
-A failing ``close`` is logged and counted but never replaces the rollout's own result or error.
+never races it; a cleanup that overruns ``env_cleanup_timeout_s`` is abandoned with a warning,
+and the close still runs in its thread once it can. A failing ``close`` (``GeneratorExit``
+included) is logged and counted but never replaces the rollout's own result or error.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
-import anyio.from_thread
-import anyio.to_thread
 import skyrl_gym
 
+from ._env_threads import EnvCall, EnvThreadPool, active_env_thread_calls
 from .types import ConversationType
 
 __all__ = [
     "AsyncEnvironment",
     "CleanupStats",
     "EnvCallRunner",
+    "EnvThreadPool",
     "SyncEnvAdapter",
     "active_env_thread_calls",
     "is_async_env",
@@ -74,98 +76,30 @@ class CleanupStats:
     finish_session_timeouts: int = 0
 
 
-_thread_calls_lock = threading.Lock()
-_thread_calls = 0
-
-
-def active_env_thread_calls() -> int:
-    """Environment calls still running in worker threads (abandoned ones included)."""
-    return _thread_calls
-
-
-def _enter_thread_call() -> None:
-    global _thread_calls
-    with _thread_calls_lock:
-        _thread_calls += 1
-
-
-def _leave_thread_call() -> None:
-    global _thread_calls
-    with _thread_calls_lock:
-        _thread_calls -= 1
-
-
 class EnvCallRunner:
-    """Runs blocking environment calls inline or in worker threads under one limiter."""
+    """Runs blocking environment calls inline, or in the generator's :class:`EnvThreadPool`."""
 
-    def __init__(self, limiter: anyio.CapacityLimiter | None) -> None:
-        self.limiter = limiter
+    def __init__(self, pool: EnvThreadPool | None) -> None:
+        self.pool = pool
 
     @property
     def inline(self) -> bool:
-        return self.limiter is None
+        return self.pool is None
 
+    async def run(self, call: EnvCall[T]) -> T:
+        """Run ``call`` in a worker thread and return its result.
 
-class _ThreadCall:
-    """One environment call handed to a worker thread: pending, running, then finished.
-
-    Cleanup calls :meth:`settle`: a call still pending (queued for the limiter or a thread) is
-    marked so it never starts; a running one is waited for; a finished one needs nothing.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._state = "pending"
-        self._waiter: anyio.Event | None = None
-        self._after: Callable[[], None] | None = None
-
-    def start(self) -> bool:
-        """In the worker thread: claim the call; False if cleanup already cancelled it."""
-        with self._lock:
-            if self._state != "pending":
-                return False
-            self._state = "running"
-            return True
-
-    def finish(self) -> Callable[[], None] | None:
-        """In the worker thread, once the call has returned or raised; returns a deferred close, if any."""
-        with self._lock:
-            self._state = "finished"
-            waiter = self._waiter
-            after = self._after
-        if waiter is not None:
-            with suppress(Exception):
-                anyio.from_thread.run_sync(waiter.set)
-        return after
-
-    def close_when_finished(self, close: Callable[[], None]) -> None:
-        """Cleanup gave up waiting for this call: close the environment as soon as the call returns.
-
-        The close then runs in the call's own worker thread, still never concurrently with it.
+        Cancelled while waiting, a call that has not started is skipped; one already running is
+        left to finish in its thread (the caller still holds it to wait for or chain a close after).
         """
-        with self._lock:
-            if self._state == "running":
-                self._after = close
-                return
-
-        def run() -> None:
-            _enter_thread_call()
-            try:
-                close()
-            finally:
-                _leave_thread_call()
-
-        threading.Thread(target=run, name="skyrl-structured-late-close", daemon=True).start()
-
-    async def settle(self) -> None:
-        with self._lock:
-            if self._state == "pending":
-                self._state = "skipped"
-                return
-            if self._state != "running":
-                return
-            self._waiter = waiter = anyio.Event()
-        await waiter.wait()
+        assert self.pool is not None
+        self.pool.submit(call)
+        try:
+            await call.wait()
+        except BaseException:
+            call.skip()
+            raise
+        return call.result()
 
 
 class SyncEnvAdapter:
@@ -174,7 +108,9 @@ class SyncEnvAdapter:
     def __init__(self, env: Any, runner: EnvCallRunner) -> None:
         self.env = env
         self._runner = runner
-        self._in_flight: _ThreadCall | None = None
+        self._in_flight: EnvCall[Any] | None = None
+        #: A close handed to a thread that cleanup stopped waiting for; it still runs.
+        self.abandoned_close: EnvCall[None] | None = None
 
     async def __aenter__(self) -> SyncEnvAdapter:
         return self
@@ -182,25 +118,44 @@ class SyncEnvAdapter:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        pool = self._runner.pool
+        if pool is None:
+            self.env.close()
+            return
+        close: EnvCall[None] = EnvCall(self._close, skippable=False)
         call = self._in_flight
-        if call is not None:
+        if call is not None and not call.skip() and not call.done:
             # The rollout was cancelled while a worker thread was inside init/step: let that call
             # finish before closing, so close never runs concurrently with it.
             try:
-                await call.settle()
-            except anyio.get_cancelled_exc_class():
-                # env_cleanup_timeout_s ran out first: close it once the stuck call returns instead.
-                call.close_when_finished(self._close_late)
+                await self.settle(call)
+            except BaseException:
+                # env_cleanup_timeout_s ran out first: close it in that thread once the call returns.
+                call.then(close, pool)
+                self.abandoned_close = close
                 raise
-        await self._call(self.env.close)
+        pool.submit(close)
+        try:
+            await close.wait()
+        except BaseException:
+            self.abandoned_close = close
+            raise
+        close.result()
 
-    def _close_late(self) -> None:
+    async def settle(self, call: EnvCall[Any]) -> None:
+        """Wait for a call still running in its thread (cleanup's bound applies)."""
+        await call.wait()
+
+    def _close(self) -> None:
+        late = self.abandoned_close is not None
         try:
             self.env.close()
         except Exception as exc:
-            logger.warning("closing an environment after its abandoned call returned failed: %r", exc)
-        else:
-            logger.warning("closed an environment after its abandoned call finally returned")
+            if late:
+                logger.warning("closing an environment after its cleanup was abandoned failed: %r", exc)
+            raise
+        if late:
+            logger.warning("closed an environment after its cleanup was abandoned (env_cleanup_timeout_s ran out)")
 
     async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
         result: tuple[ConversationType, dict[str, Any]] = await self._call(self.env.init, prompt)
@@ -215,33 +170,24 @@ class SyncEnvAdapter:
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._runner.inline:
             return fn(*args)
-        call = _ThreadCall()
-
-        def work() -> T | None:
-            if not call.start():
-                return None  # cancelled before it began; its result is never read
-            _enter_thread_call()
-            try:
-                return fn(*args)
-            finally:
-                try:
-                    deferred_close = call.finish()
-                    if deferred_close is not None:
-                        deferred_close()
-                finally:
-                    _leave_thread_call()
-
+        call = EnvCall(fn, *args)
         self._in_flight = call
-        result = await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._runner.limiter)
+        result = await self._runner.run(call)
         self._in_flight = None
-        return result  # type: ignore[return-value]  # None only when cancelled, never returned
+        return result
 
 
 class _AwaitingEnvAdapter:
-    """An environment with async ``init``/``step`` but no async context manager of its own."""
+    """An environment with async ``init``/``step`` but no async context manager of its own.
 
-    def __init__(self, env: Any) -> None:
+    Its ``close`` (or ``aclose``) is awaited when it is a coroutine function; a plain function is
+    blocking work like any sync env call, so it runs in a worker thread, never on the event loop.
+    """
+
+    def __init__(self, env: Any, runner: EnvCallRunner) -> None:
         self.env = env
+        self._runner = runner
+        self.abandoned_close: EnvCall[Any] | None = None
 
     async def __aenter__(self) -> _AwaitingEnvAdapter:
         return self
@@ -250,10 +196,21 @@ class _AwaitingEnvAdapter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         closer = getattr(self.env, "aclose", None) or getattr(self.env, "close", None)
-        if closer is not None:
+        if closer is None:
+            return
+        if inspect.iscoroutinefunction(closer) or self._runner.pool is None:
             result = closer()
-            if inspect.isawaitable(result):
-                await result
+        else:
+            close: EnvCall[Any] = EnvCall(closer, skippable=False)
+            self._runner.pool.submit(close)
+            try:
+                await close.wait()
+            except BaseException:
+                self.abandoned_close = close
+                raise
+            result = close.result()
+        if inspect.isawaitable(result):
+            await result
 
     async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
         result: tuple[ConversationType, dict[str, Any]] = await self.env.init(prompt)
@@ -280,7 +237,7 @@ def _wrap(env: Any, runner: EnvCallRunner) -> Any:
     if is_async_env(env):
         return env
     if inspect.iscoroutinefunction(getattr(env, "step", None)):
-        return _AwaitingEnvAdapter(env)
+        return _AwaitingEnvAdapter(env, runner)
     return SyncEnvAdapter(env, runner)
 
 
@@ -292,29 +249,94 @@ async def shielded_cleanup(
     error: BaseException | None,
     on_error: Callable[[], None],
     on_timeout: Callable[[], None],
-) -> None:
-    """Run ``cleanup()`` shielded from cancellation and bounded by ``timeout`` seconds.
+) -> bool:
+    """Run ``cleanup()`` shielded from cancellation and bounded by ``limit_s`` seconds.
 
-    A failure is logged and reported through ``on_error`` (and noted on ``error``, the exception
-    the rollout is already raising, if any); an overrun is abandoned, logged and reported through
-    ``on_timeout``. Neither replaces the rollout's own outcome.
+    A failure (``GeneratorExit`` included) is logged and reported through ``on_error`` (and noted on
+    ``error``, the exception the rollout is already raising, if any); an overrun is abandoned,
+    logged and reported through ``on_timeout``. Neither replaces the rollout's own outcome. An
+    interrupt (``KeyboardInterrupt``, ``SystemExit``) is reported as a failure and then propagates.
+    Returns False when the cleanup was abandoned.
     """
+
+    def report(cleanup_exc: BaseException) -> None:
+        on_error()
+        logger.warning("%s failed with %s: %s", what, type(cleanup_exc).__name__, cleanup_exc)
+        if error is not None and error is not cleanup_exc:
+            error.add_note(f"while cleaning up, {what} also failed: {type(cleanup_exc).__name__}: {cleanup_exc}")
+
     # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline.
     with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit_s) as scope:
         try:
             await cleanup()
-        except Exception as cleanup_exc:
-            on_error()
-            logger.warning("%s failed with %s: %s", what, type(cleanup_exc).__name__, cleanup_exc)
-            if error is not None:
-                error.add_note(f"while cleaning up, {what} also failed: {type(cleanup_exc).__name__}: {cleanup_exc}")
+        except (Exception, GeneratorExit) as cleanup_exc:
+            report(cleanup_exc)
+        except (KeyboardInterrupt, SystemExit) as interrupt:
+            report(interrupt)
+            raise
     if scope.cancelled_caught:
         on_timeout()
         logger.warning("%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", what, limit_s)
+        return False
+    return True
 
 
-@asynccontextmanager
-async def open_env(
+class _OpenEnv:
+    """The context manager :func:`open_env` returns (a class, so any exception passes through it)."""
+
+    def __init__(
+        self,
+        env_class: str,
+        raw: Any,
+        runner: EnvCallRunner,
+        cleanup_timeout: float,
+        stats: CleanupStats,
+        abandoned: list[EnvCall[Any]] | None,
+    ) -> None:
+        self._env_class = env_class
+        self._env = _wrap(raw, runner)
+        self._cleanup_timeout = cleanup_timeout
+        self._stats = stats
+        self._abandoned = abandoned
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self._env.__aenter__()
+        except BaseException:
+            # An async env whose own __aenter__ failed cleans up after itself (the protocol's rule).
+            self._stats.envs_closed += 1
+            raise
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        stats = self._stats
+
+        def count_error() -> None:
+            stats.env_close_errors += 1
+            stats.envs_closed += 1
+
+        def count_timeout() -> None:
+            stats.env_cleanup_timeouts += 1
+
+        async def close() -> None:
+            await self._env.__aexit__(exc_type, exc, tb)
+            stats.envs_closed += 1
+
+        finished = await shielded_cleanup(
+            f"closing environment {self._env_class!r}",
+            close,
+            limit_s=self._cleanup_timeout,
+            error=exc,
+            on_error=count_error,
+            on_timeout=count_timeout,
+        )
+        late = getattr(self._env, "abandoned_close", None)
+        if not finished and late is not None and self._abandoned is not None:
+            self._abandoned.append(late)
+
+
+def open_env(
     env_class: str,
     *,
     env_config: Any,
@@ -322,54 +344,15 @@ async def open_env(
     runner: EnvCallRunner,
     cleanup_timeout: float,
     stats: CleanupStats,
-) -> AsyncIterator[Any]:
+    abandoned: list[EnvCall[Any]] | None = None,
+) -> AbstractAsyncContextManager[Any]:
     """Create an environment with ``skyrl_gym.make`` and close it exactly once on exit.
 
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
-    patching environments after import works.
+    patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
+    in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
+    counted as live until it returns.
     """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
-    env = _wrap(raw, runner)
-    try:
-        entered = await env.__aenter__()
-    except BaseException:
-        # An async env whose own __aenter__ failed cleans up after itself (the protocol's rule).
-        stats.envs_closed += 1
-        raise
-
-    def count_error() -> None:
-        stats.env_close_errors += 1
-        stats.envs_closed += 1
-
-    def count_timeout() -> None:
-        stats.env_cleanup_timeouts += 1
-
-    async def close(exc: BaseException | None) -> None:
-        if exc is None:
-            await env.__aexit__(None, None, None)
-        else:
-            await env.__aexit__(type(exc), exc, exc.__traceback__)
-        stats.envs_closed += 1
-
-    try:
-        yield entered
-    except BaseException as exc:
-        error = exc
-        await shielded_cleanup(
-            f"closing environment {env_class!r}",
-            lambda: close(error),
-            limit_s=cleanup_timeout,
-            error=error,
-            on_error=count_error,
-            on_timeout=count_timeout,
-        )
-        raise
-    await shielded_cleanup(
-        f"closing environment {env_class!r}",
-        lambda: close(None),
-        limit_s=cleanup_timeout,
-        error=None,
-        on_error=count_error,
-        on_timeout=count_timeout,
-    )
+    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned)

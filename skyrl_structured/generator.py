@@ -14,9 +14,7 @@ from collections.abc import Hashable
 from typing import Any
 from uuid import uuid4
 
-import anyio
-from anyio.lowlevel import RunVar
-
+from ._env_threads import EnvThreadPool
 from .batched import BatchedMixin, env_config_for
 from .collect import substitute_placeholders
 from .config import ResilienceSettings, resolve_resilience
@@ -73,12 +71,55 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
-        # SkyRL exposes these; subclasses written against it read them.
-        self.generation_prompt_ids = self._chat.generation_prompt_ids
-        self.base_conversation = [dict(m) for m in ChatTokenizer._BASE]
-        self.base_conversation_token_ids = self._chat.base_ids
-        # One limiter for blocking env calls per generator and event loop (limiters are loop-bound).
-        self._env_limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_env_limiter_{id(self)}")
+        # `generation_prompt_ids`, `base_conversation` and `base_conversation_token_ids` are properties
+        # over `self._chat` (below), so assigning them changes observation encoding as on SkyRL.
+        # Worker threads for blocking env calls, shared by every generate() of this generator (as
+        # SkyRL's env executor is); created on first use.
+        self._env_pool: EnvThreadPool | None = None
+
+    # ------------------------------------------------------------------ SkyRL's encoding attributes
+    # Live views of the chat tokenizer's state, read by `get_obs_ids_from_obs` on every observation:
+    # assigning one, or editing it in place, changes the next encoding exactly as on SkyRLGymGenerator.
+    # They stay independent, as there: a new `base_conversation` does not recompute the token ids.
+
+    def _chat_or_none(self) -> ChatTokenizer | None:
+        # None before `__init__` built it; a value assigned then is dropped, as SkyRL's `__init__`
+        # overwrites it too.
+        chat: ChatTokenizer | None = self.__dict__.get("_chat")
+        return chat
+
+    @property
+    def base_conversation(self) -> ConversationType:
+        """Messages rendered ahead of an observation (multi-turn mode) so it gets mid-conversation tokens."""
+        return self._chat.base_conversation
+
+    @base_conversation.setter
+    def base_conversation(self, value: ConversationType) -> None:
+        chat = self._chat_or_none()
+        if chat is not None:
+            chat.base_conversation = value
+
+    @property
+    def base_conversation_token_ids(self) -> list[int]:
+        """Tokens cut off the front of a rendered observation: only their count is used."""
+        return self._chat.base_ids
+
+    @base_conversation_token_ids.setter
+    def base_conversation_token_ids(self, value: list[int]) -> None:
+        chat = self._chat_or_none()
+        if chat is not None:
+            chat.base_ids = value
+
+    @property
+    def generation_prompt_ids(self) -> list[int] | None:
+        """The next turn's generation prompt, added after an empty observation (None in single-turn mode)."""
+        return self._chat.generation_prompt_ids
+
+    @generation_prompt_ids.setter
+    def generation_prompt_ids(self, value: list[int] | None) -> None:
+        chat = self._chat_or_none()
+        if chat is not None:
+            chat.generation_prompt_ids = value
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -103,12 +144,9 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
     def _env_runner(self) -> EnvCallRunner:
         if self.max_env_workers <= 0:
             return EnvCallRunner(None)
-        try:
-            limiter = self._env_limiter.get()
-        except LookupError:
-            limiter = anyio.CapacityLimiter(self.max_env_workers)
-            self._env_limiter.set(limiter)
-        return EnvCallRunner(limiter)
+        if self._env_pool is None or self._env_pool.max_workers != self.max_env_workers:
+            self._env_pool = EnvThreadPool(self.max_env_workers)
+        return EnvCallRunner(self._env_pool)
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
@@ -182,6 +220,7 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
                 runner=self._env_runner(),
                 cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=attempt.cleanup,
+                abandoned=attempt.abandoned,
             ) as env:
                 output: TrajectoryOutput | StepWiseOutput = await self._run_episode(
                     env, prompt, max_input_length, sampling_params, session_id, cache_salt, time_splits

@@ -1,4 +1,13 @@
-"""``rollout_metrics``: SkyRL's keys and values, plus the failure and cleanup counters we add."""
+"""``rollout_metrics``: SkyRL's keys and values, plus the failure and cleanup counters we add.
+
+Per-group callers (SkyRL's fully-async trainer calls ``generate()`` once per prompt group) merge
+the groups' metrics with ``concatenate_generator_outputs``, which recomputes SkyRL's own token
+metrics and aggregates every other key by its name: averaged if it contains ``avg`` or ``mean``,
+else the minimum if it contains ``min``, else the maximum if it contains ``max``, else summed. So
+every key added here is named for its kind: counts carry none of those words (summed: the batch
+total), ratios and percentiles carry ``mean`` (averaged: exact for a ratio when the groups are the
+same size, an estimate for a percentile), maxima ``max``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,7 @@ from typing import Any
 import numpy as np
 from skyrl_gym.metrics import aggregate_for_environment
 
-from .collect import FailedRollout
+from .collect import FailedRollout, failure_budget_exceeded
 from .envs import CleanupStats
 
 __all__ = ["failure_metrics", "rollout_metrics", "turn_token_counts"]
@@ -55,7 +64,8 @@ def _time_stats(out: dict[str, Any], name: str, times: Sequence[float] | None) -
         return
     arr = np.asarray(times, dtype=np.float64)
     out[f"generate/trajectory_time_{name}_mean"] = np.mean(arr).item()
-    out[f"generate/trajectory_time_{name}_p90"] = np.percentile(arr, 90).item()
+    # `_p90_mean`: merged per-group outputs average it (a plain `_p90` would be summed).
+    out[f"generate/trajectory_time_{name}_p90_mean"] = np.percentile(arr, 90).item()
     out[f"generate/trajectory_time_{name}_max"] = np.max(arr).item()
 
 
@@ -119,12 +129,23 @@ def rollout_metrics(
 
 
 def failure_metrics(
-    failures: Sequence[FailedRollout], total: int, retries: int, cleanup: CleanupStats
+    failures: Sequence[FailedRollout],
+    total: int,
+    retries: int,
+    cleanup: CleanupStats,
+    *,
+    max_fraction: float = 1.0,
 ) -> dict[str, Any]:
-    """The counters a structured generator adds: failures by type, timeouts, retries, cleanup."""
+    """The counters a structured generator adds: failures by type, timeouts, retries, cleanup.
+
+    ``generate/failure_budget_exceeded`` is 1 when the step is over the failure budget
+    (``max_fraction``, see :func:`~skyrl_structured.collect.failure_budget_exceeded`) and was
+    returned anyway (``failure_budget_action=warn``), else 0. Every key but the fraction is a count.
+    """
     out: dict[str, Any] = {
         "generate/num_failed_rollouts": len(failures),
-        "generate/failed_rollout_fraction": len(failures) / total if total else 0.0,
+        "generate/mean_failed_rollout_fraction": len(failures) / total if total else 0.0,
+        "generate/failure_budget_exceeded": int(failure_budget_exceeded(len(failures), total, max_fraction)),
         "generate/num_timed_out_rollouts": sum(1 for f in failures if f.timed_out),
         "generate/num_rollout_retries": retries,
         "generate/num_envs_opened": cleanup.envs_opened,

@@ -85,7 +85,9 @@ def build_generator_output(
         completion_times=metric_times,  # type: ignore[arg-type]
         time_splits=_split_lists([splits[i] for i in ok_rollouts]),
     )
-    metrics.update(failure_metrics(failures, len(outputs), retries, cleanup))
+    metrics.update(
+        failure_metrics(failures, len(outputs), retries, cleanup, max_fraction=resilience.max_failed_rollout_fraction)
+    )
 
     if cfg.zero_reward_on_non_stop:
         for r, reason in enumerate(stop_reasons):

@@ -123,10 +123,16 @@ def _as_ids(rendered: Any) -> list[int]:
 
 
 class ChatTokenizer:
-    """A tokenizer bound to the generator's chat-template settings, with the constant parts cached."""
+    """A tokenizer bound to the generator's chat-template settings, with the constant parts cached.
 
-    # A fixed two-message prefix: observations are rendered after it and the prefix's tokens cut
-    # off, so they get exactly the tokens the template would give them mid-conversation.
+    ``base_conversation``, ``base_ids`` and ``generation_prompt_ids`` are read on every observation,
+    so reassigning them (or editing them in place) changes how the next observation is encoded, as
+    with SkyRL's generator attributes of the same meaning. They are independent: like SkyRL, a new
+    ``base_conversation`` does not recompute ``base_ids``.
+    """
+
+    # The default fixed two-message prefix: observations are rendered after it and the prefix's
+    # tokens cut off, so they get exactly the tokens the template would give them mid-conversation.
     _BASE: ConversationType = [  # noqa: RUF012 - read-only class constant
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "I am a user."},
@@ -143,12 +149,14 @@ class ChatTokenizer:
         self.eos_token_id: int = tokenizer.eos_token_id
         self.eos_token: str | None = tokenizer.eos_token
         self.generation_prompt_ids: list[int] | None = self._generation_prompt_ids() if multi_turn else None
-        base = self.render(self._BASE, add_generation_prompt=False)
+        self.base_conversation: ConversationType = [dict(m) for m in self._BASE]
+        base = self.render(self.base_conversation, add_generation_prompt=False)
         if self.eos_token_id in base:
             # Keep everything up to the last EOS: what follows it belongs to the next message.
             last = len(base) - 1 - base[::-1].index(self.eos_token_id)
             base = base[: last + 1]
-        self.base_ids = base
+        # Only its length is used: how many leading tokens of a rendered observation to cut off.
+        self.base_ids: list[int] = base
 
     def render(
         self,
@@ -186,10 +194,11 @@ class ChatTokenizer:
         """
         if multi_turn:
             if new_obs:
-                full = self.render([*self._BASE, *new_obs], add_generation_prompt=not done)
+                full = self.render([*self.base_conversation, *new_obs], add_generation_prompt=not done)
                 return full[len(self.base_ids) :]
             if not done:
-                assert self.generation_prompt_ids is not None
+                if self.generation_prompt_ids is None:
+                    raise TypeError("generation_prompt_ids is None; multi-turn observations need the generation prompt")
                 return list(self.generation_prompt_ids)
             return []
         ids: list[int] = []

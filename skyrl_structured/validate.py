@@ -9,7 +9,7 @@ from typing import Any
 
 import skyrl_gym
 
-from .config import ResilienceSettings, routed_experts_enabled
+from .config import ResilienceSettings, check_number, routed_experts_enabled
 
 __all__ = [
     "GeneratorOutputError",
@@ -34,6 +34,15 @@ def check_generator_config(
         ValueError: naming the fields that conflict and how to resolve it.
     """
     batched = bool(generator_cfg.batched)
+    check_number(
+        "generator.max_input_length",
+        getattr(generator_cfg, "max_input_length", None),
+        integer=True,
+        minimum=1,
+        null_means="no limit",
+        fix="It is the longest input, in tokens, sent to the engine at any turn: set it to the context "
+        "the model can take (e.g. 4096), or null.",
+    )
     if generator_cfg.chat_template_kwargs and batched:
         raise ValueError(
             "`generator.chat_template_kwargs` is not compatible with `generator.batched=true`: in batched "
@@ -73,12 +82,19 @@ def check_generator_config(
             "which exist only with `generator.skip_failed_rollouts=true`; enable it or leave the policy at "
             "'placeholder'."
         )
-    workers = getattr(skyrl_gym_cfg, "max_env_workers", 0)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    elif settings.failure_budget_action != "raise":
         raise ValueError(
-            f"`environment.skyrl_gym.max_env_workers` must be an integer >= 0 (0 runs env calls inline), "
-            f"got {workers!r}"
+            f"`generator.failure_budget_action={settings.failure_budget_action}` only acts on failed rollouts, "
+            "which exist only with `generator.skip_failed_rollouts=true`; without it the first failure fails "
+            "the step. Enable it or leave the action at 'raise'."
         )
+    check_number(
+        "environment.skyrl_gym.max_env_workers",
+        getattr(skyrl_gym_cfg, "max_env_workers", 0),
+        integer=True,
+        minimum=0,
+        fix="0 runs environment calls inline, on the event loop.",
+    )
 
 
 def _env_registered(env_class: str) -> bool:
@@ -97,6 +113,11 @@ def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str) -> 
         if key not in input_batch or input_batch[key] is None:
             raise ValueError(f"`input_batch['{key}']` is required: one entry per rollout")
     n = len(input_batch["prompts"])
+    if n == 0:
+        raise ValueError(
+            "the batch has no prompts; `input_batch['prompts']` is empty, and SkyRL's trainer refuses an output "
+            "with no rows ('No outputs generated'). Pass at least one prompt, or skip the generate() call."
+        )
     for key in ("env_classes", "env_extras", "trajectory_ids"):
         value = input_batch.get(key)
         if value is not None and len(value) != n:

@@ -316,4 +316,4 @@ async def test_env_whose_cleanup_was_abandoned_is_closed_when_its_stuck_step_ret
     release.set()
     await wait_thread_calls_drained()
     ledger.assert_all_closed_once()
-    assert any("after its abandoned call finally returned" in r.getMessage() for r in caplog.records)
+    assert any("closed an environment after its cleanup was abandoned" in r.getMessage() for r in caplog.records)

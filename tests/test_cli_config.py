@@ -143,7 +143,9 @@ def test_yaml_errors_name_the_file(tmp_path):
     [
         (["generator.skip_failed_rollouts=true", "generator.batched=true"], r"does not work with `generator.batched"),
         (["generator.max_failed_rollout_fraction=1.5"], r"`generator.max_failed_rollout_fraction` must be within"),
-        (["generator.rollout_timeout_s=0"], r"`generator.rollout_timeout_s` must be > 0"),
+        (["generator.rollout_timeout_s=0"], r"`generator.rollout_timeout_s` must be a finite number of seconds > 0"),
+        (["generator.env_cleanup_timeout_s=0"], r"`generator.env_cleanup_timeout_s` must be a finite number of sec"),
+        (["generator.max_input_length=0"], r"`generator.max_input_length` must be an integer >= 1, or null for"),
         (["generator.failed_rollout_policy=mask_group"], r"only acts on failed rollouts"),
         (["generator.n_samples_per_prompt=0"], r"`generator.n_samples_per_prompt` must be >= 1, got 0"),
         (["generator.sampling_params.top_p=0"], r"`generator.sampling_params.top_p` must be within \(0, 1\]"),

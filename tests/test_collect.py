@@ -3,6 +3,8 @@ invariants any pattern of failures must keep (Hypothesis)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +29,8 @@ from skyrl_structured.collect import (
 )
 from skyrl_structured.envs import CleanupStats
 from skyrl_structured.output import build_generator_output
+
+from ._upstream import load_upstream_validator
 
 PAD = 0
 
@@ -108,6 +112,81 @@ def test_budget_messages_count_by_type_and_chain_the_first():
     check_failure_budget(failures[:1], 3, 0.34)  # 1/3 <= 0.34
     with pytest.raises(RuntimeError, match=r"2 of 3 rollouts failed"):
         check_failure_budget(failures[:2], 3, 0.5)
+
+
+def test_raise_names_the_knob_that_would_keep_the_step():
+    with pytest.raises(
+        RuntimeError, match=r"generator.failure_budget_action=warn returns such a step with placeholders"
+    ):
+        check_failure_budget([failure(0)], 1, 1.0)
+
+
+def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "skyrl_structured.collect"]
+
+
+def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):
+    every = [failure(1, OSError("b")), failure(0, OSError("a"))]
+    assert check_failure_budget(every, 2, 1.0, action="warn") is True
+    (record,) = _budget_warnings(caplog)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "All 2 rollouts failed (2 x OSError); a step made only of placeholders carries no training signal. "
+        "Returning the step with 2 placeholder(s) because generator.failure_budget_action=warn; "
+        "the first error was OSError: a"
+    )
+    caplog.clear()
+    assert check_failure_budget(every, 4, 0.25, action="warn") is True
+    (record,) = _budget_warnings(caplog)
+    assert record.getMessage().startswith(
+        "2 of 4 rollouts failed (2 x OSError), more than generator.max_failed_rollout_fraction=0.25 allows. "
+        "Returning the step with 2 placeholder(s) because generator.failure_budget_action=warn"
+    )
+
+
+def test_warn_within_budget_is_silent(caplog):
+    assert check_failure_budget([failure(0)], 4, 0.25, action="warn") is False
+    assert check_failure_budget([], 4, 0.0, action="warn") is False
+    assert check_failure_budget([failure(0)], 4, 0.25) is False
+    assert _budget_warnings(caplog) == []
+
+
+@pytest.mark.parametrize("step_wise", [False, True])
+@pytest.mark.parametrize("default_token_level", [True, False])
+@pytest.mark.parametrize("policy", ["placeholder", "mask_group", "fill_group_mean"])
+def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_level, policy):
+    # failure_budget_action=warn returns a step in which every rollout failed: the reward shape then
+    # comes from the configuration (no rollout has a trajectory to infer it from).
+    n = 4
+    token_level = default_token_level or step_wise
+    failures = [failure(i, ConnectionError(f"down {i}")) for i in range(n)]
+    results = substitute_placeholders(
+        failures, token_id=PAD, default_token_level_rewards=token_level, with_logprobs=True, step_wise=step_wise
+    )
+    out = build_generator_output(
+        results,
+        generator_cfg=GeneratorConfig(step_wise_trajectories=step_wise),
+        resilience=ResilienceSettings(
+            skip_failed_rollouts=True, failure_budget_action="warn", failed_rollout_policy=policy
+        ),
+        routed_experts=False,
+        env_classes=["gsm8k"] * n,
+        trajectory_ids=[TrajectoryID("g", i) for i in range(n)],
+        get_logprobs=True,
+        failures=failures,
+        retries=0,
+        cleanup=CleanupStats(),
+    )
+    validate_generator_output(n, out, step_wise=step_wise)
+    load_upstream_validator()(n, out, step_wise=step_wise)  # SkyRL's trainer accepts it too
+    assert out["rewards"] == [[0.0] if token_level else 0.0] * n
+    assert out["loss_masks"] == [[0]] * n
+    assert out["stop_reasons"] == [ROLLOUT_ERROR_STOP_REASON] * n
+    metrics = out["rollout_metrics"]
+    assert metrics["generate/num_failed_rollouts"] == n
+    assert metrics["generate/mean_failed_rollout_fraction"] == 1.0
+    assert metrics["generate/failure_budget_exceeded"] == 1
+    assert metrics["generate/failures/ConnectionError"] == n
 
 
 def test_group_policies_worked_example():

@@ -58,24 +58,101 @@ def test_new_knobs_default_when_absent_from_skyrl_config():
     assert resolve_resilience({"skip_failed_rollouts": True}).skip_failed_rollouts is True
 
 
+def _refused(knob: str, requirement: str, got: str) -> str:
+    """The one wording every refused knob uses, as a regex: field, requirement, what it got, then the fix."""
+    return rf"^`generator\.{knob}` must be {requirement}; got {got}\. \S"
+
+
+TIMEOUT = r"a finite number of seconds > 0, or null for no deadline \(\.inf means the same\)"
+CLEANUP = r"a finite number of seconds > 0"
+
+
 @pytest.mark.parametrize(
     ("knob", "value", "message"),
     [
-        ("skip_failed_rollouts", "yes", r"`generator.skip_failed_rollouts` must be true or false, got 'yes'"),
-        ("rollout_timeout_s", 0, r"`generator.rollout_timeout_s` must be > 0 \(or null for no deadline\), got 0"),
-        ("rollout_timeout_s", "5", r"`generator.rollout_timeout_s` must be a number, got '5' \(str\)"),
-        ("max_rollout_retries", -1, r"`generator.max_rollout_retries` must be >= 0, got -1"),
-        ("max_rollout_retries", 1.5, r"`generator.max_rollout_retries` must be an integer, got 1.5"),
-        ("rollout_retry_backoff_s", -0.1, r"`generator.rollout_retry_backoff_s` must be >= 0"),
-        ("max_concurrent_rollouts", 0, r"`generator.max_concurrent_rollouts` must be >= 1, got 0"),
-        ("env_cleanup_timeout_s", float("nan"), r"`generator.env_cleanup_timeout_s` must be >= 0"),
-        ("max_failed_rollout_fraction", 1.5, r"must be within \[0, 1\], got 1.5"),
-        ("failed_rollout_policy", "drop", r"must be one of placeholder, mask_group, fill_group_mean; got 'drop'"),
+        ("skip_failed_rollouts", "yes", r"^`generator.skip_failed_rollouts` must be true or false; got 'yes' \(str\)$"),
+        ("skip_failed_rollouts", 1, r"^`generator.skip_failed_rollouts` must be true or false; got 1 \(int\)$"),
+        # rollout_timeout_s: 0, negative, NaN, a string and a boolean all get the same rule and wording.
+        ("rollout_timeout_s", 0, _refused("rollout_timeout_s", TIMEOUT, "0")),
+        ("rollout_timeout_s", -5, _refused("rollout_timeout_s", TIMEOUT, "-5")),
+        ("rollout_timeout_s", float("nan"), _refused("rollout_timeout_s", TIMEOUT, "nan")),
+        ("rollout_timeout_s", float("-inf"), _refused("rollout_timeout_s", TIMEOUT, "-inf")),
+        ("rollout_timeout_s", "5", _refused("rollout_timeout_s", TIMEOUT, r"'5' \(str\)")),
+        ("rollout_timeout_s", True, _refused("rollout_timeout_s", TIMEOUT, r"True \(bool\)")),
+        # env_cleanup_timeout_s: 0 would abandon every close; it is bounded, so neither inf nor null.
+        ("env_cleanup_timeout_s", 0, _refused("env_cleanup_timeout_s", CLEANUP, "0") + r".*0 would abandon every"),
+        ("env_cleanup_timeout_s", -1.0, _refused("env_cleanup_timeout_s", CLEANUP, "-1.0")),
+        ("env_cleanup_timeout_s", float("inf"), _refused("env_cleanup_timeout_s", CLEANUP, "inf")),
+        ("env_cleanup_timeout_s", float("nan"), _refused("env_cleanup_timeout_s", CLEANUP, "nan")),
+        ("env_cleanup_timeout_s", None, _refused("env_cleanup_timeout_s", CLEANUP, r"None \(NoneType\)")),
+        ("env_cleanup_timeout_s", False, _refused("env_cleanup_timeout_s", CLEANUP, r"False \(bool\)")),
+        ("max_rollout_retries", -1, _refused("max_rollout_retries", "an integer >= 0", "-1")),
+        ("max_rollout_retries", 1.5, _refused("max_rollout_retries", "an integer >= 0", r"1.5 \(float\)")),
+        ("max_rollout_retries", True, _refused("max_rollout_retries", "an integer >= 0", r"True \(bool\)")),
+        (
+            "rollout_retry_backoff_s",
+            -0.1,
+            _refused("rollout_retry_backoff_s", r"a finite number of seconds >= 0", "-0.1"),
+        ),
+        (
+            "rollout_retry_backoff_s",
+            float("inf"),
+            _refused("rollout_retry_backoff_s", r"a finite number of seconds >= 0", "inf"),
+        ),
+        (
+            "max_concurrent_rollouts",
+            0,
+            _refused("max_concurrent_rollouts", "an integer >= 1, or null for no limit", "0"),
+        ),
+        (
+            "max_concurrent_rollouts",
+            True,
+            _refused("max_concurrent_rollouts", "an integer >= 1, or null for no limit", r"True \(bool\)"),
+        ),
+        ("max_failed_rollout_fraction", 1.5, _refused("max_failed_rollout_fraction", r"within \[0, 1\]", "1.5")),
+        (
+            "max_failed_rollout_fraction",
+            float("nan"),
+            _refused("max_failed_rollout_fraction", r"within \[0, 1\]", "nan"),
+        ),
+        (
+            "max_failed_rollout_fraction",
+            True,
+            _refused("max_failed_rollout_fraction", r"within \[0, 1\]", r"True \(bool\)"),
+        ),
+        ("failure_budget_action", "ignore", _refused("failure_budget_action", "one of raise, warn", "'ignore'")),
+        (
+            "failed_rollout_policy",
+            "drop",
+            r"^`generator.failed_rollout_policy` must be one of placeholder, mask_group, fill_group_mean; got 'drop'$",
+        ),
     ],
 )
 def test_bad_knob_values_are_refused_by_name(knob, value, message):
     with pytest.raises(ValueError, match=message):
         resolve_resilience({knob: value})
+
+
+@pytest.mark.parametrize("value", [float("inf"), None])
+def test_an_infinite_rollout_timeout_means_no_deadline(value):
+    assert resolve_resilience({"rollout_timeout_s": value}).rollout_timeout_s is None
+
+
+def test_good_knob_values_are_kept():
+    settings = resolve_resilience(
+        {
+            "rollout_timeout_s": 0.5,
+            "env_cleanup_timeout_s": 2,
+            "rollout_retry_backoff_s": 0,
+            "max_rollout_retries": 3,
+            "max_concurrent_rollouts": 1,
+            "max_failed_rollout_fraction": 0,
+            "failure_budget_action": "warn",
+        }
+    )
+    assert (settings.rollout_timeout_s, settings.env_cleanup_timeout_s, settings.rollout_retry_backoff_s) == (0.5, 2, 0)
+    assert (settings.max_rollout_retries, settings.max_concurrent_rollouts) == (3, 1)
+    assert (settings.max_failed_rollout_fraction, settings.failure_budget_action) == (0, "warn")
 
 
 def build(tokenizer, gym=None, **cfg):
@@ -114,6 +191,21 @@ def build(tokenizer, gym=None, **cfg):
             r"does not support `generator.inference_engine.enable_return_routed_experts=true`",
         ),
         (dict(failed_rollout_policy="mask_group"), r"only acts on failed rollouts.*skip_failed_rollouts=true"),
+        (
+            dict(failure_budget_action="warn"),
+            r"^`generator.failure_budget_action=warn` only acts on failed rollouts, which exist only with "
+            r"`generator.skip_failed_rollouts=true`",
+        ),
+        (
+            dict(max_input_length=0),
+            r"^`generator.max_input_length` must be an integer >= 1, or null for no limit; got 0\. It is the longest",
+        ),
+        (dict(max_input_length=-3), r"^`generator.max_input_length` must be an integer >= 1, .*; got -3\. "),
+        (dict(max_input_length=True), r"^`generator.max_input_length` must be an integer >= 1, .*; got True \(bool\)"),
+        (
+            dict(max_input_length=512.0),
+            r"^`generator.max_input_length` must be an integer >= 1, .*; got 512.0 \(float\)",
+        ),
         (dict(chat_template=ChatTemplateConfig(name_or_path="llama9")), r"'llama9' is not a built-in template"),
         (
             dict(chat_template=ChatTemplateConfig(source="url", name_or_path="x")),
@@ -127,8 +219,19 @@ def test_construction_refuses_conflicting_settings(tokenizer, cfg, message):
 
 
 def test_construction_refuses_negative_env_workers(tokenizer):
-    with pytest.raises(ValueError, match=r"`environment.skyrl_gym.max_env_workers` must be an integer >= 0"):
+    with pytest.raises(
+        ValueError, match=r"^`environment.skyrl_gym.max_env_workers` must be an integer >= 0; got -1\. "
+    ):
         build(tokenizer, gym=SkyRLGymConfig(max_env_workers=-1))
+    with pytest.raises(ValueError, match=r"max_env_workers` must be an integer >= 0; got True \(bool\)"):
+        build(tokenizer, gym=SkyRLGymConfig(max_env_workers=True))
+
+
+def test_skyrl_config_objects_refuse_a_zero_input_length(tokenizer):
+    cfg = skyrl_config.GeneratorConfig(max_input_length=0)
+    engine = ScriptedEngine(tokenizer, turn_replies("x"))
+    with pytest.raises(ValueError, match=r"^`generator.max_input_length` must be an integer >= 1"):
+        StructuredGymGenerator(cfg, skyrl_config.SkyRLGymConfig(), engine, tokenizer)
 
 
 def test_template_file_errors_name_the_field(tokenizer, tmp_path):

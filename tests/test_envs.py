@@ -11,7 +11,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from skyrl_structured import open_env
-from skyrl_structured.envs import CleanupStats, EnvCallRunner, is_async_env
+from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 from .helpers import make_batch, make_generator
@@ -68,12 +68,12 @@ for name, cls in (("tests_async_ctx_env", AsyncCtxEnv), ("tests_awaiting_env", A
 async def test_sync_env_calls_run_in_worker_threads_or_inline(anyio_backend):
     loop_thread = threading.get_ident()
     seen: dict[str, int] = {}
-    for label, limiter in (("threads", anyio.CapacityLimiter(2)), ("inline", None)):
+    for label, pool in (("threads", EnvThreadPool(2)), ("inline", None)):
         ledger = EnvLedger()
         extras = {"ledger": ledger, "on_step": lambda turn, label=label: seen.__setitem__(label, threading.get_ident())}
         stats = CleanupStats()
         async with open_env(
-            SCRIPTED_ENV, env_config={}, extras=extras, runner=EnvCallRunner(limiter), cleanup_timeout=5, stats=stats
+            SCRIPTED_ENV, env_config={}, extras=extras, runner=EnvCallRunner(pool), cleanup_timeout=5, stats=stats
         ) as env:
             await env.init([{"role": "user", "content": "hi"}])
             out = await env.step("action")
@@ -91,7 +91,7 @@ async def test_env_closed_exactly_once_when_the_body_raises(anyio_backend):
             SCRIPTED_ENV,
             env_config={},
             extras={"ledger": ledger},
-            runner=EnvCallRunner(anyio.CapacityLimiter(1)),
+            runner=EnvCallRunner(EnvThreadPool(1)),
             cleanup_timeout=5,
             stats=CleanupStats(),
         ):

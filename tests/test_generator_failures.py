@@ -48,7 +48,8 @@ async def test_failed_rollout_becomes_placeholder_and_others_are_untouched(token
             assert out[key][i] == clean[key][i], key
     metrics = out["rollout_metrics"]
     assert metrics["generate/num_failed_rollouts"] == 1
-    assert metrics["generate/failed_rollout_fraction"] == 0.25
+    assert metrics["generate/mean_failed_rollout_fraction"] == 0.25
+    assert metrics["generate/failure_budget_exceeded"] == 0
     assert metrics["generate/failures/ConnectionError"] == 1
     # Reward and length metrics describe the three rollouts that ran.
     assert metrics["generate/min_num_tokens"] == min(len(clean["response_ids"][i]) for i in (0, 2, 3))

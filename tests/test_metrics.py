@@ -6,7 +6,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skyrl_structured.metrics import turn_token_counts
+from skyrl_structured import FailedRollout
+from skyrl_structured.envs import CleanupStats
+from skyrl_structured.metrics import failure_metrics, rollout_metrics, turn_token_counts
 
 
 def numpy_runs(masks):
@@ -23,3 +25,52 @@ def test_turn_counts_examples():
     assert turn_token_counts([[1, 1, 0, 1], [0, 0], [], [1]]) == [2, 1, 1]
     assert turn_token_counts([np.array([1, 0, 1, 1])]) == [1, 2]
     assert turn_token_counts([[1, 300, 0, 1]]) == [2, 1]  # ints beyond a byte fall back to numpy
+
+
+def _failed(i: int, exc: Exception, timed_out: bool = False) -> FailedRollout:
+    return FailedRollout(index=i, exception=exc, elapsed=0.1, attempts=1, timed_out=timed_out)
+
+
+def test_failure_metrics_are_counts_except_the_mean_named_fraction():
+    # SkyRL's concatenate_generator_outputs sums every merged key without avg/mean/min/max in its
+    # name: each count below stays a count, and the one ratio says "mean" so it is averaged.
+    failures = [_failed(0, TimeoutError("t"), timed_out=True), _failed(3, ValueError("v")), _failed(5, ValueError("w"))]
+    cleanup = CleanupStats(envs_opened=8, envs_closed=7, env_cleanup_timeouts=1)
+    assert failure_metrics(failures, 8, 2, cleanup) == {
+        "generate/num_failed_rollouts": 3,
+        "generate/mean_failed_rollout_fraction": 0.375,
+        "generate/failure_budget_exceeded": 0,
+        "generate/num_timed_out_rollouts": 1,
+        "generate/num_rollout_retries": 2,
+        "generate/num_envs_opened": 8,
+        "generate/num_envs_closed": 7,
+        "generate/env_close_errors": 0,
+        "generate/env_cleanup_timeouts": 1,
+        "generate/finish_session_errors": 0,
+        "generate/finish_session_timeouts": 0,
+        "generate/failures/TimeoutError": 1,
+        "generate/failures/ValueError": 2,
+    }
+
+
+def test_failure_budget_exceeded_is_one_over_budget_and_zero_otherwise():
+    failures = [_failed(0, ValueError("v")), _failed(1, ValueError("w"))]
+    key = "generate/failure_budget_exceeded"
+    assert failure_metrics(failures, 4, 0, CleanupStats(), max_fraction=0.25)[key] == 1
+    assert failure_metrics(failures, 4, 0, CleanupStats(), max_fraction=0.5)[key] == 0
+    assert failure_metrics(failures, 2, 0, CleanupStats())[key] == 1  # every rollout failed
+    assert failure_metrics([], 2, 0, CleanupStats(), max_fraction=0.0)[key] == 0
+
+
+def test_time_percentiles_are_named_to_be_averaged_not_summed():
+    metrics = rollout_metrics(
+        [[1, 2], [3]],
+        [1.0, 0.0],
+        completion_times=[1.0, 3.0],
+        time_splits={"llm": [0.5, 2.0], "env": [0.25, 0.5]},
+    )
+    for name in ("completion", "llm", "env", "other"):
+        assert f"generate/trajectory_time_{name}_p90_mean" in metrics
+        assert f"generate/trajectory_time_{name}_p90" not in metrics
+    assert metrics["generate/trajectory_time_llm_p90_mean"] == np.percentile([0.5, 2.0], 90)
+    assert metrics["generate/trajectory_time_completion_max"] == 3.0

@@ -108,6 +108,16 @@ def test_step_wise_contiguity_and_boundaries():
         ),
         (lambda b: b.update(sampling_params=[1]), {}, r"must be a dict in the engine's format or None, got list"),
         (lambda b: b.pop("prompts"), {}, r"`input_batch\['prompts'\]` is required"),
+        (
+            lambda b: b.update(prompts=[], env_classes=[], env_extras=[], trajectory_ids=[]),
+            {},
+            r"^the batch has no prompts; `input_batch\['prompts'\]` is empty, and SkyRL's trainer refuses",
+        ),
+        (
+            lambda b: b.update(prompts=[], env_classes=[], env_extras=[], trajectory_ids=[]),
+            {"batched": True, "max_turns": 1},
+            r"^the batch has no prompts; ",
+        ),
     ],
 )
 async def test_bad_batches_are_refused_before_any_rollout(tokenizer, anyio_backend, ledger, edit, cfg, message):

@@ -5,8 +5,9 @@ structured-concurrency knobs and provides the experiment and entrypoint that use
 
 - :class:`StructuredGeneratorConfig`: SkyRL's ``GeneratorConfig`` plus ``skip_failed_rollouts``,
   ``rollout_timeout_s``, ``max_rollout_retries``, ``rollout_retry_backoff_s``,
-  ``max_concurrent_rollouts``, ``env_cleanup_timeout_s``, ``max_failed_rollout_fraction`` and
-  ``failed_rollout_policy`` (the defaults of :class:`skyrl_structured.GeneratorConfig`);
+  ``max_concurrent_rollouts``, ``env_cleanup_timeout_s``, ``max_failed_rollout_fraction``,
+  ``failure_budget_action`` and ``failed_rollout_policy`` (the defaults of
+  :class:`skyrl_structured.GeneratorConfig`);
 - :class:`StructuredTrainConfig`: SkyRL's ``SkyRLTrainConfig`` with that generator section;
 - ``StructuredPPOExp``: SkyRL's ``BasePPOExp`` whose ``get_generator`` returns the structured one;
 - :func:`main`: SkyRL's ``main``, parsing :class:`StructuredTrainConfig`.
@@ -35,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess that 
         "install it with: pip install 'skyrl-structured[skyrl]'"
     ) from exc
 
-from ..config import GeneratorConfig, ResilienceSettings, resolve_resilience
+from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, resolve_resilience
 from ..tokens import load_custom_chat_template
 from ..validate import check_generator_config
 
@@ -73,6 +74,7 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     max_concurrent_rollouts: int | None = _knob("max_concurrent_rollouts")
     env_cleanup_timeout_s: float = _knob("env_cleanup_timeout_s")
     max_failed_rollout_fraction: float = _knob("max_failed_rollout_fraction")
+    failure_budget_action: FailureBudgetAction = _knob("failure_budget_action")
     failed_rollout_policy: str = _knob("failed_rollout_policy")
 
 

@@ -10,7 +10,15 @@ A :class:`Trap` acts on one *target* rollout at one stage, the first time that r
   every rollout, and a moment longer, so that a ``close`` that does not wait for it would be seen;
   an async call waits after the real call returned; a synchronous call made on the event loop
   itself (``create``, or any env call with ``max_env_workers=0``) cannot be held, so the
-  cancellation lands right after it.
+  cancellation lands right after it;
+- the **attack** cases (:data:`ATTACKS`): an ``interrupt`` raises ``KeyboardInterrupt`` or
+  ``SystemExit`` from the env or engine call (where a fault would raise); a ``self_cancel`` makes
+  the engine or the env raise ``asyncio.CancelledError`` itself, as an aborting client does; a
+  ``malformed`` case spoils the engine's reply (one logprob too few, or no stop reason); a
+  ``hang`` blocks a synchronous env call in its worker thread until the check lets go (or half the
+  case's time has passed), far past ``env_cleanup_timeout_s`` (:data:`HANG_CLEANUP_TIMEOUT_S`
+  there): a ``close`` of its own accord, a ``step`` while it cancels ``generate()``. An async call
+  is held after the real call instead, until a cancellation ends the wait.
 
 The environment side is a wrapper env registered per case; the engine side wraps the scripted
 engine. Every case builds its own generator, engine, tracker and wrapper id.
@@ -18,6 +26,8 @@ engine. Every case builds its own generator, engine, tracker and wrapper id.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +38,9 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..config import GeneratorConfig, SkyRLGymConfig
+from ..episode import MalformedEngineReplyError
 from ..generator import StructuredGymGenerator
+from ..nursery import RolloutCancelledError
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, TrajectoryID
 from ..validate import validate_generator_output
 from ._wrappers import TAG_KEY, register_wrapper_env, unregister_wrapper_env
@@ -36,7 +48,7 @@ from .chaos import ChaosError
 from .engines import Reply, ScriptedEngine, replies_by_turn
 from .leaks import LeakTracker
 
-__all__ = ["CANCEL_STAGES", "FAULT_STAGES", "Case", "Setup", "Trap", "run_case"]
+__all__ = ["ATTACKS", "ATTACK_KINDS", "CANCEL_STAGES", "FAULT_STAGES", "Attack", "Case", "Setup", "Trap", "run_case"]
 
 #: Stages an exception is injected at, in the order a rollout meets them.
 FAULT_STAGES = ("create", "init", "generate", "step", "close", "finish_session")
@@ -46,20 +58,60 @@ CANCEL_STAGES = FAULT_STAGES
 THREAD_HOLD_S = 0.1
 #: Stages whose failure fails the rollout (a failing close or finish_session must not).
 ROLLOUT_STAGES = ("create", "init", "generate", "step")
+#: ``env_cleanup_timeout_s`` in a hang case: how long the generator may wait for the hung call.
+HANG_CLEANUP_TIMEOUT_S = 0.025
+#: Kinds whose trap raises an exception at its stage (``malformed`` spoils a reply instead).
+RAISING_KINDS = ("fault", "interrupt", "self_cancel")
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One row of the attack matrix: a kind at a stage, run once per ``skip_failed_rollouts`` value."""
+
+    kind: str
+    stage: str
+    variant: str | None
+    skip_failed_rollouts: tuple[bool, ...]
+    #: Only with ``max_env_workers > 0``: a synchronous call on the event loop cannot be held.
+    needs_threads: bool = False
+
+
+#: The attack matrix: interrupts, a client that cancels itself, malformed replies, hung calls.
+ATTACKS: tuple[Attack, ...] = (
+    Attack("interrupt", "init", "KeyboardInterrupt", (True,)),
+    Attack("interrupt", "generate", "KeyboardInterrupt", (True,)),
+    Attack("interrupt", "step", "SystemExit", (True,)),
+    Attack("interrupt", "close", "KeyboardInterrupt", (True,)),
+    Attack("self_cancel", "generate", None, (True, False)),
+    Attack("self_cancel", "step", None, (True,)),
+    Attack("malformed", "generate", "logprobs", (True,)),
+    Attack("malformed", "generate", "stop_reason", (False,)),
+    Attack("hang", "step", None, (True,), needs_threads=True),
+    Attack("hang", "close", None, (True,), needs_threads=True),
+)
+#: The kinds of :data:`ATTACKS`, in order.
+ATTACK_KINDS: tuple[str, ...] = tuple(dict.fromkeys(attack.kind for attack in ATTACKS))
 
 
 @dataclass(frozen=True)
 class Case:
-    """One run: ``kind`` is ``"baseline"`` (no trap), ``"fault"`` or ``"cancel"``."""
+    """One run: ``kind`` is ``"baseline"`` (no trap), ``"fault"``, ``"cancel"`` or an attack kind.
+
+    ``variant`` refines an attack: the interrupt raised (``"KeyboardInterrupt"``, ``"SystemExit"``)
+    or the way a reply is malformed (``"logprobs"``, ``"stop_reason"``).
+    """
 
     kind: str
     stage: str | None
     skip_failed_rollouts: bool
     max_env_workers: int
+    variant: str | None = None
 
     @property
     def name(self) -> str:
         what = self.kind if self.stage is None else f"{self.kind} at {self.stage}"
+        if self.variant is not None:
+            what += f" [{self.variant}]"
         return f"{what} (skip_failed_rollouts={self.skip_failed_rollouts}, max_env_workers={self.max_env_workers})"
 
 
@@ -103,9 +155,16 @@ class Setup:
             "skip_failed_rollouts": case.skip_failed_rollouts,
             "max_rollout_retries": 0,
             "rollout_timeout_s": None,
-            # A cleanup that hangs is abandoned (and shows up as a leak) well before the case times out.
-            "env_cleanup_timeout_s": self.case_timeout_s / 4,
+            # A cleanup that hangs is abandoned (and shows up as a leak) well before the case times out;
+            # a hang case hangs on purpose, and expects the generator to give up on it quickly.
+            "env_cleanup_timeout_s": (
+                min(HANG_CLEANUP_TIMEOUT_S, self.case_timeout_s / 4) if case.kind == "hang" else self.case_timeout_s / 4
+            ),
         }
+        if case.kind == "hang":
+            # A rollout keeps its slot until its abandoned close has returned: with one slot, the
+            # rollouts after the hung one would rightly wait for it.
+            fields["max_concurrent_rollouts"] = None
         gym_cfg = SkyRLGymConfig(max_env_workers=case.max_env_workers)
         if self.env_config is not None:
             gym_cfg.env_configs[env_id] = self.env_config
@@ -123,6 +182,8 @@ class Trap:
         self.fired = 0
         self.injected: BaseException | None = None
         self.release = threading.Event()
+        #: True while a call is held in a worker thread (a hang case reads it when generate() ends).
+        self.holding = False
         self._lock = threading.Lock()
         self._held_after: set[str] = set()
         self.reached: anyio.Event | None = None
@@ -134,9 +195,11 @@ class Trap:
         #: Cancels the scope around generate() (set by the cancel case before it starts).
         self.cancel_generate: Callable[[], None] | None = None
         self._loop_thread: int | None = None
+        self._loop_token: anyio.lowlevel.EventLoopToken | None = None
 
     def arm(self) -> None:
         """Inside the case's event loop, before anything runs."""
+        self._loop_token = anyio.lowlevel.current_token()
         self.reached = anyio.Event()
         self.released = anyio.Event()
         self.closing = anyio.Event()
@@ -148,7 +211,12 @@ class Trap:
         if self.released is not None:
             self.released.set()
 
-    def _claims(self, stage: str, key: Hashable) -> bool:
+    def not_let_go(self) -> bool:
+        """True while the trap's call is held in its thread, or has not been reached yet."""
+        with self._lock:
+            return self.holding or self.fired == 0
+
+    def _claims(self, stage: str, key: Hashable, *, hold: bool = False) -> bool:
         target = self.target_session if stage in ("generate", "finish_session") else self.target_tag
         if self.case.kind == "baseline" or stage != self.case.stage or key != target:
             return False
@@ -156,15 +224,51 @@ class Trap:
             if self.fired:
                 return False
             self.fired += 1
+            # Set with ``fired``, so that the check never sees the call reached but not yet held.
+            self.holding = hold
             return True
 
     def _fail(self, stage: str) -> None:
-        self.injected = ChaosError(
-            f"check_structured_concurrency: injected failure at stage {stage!r} of rollout {self.target_tag}",
-            stage=stage,
-            call=1,
-        )
-        raise self.injected
+        where = f"stage {stage!r} of rollout {self.target_tag}"
+        error: BaseException
+        if self.case.kind == "interrupt":
+            interrupt = SystemExit if self.case.variant == "SystemExit" else KeyboardInterrupt
+            error = interrupt(f"check_structured_concurrency: injected {interrupt.__name__} at {where}")
+        elif self.case.kind == "self_cancel":
+            # What an inference client that aborts its own request raises (asyncio's, also under trio).
+            error = asyncio.CancelledError(f"check_structured_concurrency: the client cancelled itself at {where}")
+        else:
+            error = ChaosError(f"check_structured_concurrency: injected failure at {where}", stage=stage, call=1)
+        self.injected = error
+        raise error
+
+    def _hold_in_thread(self) -> None:
+        try:
+            self.release.wait(self.hold_s)
+        finally:
+            with self._lock:
+                self.holding = False
+
+    async def _hold_async(self) -> None:
+        # Until the check lets go, or a cancellation (cleanup's deadline, generate()'s) ends it.
+        assert self.released is not None
+        with anyio.move_on_after(self.hold_s):
+            await self.released.wait()
+
+    def spoil(self, reply: Mapping[str, Any], index: int) -> dict[str, Any]:
+        """A copy of the engine's ``reply`` whose entry ``index`` is malformed as the case says."""
+        spoiled = dict(reply)
+        if self.case.variant == "stop_reason":
+            reasons = list(spoiled["stop_reasons"])
+            reasons[index] = None
+            spoiled["stop_reasons"] = reasons
+            return spoiled
+        ids = spoiled["response_ids"]
+        given = spoiled.get("response_logprobs")
+        logprobs = [list(given[i]) if given is not None else [-0.5] * len(ids[i]) for i in range(len(ids))]
+        logprobs[index] = [-0.5] * max(len(ids[index]) - 1, 0)  # one logprob too few
+        spoiled["response_logprobs"] = logprobs
+        return spoiled
 
     def _reach(self) -> None:
         assert self.reached is not None
@@ -176,7 +280,7 @@ class Trap:
         if threading.get_ident() == self._loop_thread:
             fn()
         else:
-            anyio.from_thread.run_sync(fn)
+            anyio.from_thread.run_sync(fn, token=self._loop_token)
 
     def _signal(self) -> None:
         # Cancel generate() from inside the stage itself, so the cancellation is certain to arrive
@@ -189,51 +293,63 @@ class Trap:
 
     # env hook protocol (see _wrappers.EnvHook)
 
+    def _raises_after(self, stage: str) -> bool:
+        # A failing close raises after the real close, so that nothing is left open.
+        return stage == "close" and self.case.kind in ("fault", "interrupt")
+
     def before(self, stage: str, tag: Any) -> None:
         self._note_close(stage, tag)
-        if stage == "close" and self.case.kind == "fault":
-            return
-        if not self._claims(stage, tag):
-            return
-        if self.case.kind == "fault":
-            self._fail(stage)
         in_thread = threading.get_ident() != self._loop_thread
+        holds = in_thread and self.case.kind not in RAISING_KINDS
+        if self._raises_after(stage) or not self._claims(stage, tag, hold=holds):
+            return
+        if self.case.kind in RAISING_KINDS:
+            self._fail(stage)
         self.held_in_thread = in_thread  # before signalling: the check reads it once signalled
         self._signal()
         if in_thread:
-            self.release.wait(self.hold_s)
+            self._hold_in_thread()
 
     def after(self, stage: str, tag: Any) -> None:
-        if stage == "close" and self.case.kind == "fault" and self._claims(stage, tag):
+        if self._raises_after(stage) and self._claims(stage, tag):
             self._fail(stage)
 
     async def abefore(self, stage: str, tag: Any) -> None:
         self._note_close(stage, tag)
-        if stage == "close" and self.case.kind == "fault":
+        if self._raises_after(stage) or not self._claims(stage, tag):
             return
-        if self._claims(stage, tag):
-            if self.case.kind == "fault":
-                self._fail(stage)
-            self._signal()
-            self._held_after.add(stage)
+        if self.case.kind in RAISING_KINDS:
+            self._fail(stage)
+        self._signal()
+        # Held after the real call: an async call can be cancelled, and a hung close must still have
+        # released the environment's resources (the check must not leak what it tests).
+        self._held_after.add(stage)
 
     async def aafter(self, stage: str, tag: Any) -> None:
-        if stage == "close" and self.case.kind == "fault" and self._claims(stage, tag):
+        if self._raises_after(stage) and self._claims(stage, tag):
             self._fail(stage)
         if stage in self._held_after:
             self._held_after.discard(stage)
-            assert self.released is not None
-            await self.released.wait()
+            if self.case.kind == "hang":
+                await self._hold_async()
+            else:
+                assert self.released is not None
+                await self.released.wait()
 
     # engine side
 
-    async def engine_point(self, stage: str, session_id: Hashable) -> None:
-        if self._claims(stage, session_id):
-            if self.case.kind == "fault":
-                self._fail(stage)
-            self._signal()
-            assert self.released is not None
-            await self.released.wait()
+    async def engine_point(self, stage: str, session_id: Hashable) -> bool:
+        """Act on one request (or finish) of ``session_id``; True: spoil the reply to it."""
+        if not self._claims(stage, session_id):
+            return False
+        if self.case.kind in RAISING_KINDS:
+            self._fail(stage)
+        if self.case.kind == "malformed":
+            return True
+        self._signal()
+        assert self.released is not None
+        await self.released.wait()
+        return False
 
 
 class TrappedEngine:
@@ -244,9 +360,14 @@ class TrappedEngine:
         self.trap = trap
 
     async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        for session_id in input_batch.get("session_ids") or ():
-            await self.trap.engine_point("generate", session_id)
-        return await self.engine.generate(input_batch, *args, **kwargs)
+        spoiled = []
+        for index, session_id in enumerate(input_batch.get("session_ids") or ()):
+            if await self.trap.engine_point("generate", session_id):
+                spoiled.append(index)
+        reply: Mapping[str, Any] = await self.engine.generate(input_batch, *args, **kwargs)
+        for index in spoiled:
+            reply = self.trap.spoil(reply, index)
+        return reply
 
     async def finish_session(self, session_id: Hashable) -> None:
         await self.engine.finish_session(session_id)
@@ -255,6 +376,11 @@ class TrappedEngine:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _metrics(output: Any) -> Mapping[str, Any]:
+    metrics = output.get("rollout_metrics") if isinstance(output, Mapping) else None
+    return metrics if isinstance(metrics, Mapping) else {}
 
 
 def _check_output(output: Any, setup: Setup, failed: set[int]) -> list[str]:
@@ -280,24 +406,39 @@ def _check_output(output: Any, setup: Setup, failed: set[int]) -> list[str]:
                 )
         elif placeholder:
             problems.append(f"rollout {i} became a placeholder, though no fault was injected into it")
-    failures = output["rollout_metrics"].get("generate/num_failed_rollouts")
+    failures = _metrics(output).get("generate/num_failed_rollouts")
     if failures is not None and failures != len(failed):
         problems.append(f"generate/num_failed_rollouts is {failures}, expected {len(failed)}")
     return problems
+
+
+async def _generate(gen: StructuredGymGenerator, batch: GeneratorInput) -> tuple[Any, BaseException | None]:
+    """``generate()``'s batch or whatever it raised (interrupts too); only a cancellation of ours propagates."""
+    try:
+        return await gen.generate(batch, disable_tqdm=True), None
+    except BaseException as exc:
+        if isinstance(exc, anyio.get_cancelled_exc_class()) and anyio.current_effective_deadline() == -math.inf:
+            raise  # the case's own deadline, or the cancel scope of a cancel or hang case
+        return None, exc
+
+
+def _expected_error(case: Case, trap: Trap) -> tuple[str, Callable[[BaseException], bool]]:
+    """What a case's rollout must fail with: a description, and a test of the error raised."""
+    if case.kind == "self_cancel":
+        return "RolloutCancelledError", lambda e: isinstance(e, RolloutCancelledError) and e.__cause__ is trap.injected
+    if case.kind == "malformed":
+        return "MalformedEngineReplyError", lambda e: isinstance(e, MalformedEngineReplyError)
+    return "the injected error", lambda e: e is trap.injected
 
 
 async def _run_fault(
     case: Case, setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
 ) -> list[str]:
     problems: list[str] = []
-    output: Any = None
-    error: Exception | None = None
-    try:
-        output = await gen.generate(batch, disable_tqdm=True)
-    except Exception as exc:
-        error = exc
+    output, error = await _generate(gen, batch)
     target = setup.target
     stage = case.stage
+    wanted, matches = _expected_error(case, trap)
     if case.kind == "baseline":
         if error is not None:
             return [f"generate() raised {_describe(error)} with no fault injected"]
@@ -308,18 +449,23 @@ async def _run_fault(
         if error is not None:
             return [f"generate() raised {_describe(error)} instead of returning a placeholder for rollout {target}"]
         problems += _check_output(output, setup, failed={target})
+        if case.kind != "fault":
+            key = f"generate/failures/{wanted}"
+            counted = _metrics(output).get(key)
+            if counted != 1:
+                problems.append(f"{key} is {'missing' if counted is None else counted}, expected 1")
     elif stage in ROLLOUT_STAGES:
         if error is None:
-            return ["generate() returned a batch instead of raising the injected error"]
-        if error is not trap.injected:
+            return [f"generate() returned a batch instead of raising {wanted}"]
+        if not matches(error):
             kind = "an exception group" if isinstance(error, BaseExceptionGroup) else "another error"
-            return [f"generate() raised {kind} instead of the injected error: {_describe(error)}"]
+            return [f"generate() raised {kind} instead of {wanted}: {_describe(error)}"]
     else:
         if error is not None:
             return [f"a failing {stage} must not fail the batch, but generate() raised {_describe(error)}"]
         problems += _check_output(output, setup, failed=set())
         key = "generate/env_close_errors" if stage == "close" else "generate/finish_session_errors"
-        counted = output["rollout_metrics"].get(key)
+        counted = _metrics(output).get(key)
         if counted is not None and counted != 1:
             problems.append(f"{key} is {counted}, expected 1")
     if output is not None:
@@ -328,7 +474,7 @@ async def _run_fault(
         ledger = tracker.ledger
         if ledger.opened != expected:
             problems.append(f"{ledger.opened} environments were created for {n} rollouts, expected {expected}")
-        metrics = output["rollout_metrics"]
+        metrics = _metrics(output)
         for key, seen in (("generate/num_envs_opened", ledger.opened), ("generate/num_envs_closed", ledger.closed)):
             if key in metrics and metrics[key] != seen:
                 problems.append(f"{key} reports {metrics[key]}, but {seen} were seen")
@@ -395,6 +541,87 @@ async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: Generato
     return problems
 
 
+async def _run_interrupt(
+    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+) -> list[str]:
+    """An interrupt from inside an env call: every env closed, then that very interrupt, bare."""
+    _, error = await _generate(gen, batch)
+    still_open = len(tracker.ledger.never_closed())
+    name = trap.case.variant
+    if trap.fired == 0:
+        return [f"rollout {setup.target} never reached stage {trap.case.stage!r}, so nothing was injected"]
+    problems = []
+    if error is None:
+        problems.append(f"generate() returned a batch instead of re-raising the {name}")
+    elif error is not trap.injected:
+        kind = "an exception group" if isinstance(error, BaseExceptionGroup) else "another error"
+        problems.append(f"generate() raised {kind} instead of the {name} itself: {_describe(error)}")
+    if still_open:
+        problems.append(
+            f"{still_open} environments were still open when generate() ended: an interrupt must let every "
+            "rollout close its environment first"
+        )
+    return problems
+
+
+async def _run_hang(
+    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+) -> list[str]:
+    """A call held far past ``env_cleanup_timeout_s``: cleanup gives up on it, the env is still closed once.
+
+    A hung ``close`` needs nothing more; a hung ``step`` only meets cleanup once ``generate()`` is
+    cancelled, which the trap does from inside it.
+    """
+    stage = trap.case.stage
+    scope = anyio.CancelScope()
+    if stage != "close":
+        trap.cancel_generate = scope.cancel
+    output: Any = None
+    error: BaseException | None = None
+    try:
+        with scope:
+            output, error = await _generate(gen, batch)
+        # A close that had not even started when cleanup gave up on it was not waited for either.
+        still_held = trap.not_let_go()
+    finally:
+        # Let the hung call return: its environment must now be closed, once (the leak check judges).
+        trap.release_all()
+
+    def busy() -> bool:
+        if trap.fired == 0:
+            return True  # a close abandoned while still queued runs late, but it runs
+        return trap.held_in_thread and (trap.holding or any(dict(tracker.ledger.active_calls).values()))
+
+    with anyio.move_on_after(setup.leak_grace_s):
+        # Worker threads change this state, with no event to wait on: poll, finely (it is quick).
+        while busy():  # noqa: ASYNC110
+            await anyio.sleep(0.001)
+    if trap.fired == 0:
+        return [f"rollout {setup.target} never reached stage {stage!r}, so nothing was held"]
+    problems = []
+    if trap.held_in_thread and not still_held:
+        problems.append(
+            f"generate() waited for the hung {stage} until the check let it go: cleanup must give up on it "
+            "after env_cleanup_timeout_s"
+        )
+    if stage == "close":
+        if error is not None:
+            return [*problems, f"a hung close must not fail the batch, but generate() raised {_describe(error)}"]
+        problems += _check_output(output, setup, failed=set())
+        key = "generate/env_cleanup_timeouts"
+        counted = _metrics(output).get(key)
+        if not isinstance(counted, int | float) or counted < 1:
+            shown = "missing" if counted is None else counted
+            problems.append(f"{key} is {shown}, expected at least 1 (the abandoned close must be counted)")
+    elif output is not None:
+        problems.append("the cancellation was swallowed: generate() returned a batch although it was cancelled")
+    elif error is not None:
+        problems.append(f"the cancellation became an error: generate() raised {_describe(error)}")
+    elif not scope.cancelled_caught:
+        problems.append("generate() did not re-raise the cancellation")
+    return problems
+
+
 async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
     """Run one case in the current event loop and return its problems (empty: it passed)."""
     trap.arm()
@@ -408,6 +635,10 @@ async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
         with anyio.move_on_after(setup.case_timeout_s) as deadline:
             if case.kind == "cancel":
                 problems += await _run_cancel(setup, gen, batch, trap)
+            elif case.kind == "interrupt":
+                problems += await _run_interrupt(setup, gen, batch, trap, tracker)
+            elif case.kind == "hang":
+                problems += await _run_hang(setup, gen, batch, trap, tracker)
             else:
                 problems += await _run_fault(case, setup, gen, batch, trap, tracker)
         if deadline.cancelled_caught:

@@ -1,4 +1,4 @@
-"""``check_structured_concurrency``: put an environment class through every fault and cancellation.
+"""``check_structured_concurrency``: put an environment class through every fault, cancellation and attack.
 
 For each backend and each ``max_env_workers`` value it runs, each with a fresh generator
 (:class:`~skyrl_structured.StructuredGymGenerator`), a :class:`~skyrl_structured.testing.ScriptedEngine`
@@ -12,12 +12,22 @@ and a fresh :class:`~skyrl_structured.testing.LeakTracker`:
   or finish_session fails nothing and is counted;
 - the **cancellation matrix**: ``generate()`` cancelled while one rollout is inside each of those
   stages (a synchronous ``step`` is held in its worker thread meanwhile): the cancellation must
-  reach the caller, never a batch or an error.
+  reach the caller, never a batch or an error;
+- the **attack matrix** (:data:`ATTACKS`): a ``KeyboardInterrupt``/``SystemExit`` raised from the
+  environment's ``init``, ``step`` or ``close`` (or the engine's ``generate``) must come out of
+  ``generate()`` bare, after every environment was closed; an engine (or ``step``) that raises
+  ``asyncio.CancelledError`` itself must give a ``RolloutCancelledError`` (placeholder, or raised),
+  and a malformed reply (one logprob too few, no stop reason) a ``MalformedEngineReplyError``; a
+  ``close``, or a ``step`` during cancellation, that hangs in its worker thread past
+  ``env_cleanup_timeout_s`` must be given up on (a hung close counted in
+  ``generate/env_cleanup_timeouts``), and the environment still closed exactly once when it returns.
 
 After every case: each environment created was closed exactly once and never during one of its own
 calls, each inference session was finished, and no task, worker-thread call or thread was left
 behind. Each case runs in its own thread and event loop; one that does not finish in time (a
-cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned.
+cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned, and
+one whose event loop dies (an interrupt nothing held) is reported as crashed: nothing raised inside
+a case, not even a ``KeyboardInterrupt``, escapes the check.
 """
 
 from __future__ import annotations
@@ -33,15 +43,18 @@ import skyrl_gym
 
 from ..config import GeneratorConfig
 from ..generator import StructuredGymGenerator
-from ._matrix import CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap, run_case
+from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap, run_case
 from .engines import Reply
 
 __all__ = [
+    "ATTACKS",
+    "ATTACK_KINDS",
     "CANCEL_STAGES",
     "DEFAULT_ENV_EXTRAS",
     "DEFAULT_PROMPTS",
     "DEFAULT_REPLIES",
     "FAULT_STAGES",
+    "MATRICES",
     "CaseResult",
     "ConcurrencyReport",
     "check_structured_concurrency",
@@ -61,11 +74,16 @@ DEFAULT_PROMPTS: tuple[list[dict[str, str]], ...] = tuple(
 DEFAULT_ENV_EXTRAS: Mapping[str, Any] = {"reward_spec": {"method": "rule", "ground_truth": "8"}, "extra_info": {}}
 #: What the scripted engine answers to each session's first, second, ... request.
 DEFAULT_REPLIES: tuple[str, ...] = ("Let me think step by step. #### 7", "Let me check again. #### 8")
+#: What ``matrices`` may name: the two matrices, the attack matrix, or one attack kind of it.
+MATRICES: tuple[str, ...] = ("fault", "cancel", "attack", *ATTACK_KINDS)
 
 
 @dataclass
 class CaseResult:
-    """One case: what ran, and every problem found (none: it passed)."""
+    """One case: what ran, and every problem found (none: it passed).
+
+    ``variant`` refines an attack case: the interrupt raised, or how the reply was malformed.
+    """
 
     name: str
     backend: str
@@ -75,6 +93,7 @@ class CaseResult:
     max_env_workers: int
     problems: list[str]
     seconds: float
+    variant: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,6 +151,13 @@ def _cases(stages: Sequence[str], matrices: Sequence[str], workers: Sequence[int
             cases.extend(Case("fault", s, skip, count) for s in FAULT_STAGES if s in stages for skip in (True, False))
         if "cancel" in matrices:
             cases.extend(Case("cancel", s, True, count) for s in CANCEL_STAGES if s in stages)
+        for attack in ATTACKS:
+            if attack.stage not in stages or (attack.needs_threads and count == 0):
+                continue
+            if "attack" in matrices or attack.kind in matrices:
+                cases.extend(
+                    Case(attack.kind, attack.stage, skip, count, attack.variant) for skip in attack.skip_failed_rollouts
+                )
     return cases
 
 
@@ -140,7 +166,9 @@ def _run_isolated(backend: str, case: Case, setup: Setup) -> CaseResult:
         case,
         target_tag=setup.target,
         target_session=setup.session_of(setup.target),
-        hold_s=setup.case_timeout_s,
+        # A hung call lets go on its own halfway through the case: a generator that waits for it is
+        # then seen waiting, rather than merely running out of time.
+        hold_s=setup.case_timeout_s / 2 if case.kind == "hang" else setup.case_timeout_s,
     )
     found: list[list[str]] = []
 
@@ -171,6 +199,7 @@ def _run_isolated(backend: str, case: Case, setup: Setup) -> CaseResult:
         max_env_workers=case.max_env_workers,
         problems=problems,
         seconds=time.monotonic() - started,
+        variant=case.variant,
     )
 
 
@@ -215,9 +244,9 @@ def _check_arguments(
     bad_stages = [s for s in stages if s not in FAULT_STAGES]
     if bad_stages:
         raise ValueError(f"`stages` must be drawn from {', '.join(FAULT_STAGES)}; got {bad_stages!r}")
-    bad_matrices = [m for m in matrices if m not in ("fault", "cancel")]
+    bad_matrices = [m for m in matrices if m not in MATRICES]
     if bad_matrices:
-        raise ValueError(f"`matrices` must be drawn from ('fault', 'cancel'); got {bad_matrices!r}")
+        raise ValueError(f"`matrices` must be drawn from {MATRICES!r}; got {bad_matrices!r}")
     if not max_env_workers or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in max_env_workers):
         raise ValueError(f"`max_env_workers` must be a non-empty sequence of integers >= 0, got {max_env_workers!r}")
     if not replies:
@@ -239,7 +268,7 @@ def check_structured_concurrency(
     backends: Sequence[str] = ("asyncio", "trio"),
     max_env_workers: Sequence[int] = (4, 0),
     stages: Sequence[str] = FAULT_STAGES,
-    matrices: Sequence[str] = ("fault", "cancel"),
+    matrices: Sequence[str] = ("fault", "cancel", "attack"),
     max_turns: int = 2,
     env_config: Any = None,
     generator_overrides: Mapping[str, Any] | None = None,
@@ -248,7 +277,7 @@ def check_structured_concurrency(
     leak_grace_s: float = 1.0,
     raise_on_failure: bool = True,
 ) -> ConcurrencyReport:
-    """Run ``env_class`` through the fault and cancellation matrices; see the module docstring.
+    """Run ``env_class`` through the fault, cancellation and attack matrices; see the module docstring.
 
     Call it from a synchronous test: it runs its own event loops (one per case, in a thread).
 
@@ -261,15 +290,19 @@ def check_structured_concurrency(
         engine_replies: the scripted engine's answer to each session's 1st, 2nd, ... request.
         backends: event loops to run every case on.
         max_env_workers: worker-thread counts to run every case with (0: env calls inline).
-        stages: restrict both matrices to these stages.
-        matrices: ``"fault"``, ``"cancel"`` or both (the baseline always runs).
+        stages: restrict every matrix to these stages.
+        matrices: any of ``"fault"``, ``"cancel"`` and ``"attack"`` (the baseline always runs); an
+            attack kind (``"interrupt"``, ``"self_cancel"``, ``"malformed"``, ``"hang"``) selects
+            just those attack cases.
         max_turns: ``generator.max_turns``.
         env_config: the environment's config (as SkyRL's ``environment.skyrl_gym.<env>`` holds it).
         generator_overrides: other ``GeneratorConfig`` fields, e.g. ``{"use_conversation_multi_turn": False}``.
-            The check sets ``skip_failed_rollouts``, retries, timeouts and cleanup bounds itself.
+            The check sets ``skip_failed_rollouts``, retries, timeouts and cleanup bounds itself (and
+            lifts ``max_concurrent_rollouts`` in a hang case).
         generator_class: a ``StructuredGymGenerator`` subclass to check instead (your hooks run).
-        case_timeout_s: the most one case may take (its cleanups are bounded by a quarter of it);
-            a case still running well past it (``1.5 * case_timeout_s + leak_grace_s + 2``) is hung.
+        case_timeout_s: the most one case may take (its cleanups are bounded by a quarter of it,
+            and by 0.025 s in a hang case); a case still running well past it
+            (``1.5 * case_timeout_s + leak_grace_s + 2``) is hung.
         leak_grace_s: how long a case waits for worker threads to go idle before calling them leaks.
         raise_on_failure: raise one AssertionError summarising every failing case.
 

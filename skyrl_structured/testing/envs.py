@@ -122,8 +122,9 @@ class ScriptedEnv(BaseTextEnv):  # type: ignore[misc]
 
     Extras understood: ``script`` (defaults to one done turn with reward 1.0), ``ledger`` (an
     :class:`EnvLedger`), ``fail`` (``"init"``, ``"step"``, ``"step:N"``, ``"close"`` or
-    ``"get_metrics"``: raise ``RuntimeError`` there), and ``on_step`` (a callable run inside
-    ``step`` with the turn number, for tests that need to block or signal there).
+    ``"get_metrics"``: raise ``RuntimeError`` there), ``on_step`` (a callable run inside
+    ``step`` with the turn number, for tests that need to block, signal or raise there) and
+    ``on_close`` (a callable run inside ``close``, likewise).
     """
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
@@ -134,6 +135,7 @@ class ScriptedEnv(BaseTextEnv):  # type: ignore[misc]
         self.ledger: EnvLedger = extras.get("ledger") or _DEFAULT_LEDGER
         self.fail: str | None = extras.get("fail")
         self.on_step: Callable[[int], None] | None = extras.get("on_step")
+        self.on_close: Callable[[], None] | None = extras.get("on_close")
         self.max_turns = int(extras.get("max_turns", len(self.script)))
         self.env_id = next_env_key()
         if self.fail == "create":
@@ -177,6 +179,8 @@ class ScriptedEnv(BaseTextEnv):  # type: ignore[misc]
         self.ledger.enter(self.env_id, "close")
         try:
             self._maybe_fail("close")
+            if self.on_close is not None:
+                self.on_close()
         finally:
             self.ledger.leave(self.env_id)
 

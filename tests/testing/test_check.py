@@ -7,9 +7,11 @@ and trio unless a test narrows ``backends``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import threading
 import time
+import warnings
 from typing import Any
 
 import anyio
@@ -18,10 +20,11 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import StructuredGymGenerator
-from skyrl_structured.envs import SyncEnvAdapter, _ThreadCall
+from skyrl_structured import StructuredGymGenerator, envs, episode, nursery
+from skyrl_structured._env_threads import EnvCall
+from skyrl_structured.envs import SyncEnvAdapter
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
-from skyrl_structured.testing.check import CANCEL_STAGES, FAULT_STAGES
+from skyrl_structured.testing.check import ATTACK_KINDS, CANCEL_STAGES, FAULT_STAGES
 
 # Broken environments below keep their leaked threads and tasks alive until this is set (at the
 # end of each test), so nothing outlives the test that made it.
@@ -47,13 +50,15 @@ def _register(env_id: str, cls: type) -> str:
 @pytest.mark.parametrize("env_class", [SCRIPTED_ENV, "gsm8k", "gsm8k_multi_turn"])
 def test_check_passes_for_real_environments(env_class):
     report = check_structured_concurrency(env_class)
-    # 2 backends x 2 worker settings x (baseline + 6 stages x 2 flag values + 6 cancellations)
-    assert len(report.cases) == 2 * 2 * (1 + 12 + 6)
+    # 2 backends x 2 worker settings x (baseline + 6 stages x 2 flag values + 6 cancellations + 9
+    # attacks), plus the 2 hang attacks on each backend with worker threads
+    assert len(report.cases) == 2 * 2 * (1 + 12 + 6 + 9) + 2 * 2
     assert report.ok, report.summary()
     assert {c.backend for c in report.cases} == {"asyncio", "trio"}
     assert {c.stage for c in report.cases if c.kind == "fault"} == set(FAULT_STAGES)
     assert {c.stage for c in report.cases if c.kind == "cancel"} == set(CANCEL_STAGES)
-    assert str(report).splitlines() == [f"check_structured_concurrency({env_class!r}): 76 cases, 0 failed"]
+    assert {c.kind for c in report.cases if c.kind not in ("baseline", "fault", "cancel")} == set(ATTACK_KINDS)
+    assert str(report).splitlines() == [f"check_structured_concurrency({env_class!r}): 116 cases, 0 failed"]
 
 
 class AsyncCounterEnv(skyrl_gym.Env):
@@ -94,7 +99,68 @@ def test_check_passes_for_an_async_environment():
     env_class = _register("tests_check_async_counter", AsyncCounterEnv)
     report = check_structured_concurrency(env_class, max_env_workers=(2,))
     assert report.ok, report.summary()
-    assert AsyncCounterEnv.open_count == 0
+    assert {c.kind for c in report.cases} >= {"hang", "interrupt"}
+    assert AsyncCounterEnv.open_count == 0  # a hung or interrupted close still released the env
+
+
+# (kind, stage, variant, skip_failed_rollouts) of every attack, in order; hangs need worker threads.
+ATTACKS_RUN = [
+    ("interrupt", "init", "KeyboardInterrupt", True),
+    ("interrupt", "generate", "KeyboardInterrupt", True),
+    ("interrupt", "step", "SystemExit", True),
+    ("interrupt", "close", "KeyboardInterrupt", True),
+    ("self_cancel", "generate", None, True),
+    ("self_cancel", "generate", None, False),
+    ("self_cancel", "step", None, True),
+    ("malformed", "generate", "logprobs", True),
+    ("malformed", "generate", "stop_reason", False),
+    ("hang", "step", None, True),
+    ("hang", "close", None, True),
+]
+
+
+def test_attack_matrix_runs_every_attack_and_passes_for_the_scripted_env():
+    report = check_structured_concurrency(SCRIPTED_ENV, matrices=("attack",))
+    assert report.ok, report.summary()
+    for backend in ("asyncio", "trio"):
+        for workers in (4, 0):
+            ran = [
+                (c.kind, c.stage, c.variant, c.skip_failed_rollouts)
+                for c in report.cases
+                if c.backend == backend and c.max_env_workers == workers and c.kind != "baseline"
+            ]
+            assert ran == [a for a in ATTACKS_RUN if workers or a[0] != "hang"]
+    names = {c.name for c in report.cases}
+    assert "interrupt at step [SystemExit] (skip_failed_rollouts=True, max_env_workers=4)" in names
+    assert "hang at close (skip_failed_rollouts=True, max_env_workers=4)" in names
+
+
+def test_attack_kinds_and_stages_narrow_the_run():
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, matrices=("hang", "fault"), stages=("close",), backends=("trio",)
+    )
+    assert report.ok, report.summary()
+    assert [(c.kind, c.stage, c.skip_failed_rollouts, c.max_env_workers) for c in report.cases] == [
+        ("baseline", None, False, 4),
+        ("fault", "close", True, 4),
+        ("fault", "close", False, 4),
+        ("hang", "close", True, 4),
+        ("baseline", None, False, 0),
+        ("fault", "close", True, 0),
+        ("fault", "close", False, 0),
+    ]
+
+
+def test_a_keyboard_interrupt_from_the_environment_never_escapes_the_check():
+    def ctrl_c(turn: int) -> None:
+        raise KeyboardInterrupt("Ctrl-C in step")
+
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, env_extras={"on_step": ctrl_c}, raise_on_failure=False, max_env_workers=(2, 0), matrices=()
+    )
+    assert len(report.cases) == 4
+    for case in report.cases:
+        assert case.problems == ["generate() raised KeyboardInterrupt: Ctrl-C in step with no fault injected"]
 
 
 # ---------------------------------------------------------------------- broken environments
@@ -261,10 +327,10 @@ def test_check_catches_environments_left_open(monkeypatch):
 
 
 def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypatch):
-    async def do_not_wait(self):
+    async def do_not_wait(self, call):
         return None
 
-    monkeypatch.setattr(_ThreadCall, "settle", do_not_wait)
+    monkeypatch.setattr(SyncEnvAdapter, "settle", do_not_wait)
     report = check_structured_concurrency(
         SCRIPTED_ENV,
         raise_on_failure=False,
@@ -323,6 +389,121 @@ def test_check_catches_a_swallowed_cancellation():
         ], case.name
 
 
+def test_check_catches_an_interrupt_its_rollout_does_not_hold(monkeypatch):
+    # BUG (the old behaviour): the interrupt leaves its rollout at once and is never unwrapped.
+    monkeypatch.setattr(nursery, "_interrupt_in", lambda exc: None)
+    monkeypatch.setattr(nursery, "_raise_interrupt", lambda group: None)
+    with warnings.catch_warnings():
+        # asyncio's loop dies with rollouts never started ("coroutine ... was never awaited").
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = check_structured_concurrency(
+            SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("interrupt",)
+        )
+        gc.collect()
+    interrupts = [c for c in report.cases if c.kind == "interrupt"]
+    assert len(interrupts) == 2 * 4
+    assert all(c.ok for c in report.cases if c.kind == "baseline")
+    for case in interrupts:
+        injected = f"{case.variant}: check_structured_concurrency: injected {case.variant} at stage {case.stage!r}"
+        injected += " of rollout 1"
+        if case.backend == "asyncio":
+            # asyncio re-raises it straight out of the event loop; the check reports it, and goes on.
+            assert case.problems == [f"the case crashed: {injected}"], case.name
+        else:
+            assert case.problems == [
+                f"generate() raised an exception group instead of the {case.variant} itself: "
+                "BaseExceptionGroup: Exceptions from Trio nursery (1 sub-exception)"
+            ], case.name
+
+
+def test_check_catches_a_client_cancellation_let_through(monkeypatch):
+    def old_rule(exc, where):
+        return exc if isinstance(exc, Exception) else None  # BUG: every CancelledError propagates
+
+    monkeypatch.setattr(nursery, "_as_rollout_error", old_rule)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2, 0), matrices=("self_cancel",)
+    )
+    cancels = [c for c in report.cases if c.kind == "self_cancel"]
+    assert len(cancels) == 2 * 2 * 3
+    assert all(c.ok for c in report.cases if c.kind == "baseline")
+    for case in cancels:
+        (problem,) = case.problems
+        if case.skip_failed_rollouts:
+            assert problem.startswith("generate() raised "), problem
+            assert problem.endswith(" instead of returning a placeholder for rollout 1"), problem
+        else:
+            assert problem.startswith("generate() raised an"), problem
+            assert " instead of RolloutCancelledError: " in problem
+
+
+def test_check_catches_engine_replies_used_unchecked(monkeypatch):
+    def unchecked(reply):  # BUG: no contract check, the reply's parts are used as they come
+        logprobs = reply.get("response_logprobs")
+        first = list(logprobs[0]) if logprobs is not None else None
+        return reply["responses"][0], list(reply["response_ids"][0]), reply["stop_reasons"][0], first, None
+
+    monkeypatch.setattr(episode, "_read_reply", unchecked)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("malformed",)
+    )
+    assert [(c.backend, c.variant, c.ok) for c in report.cases] == [
+        ("asyncio", None, True),
+        ("asyncio", "logprobs", False),
+        ("asyncio", "stop_reason", False),
+        ("trio", None, True),
+        ("trio", "logprobs", False),
+        ("trio", "stop_reason", False),
+    ]
+    for case in report.failures:
+        if case.variant == "logprobs":
+            (misaligned, uncounted) = case.problems
+            assert re.fullmatch(
+                r"the output breaks the trainer's contract: GeneratorOutputError: row 1: (\d+) response ids but "
+                r"(\d+) rollout logprobs",
+                misaligned,
+            )
+            assert uncounted == "generate/failures/MalformedEngineReplyError is missing, expected 1"
+        else:
+            assert case.problems == ["generate() returned a batch instead of raising MalformedEngineReplyError"]
+
+
+def test_check_catches_cleanup_that_waits_for_a_hung_call(monkeypatch):
+    bounded = envs.shielded_cleanup
+
+    async def unbounded(what, cleanup, *, limit_s, **kwargs):
+        return await bounded(what, cleanup, limit_s=3600.0, **kwargs)  # BUG: no deadline on closing an env
+
+    monkeypatch.setattr(envs, "shielded_cleanup", unbounded)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("hang",), case_timeout_s=0.6
+    )
+    hangs = [c for c in report.cases if c.kind == "hang"]
+    assert len(hangs) == 2 * 2
+    assert all(c.ok for c in report.cases if c.kind == "baseline")
+    for case in hangs:
+        waited = (
+            f"generate() waited for the hung {case.stage} until the check let it go: cleanup must give up on it "
+            "after env_cleanup_timeout_s"
+        )
+        uncounted = "generate/env_cleanup_timeouts is 0, expected at least 1 (the abandoned close must be counted)"
+        assert case.problems == ([waited, uncounted] if case.stage == "close" else [waited]), case.name
+
+
+def test_check_catches_an_abandoned_step_whose_environment_is_never_closed(monkeypatch):
+    # BUG: the close chained after a step that cleanup gave up on is dropped.
+    monkeypatch.setattr(EnvCall, "then", lambda self, follower, pool: None)
+    report = check_structured_concurrency(
+        SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("hang",), stages=("step",)
+    )
+    assert [(c.backend, c.kind, c.problems) for c in report.cases] == [
+        ("asyncio", "baseline", []),
+        ("asyncio", "hang", ["1 of 4 environments were never closed"]),
+        ("trio", "baseline", []),
+        ("trio", "hang", ["1 of 4 environments were never closed"]),
+    ]
+
+
 # ---------------------------------------------------------------------- arguments and report
 
 
@@ -334,7 +515,7 @@ def test_check_catches_a_swallowed_cancellation():
         ({"env_extras": [{}, {}]}, r"`env_extras` has 2 entries for 4 prompts"),
         ({"backends": ("curio",)}, r"`backends` must be a non-empty subset of \('asyncio', 'trio'\)"),
         ({"stages": ("tokenize",)}, r"`stages` must be drawn from create, init, generate, step, close"),
-        ({"matrices": ("timeouts",)}, r"`matrices` must be drawn from \('fault', 'cancel'\)"),
+        ({"matrices": ("timeouts",)}, r"`matrices` must be drawn from \('fault', 'cancel', 'attack', 'interrupt',"),
         ({"max_env_workers": (-1,)}, r"`max_env_workers` must be a non-empty sequence of integers >= 0"),
         ({"engine_replies": ()}, r"`engine_replies` must hold at least one reply"),
         ({"case_timeout_s": 0}, r"`case_timeout_s` must be > 0"),

@@ -1,0 +1,418 @@
+"""The nursery under attack: interrupts, self-raised cancellation, GeneratorExit, abandoned cleanups, bounds.
+
+Each case is a way real systems break a batch (an env that calls ``sys.exit`` in its worker thread, a
+client that raises ``CancelledError`` itself, a close that hangs); every one runs on asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import skyrl_gym
+
+from skyrl_structured import RolloutCancelledError
+from skyrl_structured.envs import active_env_thread_calls
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
+
+from .helpers import make_batch, make_generator, other_tasks, turn_replies
+
+pytestmark = pytest.mark.anyio
+
+
+def _engine(tokenizer) -> ScriptedEngine:
+    return ScriptedEngine(tokenizer, turn_replies("first #### 7", "second #### 8"))
+
+
+def _raiser(exc: BaseException, *, on_turn: int = 1):
+    def hook(turn: int | None = None) -> None:
+        if turn is None or turn == on_turn:
+            raise exc
+
+    return hook
+
+
+async def _drain_threads() -> None:
+    with anyio.fail_after(10):
+        while active_env_thread_calls():  # noqa: ASYNC110 - a counter fed by threads; nothing to wait on
+            await anyio.sleep(0.01)
+
+
+def _sessions_finished(engine: ScriptedEngine) -> None:
+    assert engine.started_sessions <= set(engine.finished_sessions)
+    assert len(engine.finished_sessions) == len(set(engine.finished_sessions))
+
+
+# ---------------------------------------------------------------------------------------- interrupts
+
+
+@pytest.mark.parametrize("workers", [0, 4])
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("where", ["step", "close"])
+async def test_interrupt_inside_a_rollout_closes_everything_then_is_reraised_bare(
+    tokenizer, anyio_backend, workers, interrupt, where
+):
+    ledger = EnvLedger()
+    engine = _engine(tokenizer)
+    gen = make_generator(tokenizer, engine, workers=workers, skip_failed_rollouts=True)
+    hook = {"on_step": _raiser(interrupt("boom"))} if where == "step" else {"on_close": _raiser(interrupt("boom"))}
+    batch = make_batch(16, ledger, extras={5: hook})
+    before = other_tasks()
+    with pytest.raises(interrupt) as caught:
+        await gen.generate(batch, disable_tqdm=True)
+    assert type(caught.value) is interrupt  # bare, never inside an exception group
+    await _drain_threads()
+    ledger.assert_all_closed_once()
+    _sessions_finished(engine)
+    assert other_tasks() == before
+
+
+# ------------------------------------------------------------------ cancellation nobody of ours caused
+
+
+class SelfCancellingEngine(ScriptedEngine):
+    """Aborts the request of some sessions by raising asyncio's CancelledError itself."""
+
+    def __init__(self, tokenizer, doomed: set[str]) -> None:
+        super().__init__(tokenizer, turn_replies("first #### 7", "second #### 8"))
+        self.doomed = doomed
+
+    async def generate(self, input_batch, model=None):
+        session = input_batch["session_ids"][0]
+        if session in self.doomed:
+            self.started_sessions.add(session)
+            raise asyncio.CancelledError("request aborted by the engine")
+        return await super().generate(input_batch, model=model)
+
+
+async def test_self_raised_cancellation_is_that_rollouts_failure(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    engine = SelfCancellingEngine(tokenizer, {"q1_0"})
+    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True)
+    before = other_tasks()
+    out = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop", "stop", "rollout_error", "stop"]
+    pad = tokenizer.pad_token_id
+    assert out["response_ids"][2] == [pad]
+    assert all(out["response_ids"][i] != [pad] for i in (0, 1, 3))
+    assert out["rollout_metrics"]["generate/failures/RolloutCancelledError"] == 1
+    ledger.assert_all_closed_once()
+    _sessions_finished(engine)
+    assert other_tasks() == before
+
+
+async def test_self_raised_cancellation_without_skip_raises_a_rollout_error(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    engine = SelfCancellingEngine(tokenizer, {"q0_1"})
+    gen = make_generator(tokenizer, engine)
+    with pytest.raises(RolloutCancelledError, match=r"rollout 1 \(q0_1\) raised CancelledError") as caught:
+        await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert isinstance(caught.value.__cause__, asyncio.CancelledError)
+    ledger.assert_all_closed_once()
+    _sessions_finished(engine)
+
+
+async def test_self_raised_cancellation_is_retried_like_any_failure(tokenizer, anyio_backend):
+    engine = SelfCancellingEngine(tokenizer, {"q0_0"})
+    original = engine.generate
+
+    async def cancel_once(input_batch, model=None):
+        try:
+            return await original(input_batch, model=model)
+        finally:
+            engine.doomed = set()  # the retry's request goes through
+
+    engine.generate = cancel_once  # type: ignore[method-assign]
+    ledger = EnvLedger()
+    gen = make_generator(tokenizer, engine, max_rollout_retries=1, rollout_retry_backoff_s=0)
+    out = await gen.generate(make_batch(1, ledger), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop"]
+    assert out["rollout_metrics"]["generate/num_rollout_retries"] == 1
+    assert ledger.opened == 2
+    ledger.assert_all_closed_once()
+
+
+async def test_real_cancellation_still_propagates(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    reached = anyio.Event()
+
+    async def slow(call):
+        reached.set()
+        await anyio.sleep_forever()
+
+    engine = ScriptedEngine(tokenizer, slow)
+    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen.generate, make_batch(4, ledger), True)
+            await reached.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    ledger.assert_all_closed_once()
+
+
+# ---------------------------------------------------------------------------------------- GeneratorExit
+
+
+@pytest.mark.parametrize("workers", [0, 4])
+async def test_generator_exit_from_close_counts_as_a_close_error(tokenizer, anyio_backend, workers):
+    ledger = EnvLedger()
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=workers)
+    out = await gen.generate(make_batch(4, ledger, extras={2: {"on_close": _raiser(GeneratorExit())}}), True)
+    assert out["stop_reasons"] == ["stop"] * 4
+    metrics = out["rollout_metrics"]
+    assert metrics["generate/env_close_errors"] == 1
+    assert metrics["generate/num_envs_closed"] == 4
+    ledger.assert_all_closed_once()
+
+
+async def test_generator_exit_from_a_step_is_that_rollouts_failure(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    gen = make_generator(tokenizer, _engine(tokenizer), skip_failed_rollouts=True)
+    out = await gen.generate(make_batch(4, ledger, extras={3: {"on_step": _raiser(GeneratorExit())}}), True)
+    assert out["stop_reasons"] == ["stop", "stop", "stop", "rollout_error"]
+    assert out["rollout_metrics"]["generate/failures/RolloutCancelledError"] == 1
+    ledger.assert_all_closed_once()
+
+
+# ------------------------------------------------------------------------------------ abandoned work
+
+
+class AsyncStepSyncCloseEnv(ScriptedEnv):
+    """Async init/step (an async-style env) but a plain, blocking close."""
+
+    async def init(self, prompt: Any) -> Any:  # type: ignore[override]
+        return super().init(prompt)
+
+    async def step(self, action: str) -> Any:  # type: ignore[override]
+        return super().step(action)
+
+
+class LiveCountingEnv(ScriptedEnv):
+    """Counts environments alive at once (created, close not yet returned) across the process."""
+
+    lock = threading.Lock()
+    live = 0
+    peak = 0
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__(env_config, extras)
+        with LiveCountingEnv.lock:
+            LiveCountingEnv.live += 1
+            LiveCountingEnv.peak = max(LiveCountingEnv.peak, LiveCountingEnv.live)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            with LiveCountingEnv.lock:
+                LiveCountingEnv.live -= 1
+
+
+class ThreadCountingEnv(ScriptedEnv):
+    """Counts env calls running at once in any thread."""
+
+    lock = threading.Lock()
+    running = 0
+    peak = 0
+
+    def _enter(self) -> None:
+        with ThreadCountingEnv.lock:
+            ThreadCountingEnv.running += 1
+            ThreadCountingEnv.peak = max(ThreadCountingEnv.peak, ThreadCountingEnv.running)
+
+    def _leave(self) -> None:
+        with ThreadCountingEnv.lock:
+            ThreadCountingEnv.running -= 1
+
+    def step(self, action: str) -> Any:
+        self._enter()
+        try:
+            return super().step(action)
+        finally:
+            self._leave()
+
+    def close(self) -> None:
+        self._enter()
+        try:
+            super().close()
+        finally:
+            self._leave()
+
+
+for _name, _cls in (
+    ("tests_async_step_sync_close", AsyncStepSyncCloseEnv),
+    ("tests_live_counting", LiveCountingEnv),
+    ("tests_thread_counting", ThreadCountingEnv),
+):
+    if _name not in skyrl_gym.registry:
+        skyrl_gym.register(id=_name, entry_point=_cls)
+
+
+def _with_env(batch: dict[str, Any], env_class: str) -> dict[str, Any]:
+    batch["env_classes"] = [env_class] * len(batch["prompts"])
+    return batch
+
+
+def _release_later(event: threading.Event, after_s: float) -> threading.Timer:
+    # A safety net: a test against a broken generator fails instead of hanging.
+    timer = threading.Timer(after_s, event.set)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+async def test_sync_close_of_an_async_env_runs_in_a_thread_and_is_bounded(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    release = threading.Event()
+    safety = _release_later(release, 20)
+    loop_thread = threading.get_ident()
+    close_threads: list[int] = []
+
+    def blocking_close() -> None:
+        close_threads.append(threading.get_ident())
+        release.wait()
+
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=4, env_cleanup_timeout_s=0.2)
+    batch = _with_env(
+        make_batch(4, ledger, extras={i: {"on_close": blocking_close} for i in range(4)}), "tests_async_step_sync_close"
+    )
+    out = await gen.generate(batch, disable_tqdm=True)
+    freed_by_safety_net = release.is_set()
+    release.set()
+    safety.cancel()
+    assert not freed_by_safety_net, "the event loop was blocked by a synchronous close"
+    assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 4
+    assert loop_thread not in close_threads
+    await _drain_threads()
+    ledger.assert_all_closed_once()
+
+
+async def test_close_queued_behind_a_hung_close_still_runs(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    release = threading.Event()
+    safety = _release_later(release, 20)
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=1, env_cleanup_timeout_s=0.2)
+    batch = make_batch(6, ledger, extras={0: {"on_close": release.wait}})
+    out = await gen.generate(batch, disable_tqdm=True)
+    # With one worker thread held by the hung close, the others' closes could not start in time.
+    assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] >= 1
+    assert not release.is_set()
+    release.set()
+    safety.cancel()
+    await _drain_threads()
+    ledger.assert_all_closed_once()
+
+
+async def test_max_concurrent_rollouts_counts_environments_whose_close_was_abandoned(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    release = threading.Event()
+    safety = _release_later(release, 20)
+    LiveCountingEnv.live = LiveCountingEnv.peak = 0
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=4, max_concurrent_rollouts=2, env_cleanup_timeout_s=0.1)
+    hung = {i: {"on_close": release.wait} for i in (0, 1)}
+    batch = _with_env(make_batch(6, ledger, extras=hung), "tests_live_counting")
+
+    async def free_after_a_while() -> None:
+        await anyio.sleep(0.5)
+        release.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(free_after_a_while)
+        out = await gen.generate(batch, disable_tqdm=True)
+    safety.cancel()
+    assert out["stop_reasons"] == ["stop"] * 6
+    assert LiveCountingEnv.peak <= 2
+    await _drain_threads()
+    ledger.assert_all_closed_once()
+
+
+async def test_max_env_workers_counts_calls_abandoned_in_their_threads(tokenizer, anyio_backend):
+    # Batch 1 fails fast while two steps hang in both worker threads; their cleanup is abandoned.
+    # Batch 2 then runs while those calls still hold the threads: it must wait for them, never
+    # run a third env call at once.
+    ledger = EnvLedger()
+    release = threading.Event()
+    safety = _release_later(release, 20)
+    ThreadCountingEnv.running = ThreadCountingEnv.peak = 0
+    held = threading.Semaphore(0)
+
+    def hang(turn: int) -> None:
+        held.release()
+        release.wait()
+
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=2, env_cleanup_timeout_s=0.1)
+    first = _with_env(
+        make_batch(3, ledger, extras={0: {"on_step": hang}, 1: {"on_step": hang}}), "tests_thread_counting"
+    )
+
+    async def fail_once_both_are_held() -> None:
+        for _ in range(2):
+            await anyio.to_thread.run_sync(held.acquire)
+        raise ValueError("a sibling failed")
+
+    failing = ScriptedEngine(tokenizer, turn_replies("first #### 7", "second #### 8"))
+    original = failing.generate
+
+    async def generate(input_batch, model=None):
+        if input_batch["session_ids"][0] == "q1_0":
+            await fail_once_both_are_held()
+        return await original(input_batch, model=model)
+
+    failing.generate = generate  # type: ignore[method-assign]
+    gen.inference_engine_client = failing
+    with pytest.raises(ValueError, match="a sibling failed"):
+        await gen.generate(first, disable_tqdm=True)
+    assert ThreadCountingEnv.running == 2  # both abandoned steps still hold their threads
+
+    async def free_after_a_while() -> None:
+        await anyio.sleep(0.5)
+        release.set()
+
+    gen.inference_engine_client = _engine(tokenizer)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(free_after_a_while)
+        out = await gen.generate(_with_env(make_batch(4, ledger), "tests_thread_counting"), disable_tqdm=True)
+    safety.cancel()
+    assert out["stop_reasons"] == ["stop"] * 4
+    assert ThreadCountingEnv.peak <= 2
+    await _drain_threads()
+    ledger.assert_all_closed_once()
+
+
+async def test_env_code_can_call_back_into_the_loop_with_a_token(tokenizer, anyio_backend):
+    ledger = EnvLedger()
+    token = anyio.lowlevel.current_token()
+    seen: list[int] = []
+
+    def on_step(turn: int) -> None:
+        anyio.from_thread.run_sync(lambda: seen.append(threading.get_ident()), token=token)
+
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=2)
+    await gen.generate(make_batch(2, ledger, extras={0: {"on_step": on_step}}), disable_tqdm=True)
+    assert seen
+    assert set(seen) == {threading.get_ident()}
+    ledger.assert_all_closed_once()
+
+
+async def test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio(tokenizer):
+    ledger = EnvLedger()
+    seen: list[int] = []
+
+    def on_step(turn: int) -> None:
+        anyio.from_thread.run_sync(lambda: seen.append(threading.get_ident()))
+
+    gen = make_generator(tokenizer, _engine(tokenizer), workers=2)
+    await gen.generate(make_batch(2, ledger, extras={0: {"on_step": on_step}}), disable_tqdm=True)
+    assert seen
+    assert set(seen) == {threading.get_ident()}
+
+
+# anyio_backend is fixed for the test above: anyio's from_thread needs an explicit token on trio.
+test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio = pytest.mark.parametrize(
+    "anyio_backend", ["asyncio"]
+)(test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio)
