@@ -5,7 +5,8 @@ Swap ``SkyRLGymGenerator`` for :class:`StructuredGymGenerator` and get the same
 cancellation on asyncio and trio.
 """
 
-from .collect import FailedRollout as FailedRollout
+from ._episode import PromptTooLongError as PromptTooLongError
+from ._replies import MalformedEngineReplyError as MalformedEngineReplyError
 from .config import ChatTemplateConfig as ChatTemplateConfig
 from .config import GeneratorConfig as GeneratorConfig
 from .config import InferenceEngineConfig as InferenceEngineConfig
@@ -14,10 +15,11 @@ from .config import SamplingParams as SamplingParams
 from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
-from .episode import MalformedEngineReplyError as MalformedEngineReplyError
-from .episode import PromptTooLongError as PromptTooLongError
+from .failures import FailedRollout as FailedRollout
 from .generator import StructuredGymGenerator as StructuredGymGenerator
 from .nursery import RolloutCancelledError as RolloutCancelledError
+from .observe import RolloutObserver as RolloutObserver
+from .observe import RolloutRef as RolloutRef
 from .types import ROLLOUT_ERROR_STOP_REASON as ROLLOUT_ERROR_STOP_REASON
 from .types import BatchMetadata as BatchMetadata
 from .types import ConversationType as ConversationType
@@ -53,6 +55,8 @@ __all__ = (
     "PromptTooLongError",
     "ResilienceSettings",
     "RolloutCancelledError",
+    "RolloutObserver",
+    "RolloutRef",
     "SamplingParams",
     "SkyRLGymConfig",
     "StepWiseOutput",
@@ -62,3 +66,11 @@ __all__ = (
     "open_env",
     "validate_generator_output",
 )
+
+# Public names defined in private modules are shown as the package's own (as httpx does). Only
+# classes without annotations to resolve are there, so typing.get_type_hints still works on them.
+for _name in __all__:
+    _obj = globals()[_name]
+    if any(part.startswith("_") for part in getattr(_obj, "__module__", "").split(".")[1:]):
+        _obj.__module__ = "skyrl_structured"
+del _name, _obj

@@ -74,12 +74,11 @@ def summarize(cfg: RolloutConfig, source: str, n_prompts: int, n_samples: int, r
         summary["error"] = f"{type(result.error).__name__}: {result.error}"
     output = result.output
     if output is None:
-        cleanup = tally.cleanup
         summary["rollouts_finished"] = tally.attempts_finished
         summary["rollouts_cancelled"] = tally.attempts_cancelled
         summary["rollout_attempts_failed"] = tally.attempts_failed
-        summary["envs_opened"] = cleanup.envs_opened if cleanup is not None else 0
-        summary["envs_closed"] = cleanup.envs_closed if cleanup is not None else 0
+        summary["envs_opened"] = tally.envs_opened
+        summary["envs_closed"] = tally.envs_closed
         return summary
     metrics = output.get("rollout_metrics") or {}
     failed = int(metrics.get("generate/num_failed_rollouts", 0))

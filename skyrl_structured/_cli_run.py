@@ -20,10 +20,9 @@ import anyio
 
 from ._cli_engine import EngineSetup, load_engine
 from ._cli_schema import RolloutConfig
-from .envs import CleanupStats
 from .generator import StructuredGymGenerator
-from .nursery import current_attempt
-from .types import GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
+from .observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from .types import GeneratorInput, GeneratorOutput
 
 __all__ = ["RunResult", "Tally", "run_step"]
 
@@ -31,45 +30,45 @@ Status = Literal["ok", "failed", "interrupted"]
 
 
 @dataclass
-class Tally:
-    """What the step did, counted as it happened, so it can be reported even after an interruption."""
+class Tally(RolloutObserver):
+    """What the step did, counted as it happened (an observer), so it can be reported even after an interruption."""
 
     attempts_started: int = 0
     attempts_finished: int = 0
     attempts_failed: int = 0
     attempts_cancelled: int = 0
     sessions_finished: int = 0
-    #: The generator's own per-batch cleanup counters (envs opened and closed, close errors).
-    cleanup: CleanupStats | None = None
+    envs_opened: int = 0
+    envs_closed: int = 0
 
     @property
     def in_flight(self) -> int:
         return self.attempts_started - self.attempts_finished - self.attempts_failed - self.attempts_cancelled
 
+    def attempt_started(self, rollout: RolloutRef) -> None:
+        self.attempts_started += 1
 
-class _CountingGenerator(StructuredGymGenerator):
-    """The generator, unchanged, with a :class:`Tally` of attempts and finished sessions."""
+    def env_opened(self, rollout: RolloutRef) -> None:
+        self.envs_opened += 1
 
-    tally: Tally
+    def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
+        self.attempts_finished += 1
 
-    async def agent_loop(self, *args: Any, **kwargs: Any) -> TrajectoryOutput | StepWiseOutput:
-        # Every attempt of one batch shares the batch's CleanupStats; keep a handle on it.
-        self.tally.cleanup = current_attempt().cleanup
-        self.tally.attempts_started += 1
-        try:
-            output = await super().agent_loop(*args, **kwargs)
-        except anyio.get_cancelled_exc_class():
-            self.tally.attempts_cancelled += 1
-            raise
-        except Exception:
-            self.tally.attempts_failed += 1
-            raise
-        self.tally.attempts_finished += 1
-        return output
+    def attempt_failed(
+        self, rollout: RolloutRef, error: BaseException, elapsed: float, *, timed_out: bool, will_retry: bool
+    ) -> None:
+        self.attempts_failed += 1
 
-    async def _finish_session(self, session_id: Any, cleanup: CleanupStats, error: BaseException | None) -> None:
-        await super()._finish_session(session_id, cleanup, error)
-        self.tally.sessions_finished += 1
+    def attempt_cancelled(self, rollout: RolloutRef) -> None:
+        self.attempts_cancelled += 1
+
+    def cleanup_finished(
+        self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
+    ) -> None:
+        if kind == "finish_session":
+            self.sessions_finished += 1
+        elif outcome != "timeout":
+            self.envs_closed += 1
 
 
 @dataclass
@@ -154,10 +153,10 @@ async def _load_and_generate(
     if on_engine is not None:
         on_engine(setup)
     async with setup.engine:
-        generator = _CountingGenerator(
+        generator = StructuredGymGenerator(
             cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
         )
-        generator.tally = result.tally
+        generator.observers.append(result.tally)
         result.tokenizer = setup.tokenizer
         result.started_generating = True
         started = time.monotonic()

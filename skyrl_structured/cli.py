@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import random
 import sys
 import traceback
 from collections.abc import Sequence
@@ -205,7 +204,6 @@ def _rollout(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     _configure_logging(plan.cfg.run.log_level)
-    random.seed(plan.cfg.run.seed)  # retry backoff jitter
     result = _run(plan, args.debug)
     if isinstance(result, int):
         return result

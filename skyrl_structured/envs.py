@@ -28,6 +28,7 @@ import anyio
 import skyrl_gym
 
 from ._env_threads import EnvCall, EnvThreadPool, active_env_thread_calls
+from .observe import CleanupOutcome
 from .types import ConversationType
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "EnvThreadPool",
     "SyncEnvAdapter",
     "active_env_thread_calls",
+    "env_config_for",
     "is_async_env",
     "open_env",
 ]
@@ -223,6 +225,14 @@ class _AwaitingEnvAdapter:
         return self.env.get_metrics()
 
 
+def env_config_for(skyrl_gym_cfg: Any, env_class: str) -> Any:
+    """An environment's configuration: an attribute of the gym config, or ``env_configs[env_class]``."""
+    found = getattr(skyrl_gym_cfg, env_class, None)
+    if found is not None:
+        return found
+    return (getattr(skyrl_gym_cfg, "env_configs", None) or {}).get(env_class, {})
+
+
 def is_async_env(env: Any) -> bool:
     """True when ``env`` already is an async context manager with async ``init`` and ``step``."""
     return (
@@ -247,23 +257,22 @@ async def shielded_cleanup(
     *,
     limit_s: float,
     error: BaseException | None,
-    on_error: Callable[[], None],
-    on_timeout: Callable[[], None],
+    on_outcome: Callable[[CleanupOutcome, BaseException | None], None],
 ) -> bool:
     """Run ``cleanup()`` shielded from cancellation and bounded by ``limit_s`` seconds.
 
-    A failure (``GeneratorExit`` included) is logged and reported through ``on_error`` (and noted on
-    ``error``, the exception the rollout is already raising, if any); an overrun is abandoned,
-    logged and reported through ``on_timeout``. Neither replaces the rollout's own outcome. An
-    interrupt (``KeyboardInterrupt``, ``SystemExit``) is reported as a failure and then propagates.
-    Returns False when the cleanup was abandoned.
+    ``on_outcome`` hears once how it ended: ``"ok"``; ``"error"`` with the exception (``GeneratorExit``
+    included), which is logged and noted on ``error``, the exception the rollout is already raising,
+    if any; or ``"timeout"``: the cleanup overran and was abandoned. Neither replaces the rollout's
+    own outcome. An interrupt (``KeyboardInterrupt``, ``SystemExit``) is reported as an error and
+    then propagates. Returns False when the cleanup was abandoned.
     """
 
     def report(cleanup_exc: BaseException) -> None:
-        on_error()
         logger.warning("%s failed with %s: %s", what, type(cleanup_exc).__name__, cleanup_exc)
         if error is not None and error is not cleanup_exc:
             error.add_note(f"while cleaning up, {what} also failed: {type(cleanup_exc).__name__}: {cleanup_exc}")
+        on_outcome("error", cleanup_exc)
 
     # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline.
     with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit_s) as scope:
@@ -271,14 +280,20 @@ async def shielded_cleanup(
             await cleanup()
         except (Exception, GeneratorExit) as cleanup_exc:
             report(cleanup_exc)
+            return True
         except (KeyboardInterrupt, SystemExit) as interrupt:
             report(interrupt)
             raise
     if scope.cancelled_caught:
-        on_timeout()
         logger.warning("%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", what, limit_s)
+        on_outcome("timeout", None)
         return False
+    on_outcome("ok", None)
     return True
+
+
+#: ``observe(event, *args)``: tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
+EnvObserver = Callable[..., None]
 
 
 class _OpenEnv:
@@ -292,12 +307,14 @@ class _OpenEnv:
         cleanup_timeout: float,
         stats: CleanupStats,
         abandoned: list[EnvCall[Any]] | None,
+        observe: EnvObserver | None,
     ) -> None:
         self._env_class = env_class
         self._env = _wrap(raw, runner)
         self._cleanup_timeout = cleanup_timeout
         self._stats = stats
         self._abandoned = abandoned
+        self._observe = observe
 
     async def __aenter__(self) -> Any:
         try:
@@ -312,24 +329,22 @@ class _OpenEnv:
     ) -> None:
         stats = self._stats
 
-        def count_error() -> None:
-            stats.env_close_errors += 1
-            stats.envs_closed += 1
-
-        def count_timeout() -> None:
-            stats.env_cleanup_timeouts += 1
-
-        async def close() -> None:
-            await self._env.__aexit__(exc_type, exc, tb)
-            stats.envs_closed += 1
+        def report(outcome: CleanupOutcome, error: BaseException | None) -> None:
+            if outcome == "error":
+                stats.env_close_errors += 1
+            if outcome != "timeout":
+                stats.envs_closed += 1
+            else:
+                stats.env_cleanup_timeouts += 1
+            if self._observe is not None:
+                self._observe("cleanup_finished", "env_close", outcome, error)
 
         finished = await shielded_cleanup(
             f"closing environment {self._env_class!r}",
-            close,
+            lambda: self._env.__aexit__(exc_type, exc, tb),
             limit_s=self._cleanup_timeout,
             error=exc,
-            on_error=count_error,
-            on_timeout=count_timeout,
+            on_outcome=report,
         )
         late = getattr(self._env, "abandoned_close", None)
         if not finished and late is not None and self._abandoned is not None:
@@ -345,14 +360,17 @@ def open_env(
     cleanup_timeout: float,
     stats: CleanupStats,
     abandoned: list[EnvCall[Any]] | None = None,
+    observe: EnvObserver | None = None,
 ) -> AbstractAsyncContextManager[Any]:
     """Create an environment with ``skyrl_gym.make`` and close it exactly once on exit.
 
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
     patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
-    counted as live until it returns.
+    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_finished``.
     """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
-    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned)
+    if observe is not None:
+        observe("env_opened")
+    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe)

@@ -4,25 +4,32 @@ Same constructor, same ``generate()``/``agent_loop()``, the same ``GeneratorOutp
 token. What changes is how rollouts live and die: each ``generate()`` is one task group, each
 rollout a child scope that contains its own failures (``skip_failed_rollouts``), closes its
 environment and finishes its inference session on every path, and lets cancellation through.
+
+This module is the facade SkyRL sees. The layers below it, each owning one concern:
+:mod:`~skyrl_structured.nursery` (the task group, retries, deadlines, bounds),
+:mod:`~skyrl_structured._episode` (one rollout's turns), :mod:`~skyrl_structured.envs`
+(environments and their cleanup) and :mod:`~skyrl_structured._collector` (results to output).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Hashable
 from typing import Any
 from uuid import uuid4
 
+from ._batched import generate_batched
+from ._collector import collect
 from ._env_threads import EnvThreadPool
-from .batched import BatchedMixin, env_config_for
-from .collect import substitute_placeholders
-from .config import ResilienceSettings, resolve_resilience
+from ._episode import Episode
+from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict
+from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import CleanupStats, EnvCallRunner, open_env, shielded_cleanup
-from .episode import EpisodeMixin, using_client
-from .nursery import current_attempt, run_rollouts
-from .output import build_generator_output
+from .envs import EnvCallRunner, env_config_for, open_env, shielded_cleanup
+from .nursery import run_rollouts
+from .observe import CleanupOutcome, Observers, RolloutObserver
 from .progress import Progress
 from .tokens import ChatTokenizer, load_custom_chat_template
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
@@ -33,7 +40,7 @@ __all__ = ["StructuredGymGenerator"]
 logger = logging.getLogger(__name__)
 
 
-class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
+class StructuredGymGenerator:
     """Multi-turn rollouts against ``skyrl_gym`` environments, one task group per batch.
 
     Args:
@@ -43,6 +50,10 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
             ``async finish_session(session_id)`` (SkyRL's clients, or :mod:`skyrl_structured.engines`).
         tokenizer: a Hugging Face tokenizer with a chat template.
         policy_model_name: passed as ``model`` on every engine call.
+
+    Attributes:
+        observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
+            of every ``generate()`` call (append yours; see ``docs/observers.md``).
 
     Raises:
         ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
@@ -68,11 +79,19 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
         self.resilience: ResilienceSettings = resolve_resilience(generator_cfg)
         check_generator_config(generator_cfg, skyrl_gym_cfg, self.resilience, self.custom_chat_template)
         self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
+        self.observers: list[RolloutObserver] = []
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
-        # `generation_prompt_ids`, `base_conversation` and `base_conversation_token_ids` are properties
-        # over `self._chat` (below), so assigning them changes observation encoding as on SkyRL.
+        self._episode = Episode(
+            generator_cfg=generator_cfg,
+            chat=self._chat,
+            custom_chat_template=self.custom_chat_template,
+            # Through the generator, so a subclass overriding it is honoured, as on SkyRL.
+            encode_observation=lambda new_obs, done: self.get_obs_ids_from_obs(new_obs, done),
+            policy_model_name=policy_model_name,
+            routed_experts=routed_experts_enabled(generator_cfg),
+        )
         # Worker threads for blocking env calls, shared by every generate() of this generator (as
         # SkyRL's env executor is); created on first use.
         self._env_pool: EnvThreadPool | None = None
@@ -121,7 +140,7 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
         if chat is not None:
             chat.generation_prompt_ids = value
 
-    # ------------------------------------------------------------------ subclass hooks
+    # ------------------------------------------------------------------ subclass hooks (SkyRL's)
 
     def _setup_env_extras(
         self,
@@ -138,6 +157,10 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
     ) -> Any:
         """Hook: reshape a rollout's output after rewards are placed, before it is returned."""
         return agent_loop_output
+
+    def get_obs_ids_from_obs(self, new_obs: ConversationType, is_done: bool) -> list[int]:
+        """Token ids an observation adds (chat-formatted in multi-turn mode, raw text otherwise)."""
+        return self._chat.observation_ids(new_obs, done=is_done, multi_turn=self.use_conversation_multi_turn)
 
     # ------------------------------------------------------------------ helpers
 
@@ -163,20 +186,22 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
             return sampling_params.get("logprobs", None) is not None
         return self.generator_cfg.sampling_params.logprobs is not None
 
-    async def _finish_session(self, session_id: Hashable, cleanup: CleanupStats, error: BaseException | None) -> None:
-        def count_error() -> None:
-            cleanup.finish_session_errors += 1
+    async def _finish_session(self, context: RolloutContext, session_id: Hashable, error: BaseException | None) -> None:
+        cleanup = context.cleanup
 
-        def count_timeout() -> None:
-            cleanup.finish_session_timeouts += 1
+        def report(outcome: CleanupOutcome, exc: BaseException | None) -> None:
+            if outcome == "error":
+                cleanup.finish_session_errors += 1
+            elif outcome == "timeout":
+                cleanup.finish_session_timeouts += 1
+            context.emit("cleanup_finished", "finish_session", outcome, exc)
 
         await shielded_cleanup(
             f"finish_session({session_id!r})",
-            lambda: self._engine().finish_session(session_id),
+            lambda: context.client.finish_session(session_id),
             limit_s=self.resilience.env_cleanup_timeout_s,
             error=error,
-            on_error=count_error,
-            on_timeout=count_timeout,
+            on_outcome=report,
         )
 
     # ------------------------------------------------------------------ one rollout
@@ -204,12 +229,12 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
                 step-wise mode, where the rollout instead has no steps).
             Exception: whatever the engine, the environment or the tokenizer raised.
         """
-        attempt = current_attempt()
+        context = current_rollout(self, trajectory_id)
         started = time.monotonic()
-        time_splits = attempt.time_splits
         session_id: Hashable = (
             f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}" if trajectory_id is not None else uuid4().hex
         )
+        context.ref = dataclasses.replace(context.ref, session_id=session_id)
         try:
             env_extras["max_turns"] = self.max_turns
             env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
@@ -219,19 +244,26 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
                 extras=env_extras,
                 runner=self._env_runner(),
                 cleanup_timeout=self.resilience.env_cleanup_timeout_s,
-                stats=attempt.cleanup,
-                abandoned=attempt.abandoned,
+                stats=context.cleanup,
+                abandoned=context.abandoned,
+                observe=lambda event, *args: context.emit(event, *args),
             ) as env:
-                output: TrajectoryOutput | StepWiseOutput = await self._run_episode(
-                    env, prompt, max_input_length, sampling_params, session_id, cache_salt, time_splits
+                output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
+                    env,
+                    prompt,
+                    context=context,
+                    max_input_length=max_input_length,
+                    sampling_params=sampling_params,
+                    session_id=session_id,
+                    cache_salt=cache_salt,
                 )
             output = self._post_process_agent_loop_output(output, env_extras, trajectory_id)
             output.e2e_time = time.monotonic() - started
-            output.time_splits = time_splits
+            output.time_splits = context.time_splits
         except BaseException as exc:
-            await self._finish_session(session_id, attempt.cleanup, exc)
+            await self._finish_session(context, session_id, exc)
             raise
-        await self._finish_session(session_id, attempt.cleanup, None)
+        await self._finish_session(context, session_id, None)
         return output
 
     # ------------------------------------------------------------------ a batch
@@ -244,98 +276,107 @@ class StructuredGymGenerator(EpisodeMixin, BatchedMixin):
             Exception: without ``skip_failed_rollouts``, the first failing rollout's own exception,
                 raised after every other rollout has been cancelled and cleaned up.
             RuntimeError: with ``skip_failed_rollouts``, when every rollout failed or more than
-                ``max_failed_rollout_fraction`` did (``__cause__`` is the first failure).
+                ``max_failed_rollout_fraction`` did (``__cause__`` is the first failure), unless
+                ``failure_budget_action="warn"``.
         """
         cfg = self.generator_cfg
-        step_wise = bool(cfg.step_wise_trajectories)
-        check_generator_input(input_batch, step_wise=step_wise, policy=self.resilience.failed_rollout_policy)
+        check_generator_input(
+            input_batch, step_wise=bool(cfg.step_wise_trajectories), policy=self.resilience.failed_rollout_policy
+        )
         prompts = input_batch["prompts"]
         env_classes = list(input_batch["env_classes"])
         env_extras = input_batch.get("env_extras")
         if env_extras is None:
             env_extras = [{} for _ in prompts]
-        trajectory_ids = input_batch.get("trajectory_ids", None)
         sampling_params = input_batch.get("sampling_params", None)
-        max_tokens = cfg.sampling_params.max_generate_length
-        max_input_length = cfg.max_input_length
         cache_salt = self._compute_cache_salt()
 
         # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
         # trio-asyncio for the whole batch; anywhere else the client is used as is.
         async with bridged_client(self.inference_engine_client) as client:
-            with using_client(self, client):
-                if self.batched:
-                    return await self.generate_batched(
-                        prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
-                    )
-                return await self._generate_rollouts(
+            if self.batched:
+                return await generate_batched(
+                    self,
+                    client,
                     prompts,
                     env_classes,
                     env_extras,
-                    trajectory_ids,
+                    cfg.sampling_params.max_generate_length,
                     sampling_params,
-                    max_tokens,
-                    max_input_length,
-                    cache_salt,
-                    disable_tqdm,
+                    cache_salt=cache_salt,
                 )
+            progress = Progress(len(prompts), disable=disable_tqdm)
+            batch = BatchContext(
+                generator=self,
+                client=client,
+                default_params=sampling_params_dict(cfg.sampling_params),
+                observers=Observers([progress, *self.observers]),
+            )
+            try:
+                return await self._generate_rollouts(
+                    batch,
+                    prompts,
+                    env_classes,
+                    env_extras,
+                    input_batch.get("trajectory_ids", None),
+                    sampling_params,
+                    cache_salt,
+                )
+            finally:
+                progress.close()
+
+    async def generate_batched(
+        self,
+        prompts: list[ConversationType],
+        env_classes: list[str],
+        env_extras: list[dict[str, Any]],
+        max_tokens: int,
+        sampling_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> GeneratorOutput:
+        """SkyRL's single-turn batched path (``generator.batched=true``): one engine call for the batch."""
+        async with bridged_client(self.inference_engine_client) as client:
+            return await generate_batched(
+                self, client, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+            )
 
     async def _generate_rollouts(
         self,
+        batch: BatchContext,
         prompts: list[ConversationType],
         env_classes: list[str],
         env_extras: list[dict[str, Any]],
         trajectory_ids: list[Any] | None,
         sampling_params: dict[str, Any] | None,
-        max_tokens: int,
-        max_input_length: int | None,
         cache_salt: str | None,
-        disable_tqdm: bool,
     ) -> GeneratorOutput:
         cfg = self.generator_cfg
-        step_wise = bool(cfg.step_wise_trajectories)
 
         async def rollout(i: int) -> Any:
             return await self.agent_loop(
                 prompts[i],
                 env_classes[i],
                 env_extras[i],
-                max_tokens,
-                max_input_length,
+                cfg.sampling_params.max_generate_length,
+                cfg.max_input_length,
                 sampling_params=sampling_params,
                 trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
                 cache_salt=cache_salt,
             )
 
-        with Progress(len(prompts), disable=disable_tqdm) as progress:
-            batch = await run_rollouts(
-                len(prompts), rollout, self.resilience, trajectory_ids=trajectory_ids, progress=progress
-            )
-        get_logprobs = self._get_logprobs(sampling_params)
-        results = batch.results
-        if batch.failures:
-            token_id = self.tokenizer.pad_token_id
-            if token_id is None:
-                token_id = self.tokenizer.eos_token_id
-            results = substitute_placeholders(
-                results,
-                token_id=token_id,
-                # Token-level rewards everywhere except with a custom chat template, which yields a float.
-                default_token_level_rewards=step_wise or not self.custom_chat_template,
-                with_logprobs=get_logprobs,
-                step_wise=step_wise,
-            )
-        return build_generator_output(
-            results,
+        result = await run_rollouts(len(prompts), rollout, self.resilience, batch, trajectory_ids=trajectory_ids)
+        pad = self.tokenizer.pad_token_id
+        return collect(
+            result.results,
+            result.failures,
+            retries=result.retries,
+            cleanup=result.cleanup,
             generator_cfg=cfg,
             resilience=self.resilience,
-            routed_experts=self._routed_experts(),
+            placeholder_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
+            custom_chat_template=bool(self.custom_chat_template),
+            routed_experts=routed_experts_enabled(cfg),
             env_classes=env_classes,
             trajectory_ids=trajectory_ids,
-            get_logprobs=get_logprobs,
-            failures=batch.failures,
-            retries=batch.retries,
-            cleanup=batch.cleanup,
+            get_logprobs=self._get_logprobs(sampling_params),
         )
-
-    # ------------------------------------------------------------------ batched single-turn

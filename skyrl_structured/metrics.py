@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from skyrl_gym.metrics import aggregate_for_environment
 
-from .collect import FailedRollout, failure_budget_exceeded
 from .envs import CleanupStats
+from .failures import FailedRollout, failure_budget_exceeded
 
 __all__ = ["failure_metrics", "rollout_metrics", "turn_token_counts"]
 
@@ -139,7 +139,7 @@ def failure_metrics(
     """The counters a structured generator adds: failures by type, timeouts, retries, cleanup.
 
     ``generate/failure_budget_exceeded`` is 1 when the step is over the failure budget
-    (``max_fraction``, see :func:`~skyrl_structured.collect.failure_budget_exceeded`) and was
+    (``max_fraction``, see :func:`~skyrl_structured.failures.failure_budget_exceeded`) and was
     returned anyway (``failure_budget_action=warn``), else 0. Every key but the fraction is a count.
     """
     out: dict[str, Any] = {

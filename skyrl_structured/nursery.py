@@ -11,9 +11,10 @@ through. Two more cases are decided here, the same way on asyncio and trio:
   a ``GeneratorExit`` that escapes a rollout.
 
 A failed attempt is retried from scratch (fresh environment, fresh session) up to
-``max_rollout_retries`` times, then recorded as a :class:`~skyrl_structured.collect.FailedRollout`.
+``max_rollout_retries`` times, then recorded as a :class:`~skyrl_structured.FailedRollout`.
 Without ``skip_failed_rollouts`` the first failure cancels its siblings, which clean up, and
-:func:`run_rollouts` raises that original exception once the group has exited.
+:func:`run_rollouts` raises that original exception once the group has exited. Each attempt gets
+a :class:`~skyrl_structured._rollout.RolloutContext`; observers hear of every step.
 """
 
 from __future__ import annotations
@@ -24,33 +25,25 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from ._env_threads import EnvCall, loop_scheduler
-from .collect import FailedRollout, check_failure_budget
+from ._rollout import BatchContext, RolloutContext, activate
 from .config import ResilienceSettings
 from .envs import CleanupStats
-from .progress import Progress
+from .failures import FailedRollout, failure_budget_exceeded
+from .observe import RolloutRef
 
-__all__ = ["BatchResult", "RolloutAttempt", "RolloutCancelledError", "current_attempt", "run_rollouts"]
+__all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class RolloutAttempt:
-    """What one attempt of one rollout has recorded so far; read back if the attempt fails."""
-
-    started: float = field(default_factory=time.monotonic)
-    time_splits: dict[str, float] = field(default_factory=lambda: {"llm": 0.0, "env": 0.0})
-    cleanup: CleanupStats = field(default_factory=CleanupStats)
-    #: Closes abandoned after env_cleanup_timeout_s that still run in their worker threads.
-    abandoned: list[EnvCall[Any]] = field(default_factory=list)
+#: Retry jitter has its own generator: seeding the process (``random.seed``) neither fixes nor shifts it.
+_jitter = random.Random()
 
 
 class RolloutCancelledError(RuntimeError):
@@ -61,15 +54,6 @@ class RolloutCancelledError(RuntimeError):
     ``skip_failed_rollouts``, or raised from ``generate()`` without it. ``__cause__`` is the
     original exception.
     """
-
-
-_CURRENT_ATTEMPT: ContextVar[RolloutAttempt | None] = ContextVar("skyrl_structured_attempt", default=None)
-
-
-def current_attempt() -> RolloutAttempt:
-    """The attempt the calling rollout belongs to (a fresh one when called outside a batch)."""
-    attempt = _CURRENT_ATTEMPT.get()
-    return attempt if attempt is not None else RolloutAttempt()
 
 
 @dataclass
@@ -84,7 +68,7 @@ class BatchResult:
 
 def _backoff(base: float, attempt: int) -> float:
     # Exponential backoff with full jitter: uniform in [0, base * 2**(attempt - 1)].
-    return random.uniform(0.0, base * (2 ** (attempt - 1))) if base > 0 else 0.0
+    return _jitter.uniform(0.0, base * (2 ** (attempt - 1))) if base > 0 else 0.0
 
 
 def _describe(index: int, trajectory_id: Any | None) -> str:
@@ -174,143 +158,171 @@ async def run_rollouts(
     count: int,
     rollout: Callable[[int], Awaitable[Any]],
     settings: ResilienceSettings,
+    batch: BatchContext,
     *,
     trajectory_ids: Sequence[Any] | None = None,
-    progress: Progress | None = None,
 ) -> BatchResult:
     """Run ``rollout(i)`` for ``i in range(count)`` concurrently in one task group.
+
+    Each attempt runs with its :class:`RolloutContext` active (see :func:`~skyrl_structured._rollout.activate`).
 
     Raises:
         Exception: without ``skip_failed_rollouts``, the first rollout's original exception, after
             every sibling has been cancelled and has cleaned up.
-        RuntimeError: with ``skip_failed_rollouts``, when the failure budget is exceeded; its
-            ``__cause__`` is the first failure.
+        KeyboardInterrupt, SystemExit: one raised inside a rollout, after every sibling cleaned up.
     """
-    results: list[Any] = [None] * count
-    failures: list[FailedRollout] = []
-    cleanup = CleanupStats()
-    retries = 0
-    first_error: BaseException | None = None
-    interrupt: BaseException | None = None
-    over_budget = False
-    limiter = anyio.CapacityLimiter(settings.max_concurrent_rollouts) if settings.max_concurrent_rollouts else None
-    allowed_failures = settings.max_failed_rollout_fraction * count
-
-    async def attempt_once(index: int, attempt: RolloutAttempt, trajectory_id: Any | None) -> Any:
-        borrower = object()
-        if limiter is not None:
-            await limiter.acquire_on_behalf_of(borrower)
-        try:
-            attempt.started = time.monotonic()
-            deadline = settings.rollout_timeout_s
-            if deadline is None:
-                return await rollout(index)
-            with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
-                result = await rollout(index)
-            if scope.cancelled_caught:
-                raise TimeoutError(
-                    f"{_describe(index, trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"
-                )
-            return result
-        finally:
-            if limiter is not None:
-                _release_when_closed(limiter, borrower, attempt.abandoned)
-
-    async def child(index: int, group: anyio.abc.TaskGroup) -> None:
-        nonlocal retries, first_error, over_budget, interrupt
-        trajectory_id = trajectory_ids[index] if trajectory_ids is not None else None
-        attempts = 0
-        while True:
-            attempts += 1
-            attempt = RolloutAttempt(cleanup=cleanup)
-            token = _CURRENT_ATTEMPT.set(attempt)
-            try:
-                result = await attempt_once(index, attempt, trajectory_id)
-            except BaseException as raised:
-                exc = _as_rollout_error(raised, _describe(index, trajectory_id))
-                if exc is None:
-                    held = _interrupt_in(raised)
-                    if held is None:
-                        raise  # our own cancellation
-                    # Hold the interrupt until every sibling has cleaned up; asyncio would otherwise
-                    # re-raise it straight out of the event loop and leave the others running.
-                    if interrupt is None:
-                        interrupt = held
-                    group.cancel_scope.cancel()
-                    return
-                elapsed = time.monotonic() - attempt.started
-                if attempts <= settings.max_rollout_retries:
-                    retries += 1
-                    delay = _backoff(settings.rollout_retry_backoff_s, attempts)
-                    logger.warning(
-                        "%s attempt %d failed with %s: %s; retrying in %.2fs",
-                        _describe(index, trajectory_id),
-                        attempts,
-                        type(exc).__name__,
-                        exc,
-                        delay,
-                    )
-                    await anyio.sleep(delay)
-                    continue
-                failure = FailedRollout(
-                    index=index,
-                    exception=exc,
-                    elapsed=elapsed,
-                    attempts=attempts,
-                    timed_out=isinstance(exc, TimeoutError),
-                    trajectory_id=trajectory_id,
-                    time_splits=dict(attempt.time_splits),
-                )
-                results[index] = failure
-                failures.append(failure)
-                logger.warning(
-                    "%s failed on attempt %d with %s: %s",
-                    _describe(index, trajectory_id),
-                    attempts,
-                    type(exc).__name__,
-                    exc,
-                )
-                if progress is not None:
-                    progress.advance(failed=True)
-                if not settings.skip_failed_rollouts:
-                    if first_error is None:
-                        first_error = exc
-                    group.cancel_scope.cancel()
-                elif settings.failure_budget_action == "raise" and allowed_failures < len(failures) < count:
-                    # The budget is already blown and failures only grow: stop spending compute.
-                    over_budget = True
-                    group.cancel_scope.cancel()
-                return
-            finally:
-                _CURRENT_ATTEMPT.reset(token)
-            results[index] = result
-            if progress is not None:
-                progress.advance(failed=False)
-            return
-
+    supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
+    batch.observers.emit("batch_started", count)
     try:
         async with anyio.create_task_group() as group:
             for index in range(count):
-                group.start_soon(child, index, group)
+                group.start_soon(supervisor.child, index, group)
     except BaseExceptionGroup as group_error:
         # Children catch every Exception, so only KeyboardInterrupt/SystemExit-like errors get here:
         # re-raise the interrupt itself, as SkyRL's gather would, so `except KeyboardInterrupt` works.
-        if interrupt is not None:
-            raise interrupt from None
+        if supervisor.interrupt is not None:
+            raise supervisor.interrupt from None
         _raise_interrupt(group_error)
         raise
-    if interrupt is not None:
-        raise interrupt
+    if supervisor.interrupt is not None:
+        raise supervisor.interrupt
     # A cancellation that arrived while the last rollouts were in shielded cleanup must still reach
     # the caller: a cancelled generate() raises, it never returns a batch.
     await anyio.lowlevel.checkpoint_if_cancelled()
+    if supervisor.first_error is not None:
+        raise supervisor.first_error
+    batch.observers.emit("batch_finished", count, len(supervisor.failures))
+    return BatchResult(
+        results=supervisor.results, failures=supervisor.failures, retries=supervisor.retries, cleanup=batch.cleanup
+    )
 
-    if first_error is not None:
-        raise first_error
-    if settings.skip_failed_rollouts:
-        failures.sort(key=lambda f: f.index)
-        if over_budget or failures:
-            check_failure_budget(
-                failures, count, settings.max_failed_rollout_fraction, action=settings.failure_budget_action
+
+class _Supervisor:
+    """The children of one task group and what they report back."""
+
+    def __init__(
+        self,
+        count: int,
+        rollout: Callable[[int], Awaitable[Any]],
+        settings: ResilienceSettings,
+        batch: BatchContext,
+        trajectory_ids: Sequence[Any] | None,
+    ) -> None:
+        self.count = count
+        self.rollout = rollout
+        self.settings = settings
+        self.batch = batch
+        self.trajectory_ids = trajectory_ids
+        self.results: list[Any] = [None] * count
+        self.failures: list[FailedRollout] = []
+        self.retries = 0
+        self.first_error: BaseException | None = None
+        self.interrupt: BaseException | None = None
+        self.limiter = (
+            anyio.CapacityLimiter(settings.max_concurrent_rollouts) if settings.max_concurrent_rollouts else None
+        )
+
+    async def child(self, index: int, group: anyio.abc.TaskGroup) -> None:
+        trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
+        attempt = 0
+        while True:
+            attempt += 1
+            context = RolloutContext(self.batch, RolloutRef(index, attempt, trajectory_id))
+            try:
+                result = await self._attempt(index, context)
+            except BaseException as raised:
+                error = _as_rollout_error(raised, _describe(index, trajectory_id))
+                if error is None:
+                    self._propagate(raised, context, group)
+                    return
+                if await self._failed(index, context, error, group):
+                    continue
+                return
+            self.results[index] = result
+            context.emit("rollout_finished", failed=False)
+            return
+
+    async def _attempt(self, index: int, context: RolloutContext) -> Any:
+        borrower = object()
+        if self.limiter is not None:
+            await self.limiter.acquire_on_behalf_of(borrower)
+        try:
+            context.started = time.monotonic()
+            context.emit("attempt_started")
+            with activate(context):
+                result = await self._within_deadline(index, context)
+            context.emit("attempt_finished", time.monotonic() - context.started)
+            return result
+        finally:
+            if self.limiter is not None:
+                _release_when_closed(self.limiter, borrower, context.abandoned)
+
+    async def _within_deadline(self, index: int, context: RolloutContext) -> Any:
+        deadline = self.settings.rollout_timeout_s
+        if deadline is None:
+            return await self.rollout(index)
+        with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
+            result = await self.rollout(index)
+        if scope.cancelled_caught:
+            raise TimeoutError(
+                f"{_describe(index, context.ref.trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"
             )
-    return BatchResult(results=results, failures=failures, retries=retries, cleanup=cleanup)
+        return result
+
+    def _propagate(self, raised: BaseException, context: RolloutContext, group: anyio.abc.TaskGroup) -> None:
+        """Our own cancellation goes on up; an interrupt is held until every sibling has cleaned up."""
+        context.emit("attempt_cancelled")
+        held = _interrupt_in(raised)
+        if held is None:
+            raise raised
+        # asyncio would otherwise re-raise it straight out of the event loop and leave the others running.
+        if self.interrupt is None:
+            self.interrupt = held
+        group.cancel_scope.cancel()
+
+    async def _failed(self, index: int, context: RolloutContext, error: Exception, group: anyio.abc.TaskGroup) -> bool:
+        """Record a failed attempt; True when it is to be retried."""
+        settings = self.settings
+        elapsed = time.monotonic() - context.started
+        timed_out = isinstance(error, TimeoutError)
+        where = _describe(index, context.ref.trajectory_id)
+        retry = context.ref.attempt <= settings.max_rollout_retries
+        context.emit("attempt_failed", error, elapsed, timed_out=timed_out, will_retry=retry)
+        if retry:
+            self.retries += 1
+            delay = _backoff(settings.rollout_retry_backoff_s, context.ref.attempt)
+            logger.warning(
+                "%s attempt %d failed with %s: %s; retrying in %.2fs",
+                where,
+                context.ref.attempt,
+                type(error).__name__,
+                error,
+                delay,
+            )
+            await anyio.sleep(delay)
+            return True
+        failure = FailedRollout(
+            index=index,
+            exception=error,
+            elapsed=elapsed,
+            attempts=context.ref.attempt,
+            timed_out=timed_out,
+            trajectory_id=context.ref.trajectory_id,
+            time_splits=dict(context.time_splits),
+        )
+        self.results[index] = failure
+        self.failures.append(failure)
+        logger.warning("%s failed on attempt %d with %s: %s", where, context.ref.attempt, type(error).__name__, error)
+        context.emit("rollout_finished", failed=True)
+        if not settings.skip_failed_rollouts:
+            if self.first_error is None:
+                self.first_error = error
+            group.cancel_scope.cancel()
+        elif (
+            settings.failure_budget_action == "raise"
+            and len(self.failures) < self.count
+            and failure_budget_exceeded(len(self.failures), self.count, settings.max_failed_rollout_fraction)
+        ):
+            # The budget is already blown and failures only grow: stop spending compute.
+            group.cancel_scope.cancel()
+        return False

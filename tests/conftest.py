@@ -10,7 +10,13 @@ from skyrl_structured.tiny import build_chatml_tokenizer
 register_scripted_env()
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+@pytest.fixture(
+    params=[
+        # asyncio in debug mode: never-awaited coroutines, thread-unsafe calls and slow callbacks show up.
+        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+        pytest.param("trio", id="trio"),
+    ]
+)
 def anyio_backend(request):
     return request.param
 

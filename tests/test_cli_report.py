@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from skyrl_structured import GeneratorConfig, SkyRLGymConfig, validate_generator_output
+from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator, validate_generator_output
 from skyrl_structured._cli_config import load_config
 from skyrl_structured._cli_data import build_batch, load_dataset
 from skyrl_structured._cli_report import format_summary, summarize, write_outputs
-from skyrl_structured._cli_run import RunResult, Tally, _CountingGenerator
+from skyrl_structured._cli_run import RunResult, Tally
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 
@@ -28,18 +28,18 @@ async def test_step_wise_multi_turn_run_is_reported_row_by_row(anyio_backend, to
         max_turns=2, step_wise_trajectories=True, skip_failed_rollouts=True, n_samples_per_prompt=2
     )
     batch = build_batch(dataset, n_samples=2, params=gen_cfg.sampling_params, phase="train")
-    generator = _CountingGenerator(
+    generator = StructuredGymGenerator(
         gen_cfg, SkyRLGymConfig(max_env_workers=2), ScriptedEngine(tokenizer, _answer), tokenizer
     )
-    generator.tally = Tally()
+    tally = Tally()
+    generator.observers.append(tally)
     output = await generator.generate(batch, disable_tqdm=True)
-    result = RunResult(status="ok", tally=generator.tally, output=output, engine="scripted", tokenizer=tokenizer)
+    result = RunResult(status="ok", tally=tally, output=output, engine="scripted", tokenizer=tokenizer)
 
     tally = result.tally
     assert (tally.attempts_started, tally.attempts_finished, tally.attempts_failed) == (4, 3, 1)
     assert tally.sessions_finished == 4
-    assert tally.cleanup is not None
-    assert tally.cleanup.envs_opened == tally.cleanup.envs_closed == 4
+    assert tally.envs_opened == tally.envs_closed == 4
 
     cfg = load_config([f"run.output_dir={tmp_path}"])
     summary = summarize(cfg, dataset.source, len(dataset), 2, result)

@@ -416,3 +416,58 @@ async def test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio(t
 test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio = pytest.mark.parametrize(
     "anyio_backend", ["asyncio"]
 )(test_env_code_can_call_back_into_the_loop_without_a_token_on_asyncio)
+
+
+# ------------------------------------------------------------------------- the supervisor on its own
+
+
+def _batch_context() -> Any:
+    from skyrl_structured._rollout import BatchContext
+
+    return BatchContext(generator=None, client=None, default_params={})
+
+
+async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):
+    from skyrl_structured.config import ResilienceSettings
+    from skyrl_structured.nursery import run_rollouts
+
+    attempts: dict[int, int] = {}
+
+    async def rollout(i: int) -> str:
+        attempts[i] = attempts.get(i, 0) + 1
+        await anyio.sleep(0.001 * (5 - i))  # finish in reverse order
+        if i == 2 and attempts[i] == 1:
+            raise ConnectionError("blip")
+        if i == 4:
+            raise ValueError("always")
+        return f"result {i}"
+
+    settings = ResilienceSettings(skip_failed_rollouts=True, max_rollout_retries=1, rollout_retry_backoff_s=0)
+    result = await run_rollouts(5, rollout, settings, _batch_context())
+    assert result.results[:4] == ["result 0", "result 1", "result 2", "result 3"]
+    (failure,) = result.failures
+    assert result.results[4] is failure
+    assert (failure.index, failure.attempts, type(failure.exception)) == (4, 2, ValueError)
+    assert attempts == {0: 1, 1: 1, 2: 2, 3: 1, 4: 2}
+    assert result.retries == 2
+
+
+async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling_siblings(anyio_backend):
+    from skyrl_structured.config import ResilienceSettings
+    from skyrl_structured.nursery import run_rollouts
+
+    cancelled: list[int] = []
+
+    async def rollout(i: int) -> str:
+        if i == 0:
+            raise KeyError("first")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            cancelled.append(i)
+            raise
+        return "never"
+
+    with pytest.raises(KeyError, match="first"):
+        await run_rollouts(4, rollout, ResilienceSettings(), _batch_context())
+    assert sorted(cancelled) == [1, 2, 3]

@@ -23,6 +23,8 @@ EXPECTED = {
     "ROLLOUT_ERROR_STOP_REASON",
     "ResilienceSettings",
     "RolloutCancelledError",
+    "RolloutObserver",
+    "RolloutRef",
     "SamplingParams",
     "SkyRLGymConfig",
     "StepWiseOutput",

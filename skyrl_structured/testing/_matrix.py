@@ -37,8 +37,8 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
+from .._replies import MalformedEngineReplyError
 from ..config import GeneratorConfig, SkyRLGymConfig
-from ..episode import MalformedEngineReplyError
 from ..generator import StructuredGymGenerator
 from ..nursery import RolloutCancelledError
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, TrajectoryID

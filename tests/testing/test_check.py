@@ -20,7 +20,7 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import StructuredGymGenerator, envs, episode, nursery
+from skyrl_structured import StructuredGymGenerator, _episode, envs, nursery
 from skyrl_structured._env_threads import EnvCall
 from skyrl_structured.envs import SyncEnvAdapter
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
@@ -346,15 +346,13 @@ def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypat
             assert case.ok
 
 
-class SessionLeakingGenerator(StructuredGymGenerator):
-    async def _finish_session(self, session_id, cleanup, error):
+def test_check_catches_unfinished_sessions(monkeypatch):
+    async def never_finish(self, context, session_id, error):
         return None  # BUG: never tells the engine the session is over
 
-
-def test_check_catches_unfinished_sessions():
+    monkeypatch.setattr(StructuredGymGenerator, "_finish_session", never_finish)
     report = check_structured_concurrency(
         SCRIPTED_ENV,
-        generator_class=SessionLeakingGenerator,
         raise_on_failure=False,
         backends=("trio",),
         max_env_workers=(0,),
@@ -443,7 +441,7 @@ def test_check_catches_engine_replies_used_unchecked(monkeypatch):
         first = list(logprobs[0]) if logprobs is not None else None
         return reply["responses"][0], list(reply["response_ids"][0]), reply["stop_reasons"][0], first, None
 
-    monkeypatch.setattr(episode, "_read_reply", unchecked)
+    monkeypatch.setattr(_episode, "read_reply", unchecked)
     report = check_structured_concurrency(
         SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("malformed",)
     )

@@ -81,7 +81,7 @@ async def test_unfinished_sessions_are_reported_and_retries_must_finish_again(to
 
 
 @pytest.mark.anyio
-async def test_a_task_left_in_a_task_group_is_reported(anyio_backend):
+async def test_a_task_left_in_a_task_group_is_reported(anyio_backend, anyio_backend_name):
     tracker = LeakTracker()
 
     async def lingering() -> None:
@@ -93,20 +93,20 @@ async def test_a_task_left_in_a_task_group_is_reported(anyio_backend):
         leaks = tracker.task_leaks()
         assert len(leaks) == 1
         assert "lingering" in leaks[0]
-        assert leaks[0].startswith(f"task left running: {anyio_backend} task")
+        assert leaks[0].startswith(f"task left running: {anyio_backend_name} task")
         group.cancel_scope.cancel()
     assert tracker.task_leaks() == []
 
 
 @pytest.mark.anyio
-async def test_a_detached_task_is_reported(anyio_backend):
+async def test_a_detached_task_is_reported(anyio_backend, anyio_backend_name):
     tracker = LeakTracker()
     stop = anyio.Event()
 
     async def detached() -> None:
         await stop.wait()
 
-    if anyio_backend == "asyncio":
+    if anyio_backend_name == "asyncio":
         task = asyncio.get_running_loop().create_task(detached())
     else:
         import trio
@@ -119,7 +119,7 @@ async def test_a_detached_task_is_reported(anyio_backend):
     with anyio.fail_after(5):
         while tracker.task_leaks():  # noqa: ASYNC110 - polling the census is what is under test
             await anyio.sleep(0.01)
-    if anyio_backend == "asyncio":
+    if anyio_backend_name == "asyncio":
         assert task.done()
     await tracker.assert_clean_async()
 
@@ -180,7 +180,7 @@ def test_tqdm_monitor_thread_is_never_a_leak():
 
 
 @pytest.mark.anyio
-async def test_thread_states_tell_idle_from_busy_pool_workers(anyio_backend):
+async def test_thread_states_tell_idle_from_busy_pool_workers(anyio_backend, anyio_backend_name):
     release = threading.Event()
     entered = anyio.Event()
 
@@ -188,7 +188,7 @@ async def test_thread_states_tell_idle_from_busy_pool_workers(anyio_backend):
         anyio.from_thread.run_sync(entered.set)
         release.wait(10)
 
-    pool = "anyio" if anyio_backend == "asyncio" else "trio"
+    pool = "anyio" if anyio_backend_name == "asyncio" else "trio"
     async with anyio.create_task_group() as group:
         group.start_soon(anyio.to_thread.run_sync, blocking)
         await entered.wait()

@@ -20,15 +20,15 @@ from skyrl_structured import (
     TrajectoryOutput,
     validate_generator_output,
 )
-from skyrl_structured.collect import (
+from skyrl_structured._collector import (
     apply_group_policy,
+    build_generator_output,
     check_failure_budget,
     infer_token_level_rewards,
     make_placeholder,
     substitute_placeholders,
 )
 from skyrl_structured.envs import CleanupStats
-from skyrl_structured.output import build_generator_output
 
 from ._upstream import load_upstream_validator
 
@@ -122,7 +122,7 @@ def test_raise_names_the_knob_that_would_keep_the_step():
 
 
 def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "skyrl_structured.collect"]
+    return [r for r in caplog.records if r.name == "skyrl_structured._collector"]
 
 
 def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):

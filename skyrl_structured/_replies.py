@@ -1,0 +1,127 @@
+"""Engine replies, checked before use: a malformed one is the error of the rollout that asked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MalformedEngineReplyError", "read_reply"]
+
+
+class MalformedEngineReplyError(ValueError):
+    """The engine's reply to a rollout's request breaks the ``InferenceEngineOutput`` contract.
+
+    Raised inside the rollout that made the request, so it is that rollout's failure: a placeholder
+    with ``generator.skip_failed_rollouts``, else the error ``generate()`` raises. Caught here, a bad
+    reply cannot misalign tokens and logprobs or fail the whole batch later, in output building.
+    """
+
+
+#: What one reply carries for its single prompt: text, token ids (a fresh list), stop reason,
+#: logprobs (a fresh list, or None) and routed expert indices (or None).
+_ReplyParts = tuple[str, list[int], str, list[float] | None, Any]
+
+_REQUIRED_REPLY_FIELDS = ("responses", "response_ids", "stop_reasons")
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"of type {type(value).__name__}"
+
+
+def _malformed(field: str, problem: str, fix: str) -> MalformedEngineReplyError:
+    return MalformedEngineReplyError(f"the engine's reply field `{field}` {problem}; {fix}")
+
+
+def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
+    """The single entry of the reply's per-prompt list ``key`` (a rollout's request has one prompt)."""
+    value = reply[key]
+    if not isinstance(value, list | tuple):
+        raise _malformed(
+            key,
+            f"is {_kind(value)}, expected a list with one entry per prompt",
+            "an engine must return every per-prompt field as a list, even for a single prompt",
+        )
+    if len(value) != 1:
+        raise _malformed(
+            key,
+            f"has {len(value)} entries, expected 1 (the request carried one prompt)",
+            "an engine must return exactly one entry per prompt, in request order",
+        )
+    return value[0]
+
+
+def read_reply(reply: Any) -> _ReplyParts:
+    """Check an engine reply to a one-prompt request and take its parts apart.
+
+    Cheap by design (it runs once per turn): batch shapes, types, the first and last token's type
+    and one length comparison; no per-token scan. A reply with no tokens is malformed too: an engine
+    returns at least one token for ``max_tokens >= 1`` (EOS included when generation stopped on it),
+    and token bookkeeping (stop-string EOS, reward placement) needs a last token.
+
+    Raises:
+        MalformedEngineReplyError: a missing field, a batch list without exactly one entry, a wrong
+            type, no tokens, or logprobs whose count differs from the token count.
+    """
+    if not isinstance(reply, Mapping):
+        raise MalformedEngineReplyError(
+            f"the engine's reply is {_kind(reply)}, expected a dict with `responses`, `response_ids` and "
+            "`stop_reasons` (InferenceEngineOutput); check what the inference client's generate() returns"
+        )
+    for key in _REQUIRED_REPLY_FIELDS:
+        if key not in reply:
+            raise MalformedEngineReplyError(
+                f"the engine's reply has no field `{key}` (it has {sorted(map(str, reply))}); an engine must "
+                "return `responses`, `response_ids` and `stop_reasons`, each a list with one entry per prompt"
+            )
+    text = _only_entry(reply, "responses")
+    if not isinstance(text, str):
+        raise _malformed(
+            "responses[0]", f"is {_kind(text)}, expected the response text (str)", "an engine must return decoded text"
+        )
+    ids = _only_entry(reply, "response_ids")
+    if not isinstance(ids, list | tuple):
+        raise _malformed(
+            "response_ids[0]",
+            f"is {_kind(ids)}, expected a list of token ids (int)",
+            "convert tensors or arrays with .tolist()",
+        )
+    if not ids:
+        raise _malformed(
+            "response_ids[0]",
+            "is empty, expected at least one token",
+            "an engine must return the generated token ids (EOS included when generation stopped on it), "
+            "with max_tokens >= 1",
+        )
+    for position in (0, len(ids) - 1):
+        if type(ids[position]) is not int:
+            raise _malformed(
+                "response_ids[0]",
+                f"holds a value {_kind(ids[position])} at position {position}, expected token ids of type int",
+                "convert tensors or arrays with .tolist()",
+            )
+    stop_reason = _only_entry(reply, "stop_reasons")
+    if not isinstance(stop_reason, str):
+        raise _malformed(
+            "stop_reasons[0]",
+            f'is {_kind(stop_reason)}, expected a str such as "stop" or "length"',
+            "an engine must report why each response ended",
+        )
+    logprobs: list[float] | None = None
+    if reply.get("response_logprobs", None) is not None:
+        entry = _only_entry(reply, "response_logprobs")
+        if not isinstance(entry, list | tuple):
+            raise _malformed(
+                "response_logprobs[0]",
+                f"is {_kind(entry)}, expected a list of floats, one per token",
+                "return `response_logprobs: None` when logprobs were not requested",
+            )
+        if len(entry) != len(ids):
+            raise _malformed(
+                "response_logprobs[0]",
+                f"has {len(entry)} entries but `response_ids[0]` has {len(ids)} tokens",
+                "an engine must return one logprob per token",
+            )
+        logprobs = list(entry)
+    indices_batch = reply.get("rollout_expert_indices", None)
+    expert_indices = indices_batch[0] if indices_batch is not None else None
+    return text, list(ids), stop_reason, logprobs, expert_indices

@@ -1,0 +1,36 @@
+"""A failed rollout, as the supervisor records it and the collector turns it into a placeholder."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FailedRollout", "failure_budget_exceeded", "failure_summary"]
+
+
+@dataclass
+class FailedRollout:
+    """A rollout that raised, kept in its input position until placeholders are built."""
+
+    index: int
+    exception: Exception
+    #: Seconds the failed (last) attempt ran before it raised.
+    elapsed: float
+    attempts: int
+    timed_out: bool = False
+    trajectory_id: Any | None = None
+    #: ``{"llm": s, "env": s}`` recorded by the failed attempt before it raised.
+    time_splits: dict[str, float] | None = None
+
+
+def failure_summary(failures: Sequence[FailedRollout]) -> str:
+    """``"3 x ValueError, 1 x TimeoutError"``, most frequent first."""
+    counts = Counter(type(f.exception).__name__ for f in failures)
+    return ", ".join(f"{n} x {name}" for name, n in counts.most_common())
+
+
+def failure_budget_exceeded(failed: int, total: int, max_fraction: float) -> bool:
+    """Whether ``failed`` of ``total`` rollouts is over budget: all of them, or more than ``max_fraction``."""
+    return failed > 0 and (failed >= total or failed > max_fraction * total)
