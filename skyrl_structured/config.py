@@ -77,6 +77,28 @@ class InferenceEngineConfig:
     )
 
 
+@dataclass(frozen=True)
+class ResilienceSettings:
+    """The new knobs, read from any config object and checked once at construction.
+
+    The single source of their defaults: :class:`GeneratorConfig`, the CLI and the SkyRL integration
+    all take them from here.
+    """
+
+    skip_failed_rollouts: bool = False
+    rollout_timeout_s: float | None = None
+    max_rollout_retries: int = 0
+    rollout_retry_backoff_s: float = 1.0
+    max_concurrent_rollouts: int | None = None
+    env_cleanup_timeout_s: float = 30.0
+    max_failed_rollout_fraction: float = 1.0
+    failure_budget_action: FailureBudgetAction = "raise"
+    failed_rollout_policy: str = "placeholder"
+
+
+_KNOB_DEFAULTS = ResilienceSettings()
+
+
 @dataclass
 class GeneratorConfig:
     """SkyRL's ``generator`` section, field for field, plus the structured-concurrency knobs."""
@@ -122,41 +144,44 @@ class GeneratorConfig:
     # --- structured concurrency (new) ------------------------------------------------------
     skip_failed_rollouts: bool = _help(
         "Replace a rollout that raised with a zero-reward, loss-masked placeholder instead of failing the step.",
-        False,
+        _KNOB_DEFAULTS.skip_failed_rollouts,
     )
     rollout_timeout_s: float | None = _help(
         "Deadline for each rollout attempt in seconds (> 0); an attempt over it fails with TimeoutError. "
         "null (or .inf) means none.",
-        None,
+        _KNOB_DEFAULTS.rollout_timeout_s,
     )
-    max_rollout_retries: int = _help("Times a failed rollout is re-run from scratch with a fresh environment.", 0)
+    max_rollout_retries: int = _help(
+        "Times a failed rollout is re-run from scratch with a fresh environment.", _KNOB_DEFAULTS.max_rollout_retries
+    )
     rollout_retry_backoff_s: float = _help(
-        "Base of the exponential backoff (with full jitter) between retries, in seconds.", 1.0
+        "Base of the exponential backoff (with full jitter) between retries, in seconds.",
+        _KNOB_DEFAULTS.rollout_retry_backoff_s,
     )
     max_concurrent_rollouts: int | None = _help(
         "Most rollouts (and so live environments) at once within one generate() call; null means all.",
-        None,
+        _KNOB_DEFAULTS.max_concurrent_rollouts,
     )
     env_cleanup_timeout_s: float = _help(
         "Bound on each cleanup (environment close, session finish) in seconds, finite and > 0; an overrun "
         "is abandoned with a warning.",
-        30.0,
+        _KNOB_DEFAULTS.env_cleanup_timeout_s,
     )
     max_failed_rollout_fraction: float = _help(
         "With skip_failed_rollouts, a step whose failed share exceeds this fraction (or whose every "
         "rollout failed) is over budget: see failure_budget_action.",
-        1.0,
+        _KNOB_DEFAULTS.max_failed_rollout_fraction,
     )
     failure_budget_action: FailureBudgetAction = _help(
         "With skip_failed_rollouts, what an over-budget step does: 'raise' a RuntimeError, or 'warn' "
         "(log a warning, return placeholders for the failed rows, report generate/failure_budget_exceeded=1). "
         "Use 'warn' where generate() gets one prompt group at a time (SkyRL's fully-async trainer).",
-        "raise",
+        _KNOB_DEFAULTS.failure_budget_action,
     )
     failed_rollout_policy: str = _help(
         "How failures enter the batch: 'placeholder', 'mask_group' (mask the failure's whole "
         "group) or 'fill_group_mean' (placeholder reward = mean of its successful siblings).",
-        "placeholder",
+        _KNOB_DEFAULTS.failed_rollout_policy,
     )
 
     def __post_init__(self) -> None:
@@ -178,21 +203,6 @@ class SkyRLGymConfig:
         "Worker threads for blocking environment calls (init, step, close); 0 runs them inline.", 32
     )
     env_configs: dict[str, Any] = _help_factory("Per-environment configuration, keyed by env class name.", dict)
-
-
-@dataclass(frozen=True)
-class ResilienceSettings:
-    """The new knobs, read from any config object and checked once at construction."""
-
-    skip_failed_rollouts: bool = False
-    rollout_timeout_s: float | None = None
-    max_rollout_retries: int = 0
-    rollout_retry_backoff_s: float = 1.0
-    max_concurrent_rollouts: int | None = None
-    env_cleanup_timeout_s: float = 30.0
-    max_failed_rollout_fraction: float = 1.0
-    failure_budget_action: FailureBudgetAction = "raise"
-    failed_rollout_policy: str = "placeholder"
 
 
 def routed_experts_enabled(generator_cfg: Any) -> bool:
