@@ -36,9 +36,10 @@ def _raiser(exc: BaseException, *, on_turn: int = 1):
     return hook
 
 
-async def _drain_threads() -> None:
+async def _drain_threads(ledger: EnvLedger | None = None) -> None:
+    """Wait for env calls still running in threads and, given a ledger, for every close (queued ones too)."""
     with anyio.fail_after(10):
-        while active_env_thread_calls():  # noqa: ASYNC110 - a counter fed by threads; nothing to wait on
+        while active_env_thread_calls() or (ledger is not None and ledger.never_closed()):  # noqa: ASYNC110
             await anyio.sleep(0.01)
 
 
@@ -65,7 +66,7 @@ async def test_interrupt_inside_a_rollout_closes_everything_then_is_reraised_bar
     with pytest.raises(interrupt) as caught:
         await gen.generate(batch, disable_tqdm=True)
     assert type(caught.value) is interrupt  # bare, never inside an exception group
-    await _drain_threads()
+    await _drain_threads(ledger)
     ledger.assert_all_closed_once()
     _sessions_finished(engine)
     assert other_tasks() == before
@@ -288,7 +289,7 @@ async def test_sync_close_of_an_async_env_runs_in_a_thread_and_is_bounded(tokeni
     assert not freed_by_safety_net, "the event loop was blocked by a synchronous close"
     assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 4
     assert loop_thread not in close_threads
-    await _drain_threads()
+    await _drain_threads(ledger)
     ledger.assert_all_closed_once()
 
 
@@ -304,7 +305,7 @@ async def test_close_queued_behind_a_hung_close_still_runs(tokenizer, anyio_back
     assert not release.is_set()
     release.set()
     safety.cancel()
-    await _drain_threads()
+    await _drain_threads(ledger)
     ledger.assert_all_closed_once()
 
 
@@ -327,7 +328,7 @@ async def test_max_concurrent_rollouts_counts_environments_whose_close_was_aband
     safety.cancel()
     assert out["stop_reasons"] == ["stop"] * 6
     assert LiveCountingEnv.peak <= 2
-    await _drain_threads()
+    await _drain_threads(ledger)
     ledger.assert_all_closed_once()
 
 
@@ -380,7 +381,7 @@ async def test_max_env_workers_counts_calls_abandoned_in_their_threads(tokenizer
     safety.cancel()
     assert out["stop_reasons"] == ["stop"] * 4
     assert ThreadCountingEnv.peak <= 2
-    await _drain_threads()
+    await _drain_threads(ledger)
     ledger.assert_all_closed_once()
 
 
