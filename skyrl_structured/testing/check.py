@@ -43,7 +43,8 @@ import skyrl_gym
 
 from ..config import GeneratorConfig
 from ..generator import StructuredGymGenerator
-from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap, run_case
+from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap
+from ._runners import run_case
 from .engines import Reply
 
 __all__ = [
