@@ -37,6 +37,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..config import GeneratorConfig, SkyRLGymConfig
+from ..engines._wrapper import EngineWrapper
 from ..generator import StructuredGymGenerator
 from ..types import GeneratorInput, TrajectoryID
 from ._wrappers import TAG_KEY
@@ -357,11 +358,11 @@ class Trap:
         return False
 
 
-class TrappedEngine:
+class TrappedEngine(EngineWrapper):
     """The scripted engine with the case's trap at ``generate`` (before) and ``finish_session`` (after)."""
 
     def __init__(self, engine: ScriptedEngine, trap: Trap) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.trap = trap
 
     async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -369,11 +370,11 @@ class TrappedEngine:
         for index, session_id in enumerate(input_batch.get("session_ids") or ()):
             if await self.trap.engine_point("generate", session_id):
                 spoiled.append(index)
-        reply: Mapping[str, Any] = await self.engine.generate(input_batch, *args, **kwargs)
+        reply: Mapping[str, Any] = await super().generate(input_batch, *args, **kwargs)
         for index in spoiled:
             reply = self.trap.spoil(reply, index)
         return reply
 
     async def finish_session(self, session_id: Hashable) -> None:
-        await self.engine.finish_session(session_id)
+        await super().finish_session(session_id)
         await self.trap.engine_point("finish_session", session_id)

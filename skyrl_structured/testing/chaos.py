@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import anyio
 
+from ..engines._wrapper import EngineWrapper
 from ._wrappers import ENV_STAGES, register_wrapper_env
 
 __all__ = [
@@ -244,7 +245,7 @@ class ChaosPolicy:
             await self.ainject(stage)
 
 
-class ChaosEngine:
+class ChaosEngine(EngineWrapper):
     """An inference client that disturbs another one according to ``policy``.
 
     ``generate`` faults land before the wrapped call; ``finish_session`` faults after it (the
@@ -253,21 +254,16 @@ class ChaosEngine:
     """
 
     def __init__(self, engine: Any, policy: ChaosPolicy) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.policy = policy
 
     async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         await self.policy.ainject("generate")
-        return await self.engine.generate(input_batch, *args, **kwargs)
+        return await super().generate(input_batch, *args, **kwargs)
 
     async def finish_session(self, session_id: Hashable) -> None:
-        await self.engine.finish_session(session_id)
+        await super().finish_session(session_id)
         await self.policy.ainject("finish_session")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("engine", "policy"):
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
 
 def register_chaos_env(inner_env_class: str, policy: ChaosPolicy, env_id: str | None = None) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 import anyio
 
+from ..engines._wrapper import EngineWrapper
 from ..envs import active_env_thread_calls
 from ._census import current_backend, describe_task, live_tasks, loop_identity, thread_states
 from ._wrappers import register_wrapper_env, unregister_wrapper_env
@@ -48,30 +49,25 @@ def _is_tqdm_monitor(thread: threading.Thread) -> bool:
     return monitor is not None and isinstance(thread, monitor)
 
 
-class TrackedEngine:
+class TrackedEngine(EngineWrapper):
     """An inference client that reports session starts and finishes to a :class:`LeakTracker`.
 
     Every other attribute is the wrapped engine's.
     """
 
     def __init__(self, engine: Any, tracker: LeakTracker) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.tracker = tracker
 
     async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         for session_id in input_batch.get("session_ids") or ():
             if session_id is not None:
                 self.tracker._session_event(session_id, started=True)
-        return await self.engine.generate(input_batch, *args, **kwargs)
+        return await super().generate(input_batch, *args, **kwargs)
 
     async def finish_session(self, session_id: Hashable) -> None:
         self.tracker._session_event(session_id, started=False)
-        await self.engine.finish_session(session_id)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("engine", "tracker"):
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+        await super().finish_session(session_id)
 
 
 class LeakTracker:
