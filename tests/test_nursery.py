@@ -472,3 +472,52 @@ async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling
     with pytest.raises(KeyError, match="first"):
         await run_rollouts(4, rollout, ResilienceSettings(), _batch_context())
     assert sorted(cancelled) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------- deadlines on virtual time (trio)
+
+
+def _autojump() -> Any:
+    import trio.testing
+
+    return pytest.param(("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio-autojump")
+
+
+@pytest.mark.parametrize("anyio_backend", [_autojump()])
+async def test_an_hour_long_hang_times_out_at_its_deadline_on_virtual_time(tokenizer, anyio_backend):
+    async def hang(call):
+        await anyio.sleep(3600)
+        return "too late"
+
+    ledger = EnvLedger()
+    gen = make_generator(
+        tokenizer, ScriptedEngine(tokenizer, hang), workers=0, skip_failed_rollouts=True, rollout_timeout_s=600
+    )
+    started = anyio.current_time()
+    with pytest.raises(RuntimeError, match="All 2 rollouts failed") as caught:
+        await gen.generate(make_batch(2, ledger), disable_tqdm=True)
+    assert anyio.current_time() - started == pytest.approx(600)
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    ledger.assert_all_closed_once()
+
+
+@pytest.mark.parametrize("anyio_backend", [_autojump()])
+async def test_retry_backoff_waits_within_its_bound_on_virtual_time(tokenizer, anyio_backend):
+    calls: list[float] = []
+
+    def flaky(call):
+        calls.append(anyio.current_time())
+        if len(calls) < 3:
+            raise ConnectionError("blip")
+        return "fine #### 7"
+
+    ledger = EnvLedger()
+    gen = make_generator(
+        tokenizer, ScriptedEngine(tokenizer, flaky), workers=0, max_rollout_retries=2, rollout_retry_backoff_s=100
+    )
+    out = await gen.generate(make_batch(1, ledger), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop"]
+    first_wait, second_wait = calls[1] - calls[0], calls[2] - calls[1]
+    assert 0 <= first_wait <= 100  # full jitter: uniform in [0, base]
+    assert 0 <= second_wait <= 200  # then [0, 2 * base]
+    ledger.assert_all_closed_once()
