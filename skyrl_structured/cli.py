@@ -29,6 +29,7 @@ from ._cli_help import keys_help
 from ._cli_report import format_summary, jsonable, summarize, write_outputs
 from ._cli_run import RunResult, run_step
 from ._cli_schema import RolloutConfig
+from .nursery import describe_error
 from .types import GeneratorInput
 
 __all__ = ["main"]
@@ -119,13 +120,13 @@ def _configure_logging(level: str) -> None:
 def _describe_failure(result: RunResult, skip_failed: bool) -> str:
     error = result.error
     assert error is not None
-    what = f"{type(error).__name__}: {error}"
+    what = describe_error(error)
     if not result.started_generating:
         return f"could not start the engine: {what}"
     cause = error.__cause__
     if isinstance(error, RuntimeError) and skip_failed and cause is not None:
         # The failure budget's message counts failures by type; name the first one too.
-        return f"the step failed: {error} First error: {type(cause).__name__}: {cause}; --debug shows the traceback"
+        return f"the step failed: {error} First error: {describe_error(cause)}; --debug shows the traceback"
     hint = "" if skip_failed else " (generator.skip_failed_rollouts=true contains failed rollouts)"
     return f"a rollout failed and stopped the step: {what}{hint}; --debug shows the traceback"
 

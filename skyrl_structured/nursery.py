@@ -24,8 +24,10 @@ import math
 import random
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -76,6 +78,32 @@ def _describe(index: int, trajectory_id: Any | None) -> str:
         return f"rollout {index}"
     to_string = getattr(trajectory_id, "to_string", None)
     return f"rollout {index} ({to_string() if callable(to_string) else trajectory_id})"
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"``; for an empty message, the cause chain down to the first message (or where it was raised).
+
+    ``EngineGenerateError()`` raised from a bare ``assert`` reads ``"EngineGenerateError <- AssertionError
+    (no message; raised at trio_asyncio/_base.py:123 in run_in_executor)"``.
+    """
+    names: list[str] = []
+    current: BaseException | None = exc
+    seen: set[int] = set()
+    last = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        message = str(current)
+        if message:
+            return " <- ".join([*names, f"{type(current).__name__}: {message}"])
+        names.append(type(current).__name__)
+        last = current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    frames = traceback.extract_tb(last.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f"; raised at {'/'.join(Path(frame.filename).parts[-2:])}:{frame.lineno} in {frame.name}"
+    return f"{' <- '.join(names)} (no message{where})"
 
 
 def _foreign_cancellation(exc: BaseException) -> bool:
@@ -292,11 +320,10 @@ class _Supervisor:
             self.retries += 1
             delay = _backoff(settings.rollout_retry_backoff_s, context.ref.attempt)
             logger.warning(
-                "%s attempt %d failed with %s: %s; retrying in %.2fs",
+                "%s attempt %d failed with %s; retrying in %.2fs",
                 where,
                 context.ref.attempt,
-                type(error).__name__,
-                error,
+                describe_error(error),
                 delay,
             )
             await anyio.sleep(delay)
@@ -312,7 +339,7 @@ class _Supervisor:
         )
         self.results[index] = failure
         self.failures.append(failure)
-        logger.warning("%s failed on attempt %d with %s: %s", where, context.ref.attempt, type(error).__name__, error)
+        logger.warning("%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
         context.emit("rollout_finished", failed=True)
         if not settings.skip_failed_rollouts:
             if self.first_error is None:

@@ -100,8 +100,24 @@ def build_chatml_tokenizer(num_merges: int = 400) -> Any:
     )
 
 
-def build_tiny_model(tokenizer: Any, *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Any:
+def build_tiny_model(
+    tokenizer: Any,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    init_std: float = 0.02,
+) -> Any:
     """A randomly initialised Llama-architecture causal LM sized to ``tokenizer`` (needs torch).
+
+    The defaults give a head size of 32 (``hidden_size // num_heads``), the smallest that vLLM's
+    CPU attention serves, with grouped-query attention (two query heads share one key/value head),
+    so the same weights run in :class:`~skyrl_structured.engines.TransformersEngine` and behind a
+    real ``vllm serve`` (saved with ``save_pretrained``). ``init_std`` is the weights' standard
+    deviation (``initializer_range``): at the default, greedy decoding repeats one token; at 0.2
+    the output varies from token to token and sometimes ends with EOS.
 
     Raises:
         ImportError: torch is not installed; the message gives the install command.
@@ -119,13 +135,14 @@ def build_tiny_model(tokenizer: Any, *, seed: int = 0, hidden_size: int = 64, nu
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
+        initializer_range=init_std,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import sniffio
 
-from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
-from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    GeneratorOutput,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
+from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+
+T = TypeVar("T")
 
 
 def two_turn_script() -> list[dict[str, Any]]:
@@ -26,16 +36,16 @@ def make_batch(
     *,
     group_size: int = 2,
     extras: dict[int, dict[str, Any]] | None = None,
-    script=two_turn_script,
+    script: Callable[[], list[dict[str, Any]]] = two_turn_script,
     with_ids: bool = True,
-) -> dict[str, Any]:
+) -> GeneratorInput:
     """``n`` rollouts of the scripted env; ``extras[i]`` overrides rollout i's env extras."""
-    env_extras = []
+    env_extras: list[dict[str, Any]] = []
     for i in range(n):
         e: dict[str, Any] = {"script": script(), "ledger": ledger}
         e.update((extras or {}).get(i, {}))
         env_extras.append(e)
-    batch: dict[str, Any] = {
+    batch: GeneratorInput = {
         "prompts": [[{"role": "user", "content": f"Question number {i}?"}] for i in range(n)],
         "env_classes": [SCRIPTED_ENV] * n,
         "env_extras": env_extras,
@@ -45,18 +55,18 @@ def make_batch(
     return batch
 
 
-def turn_replies(*texts: str):
+def turn_replies(*texts: str) -> Callable[[EngineCall], str]:
     """A handler answering ``texts[k]`` on a session's k-th call (the last one repeats)."""
-    turns: dict[Any, int] = defaultdict(int)
+    turns: dict[Hashable | None, int] = defaultdict(int)
 
-    def handler(call):
+    def handler(call: EngineCall) -> str:
         turns[call.session_id] += 1
         return texts[min(turns[call.session_id], len(texts)) - 1]
 
     return handler
 
 
-def make_generator(tokenizer, engine=None, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
+def make_generator(tokenizer: Any, engine: Any = None, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
     cfg.setdefault("max_turns", 3)
     cfg.setdefault("max_input_length", 4096)
     engine = engine or ScriptedEngine(tokenizer, turn_replies("first #### 7", "second #### 8"))
@@ -71,3 +81,18 @@ def other_tasks() -> int:
     import trio
 
     return len(trio.lowlevel.current_task().child_nurseries)
+
+
+def token_rewards(out: GeneratorOutput) -> list[list[float]]:
+    """``out["rewards"]`` row by row, asserting each row is per-token (a list of floats)."""
+    rows: list[list[float]] = []
+    for row in out["rewards"]:
+        assert isinstance(row, list), row
+        rows.append(row)
+    return rows
+
+
+def not_none(value: T | None) -> T:
+    """``value``, asserted not None: reads an optional output field where a statement cannot narrow it."""
+    assert value is not None
+    return value

@@ -14,6 +14,7 @@ import anyio
 import pytest
 import skyrl_gym
 
+from skyrl_structured import GeneratorInput
 from skyrl_structured.envs import active_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
@@ -46,7 +47,7 @@ if HOOKED_ENV not in skyrl_gym.registry:
     skyrl_gym.register(id=HOOKED_ENV, entry_point=HookedEnv)
 
 
-def hooked_batch(n: int, ledger: EnvLedger, **hooks: Any) -> dict[str, Any]:
+def hooked_batch(n: int, ledger: EnvLedger, **hooks: Any) -> GeneratorInput:
     batch = make_batch(n, ledger, extras={i: dict(hooks) for i in range(n)})
     batch["env_classes"] = [HOOKED_ENV] * n
     return batch
@@ -95,7 +96,7 @@ async def test_cancel_while_engine_calls_are_in_flight(tokenizer, anyio_backend,
     assert other_tasks() == before
     ledger.assert_all_closed_once()
     assert ledger.opened == 4
-    assert sorted(engine.finished_sessions) == ["q0_0", "q0_1", "q1_0", "q1_1"]
+    assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1", "q1_0", "q1_1"]
 
 
 @pytest.mark.anyio
@@ -174,6 +175,7 @@ async def test_hung_close_is_abandoned_after_the_cleanup_timeout(tokenizer, anyi
     out = await gen.generate(hooked_batch(2, ledger, on_close=lambda: release.wait(10)), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", "stop"]  # finished trajectories are kept
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/env_cleanup_timeouts"] == 2
     assert metrics["generate/num_envs_opened"] == 2
     assert metrics["generate/num_envs_closed"] == 0
@@ -208,6 +210,7 @@ async def test_close_error_never_drops_a_finished_trajectory(tokenizer, anyio_ba
     gen = make_generator(tokenizer)
     out = await gen.generate(make_batch(2, ledger, extras={1: {"fail": "close"}}), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", "stop"]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/env_close_errors"] == 1
     assert out["rollout_metrics"]["generate/num_envs_closed"] == 2
 
@@ -297,7 +300,7 @@ async def test_trio_cancel_scope(tokenizer, anyio_backend):
         await gen.generate(make_batch(3, ledger), disable_tqdm=True)
     assert scope.cancelled_caught
     ledger.assert_all_closed_once()
-    assert sorted(engine.finished_sessions) == ["q0_0", "q0_1", "q1_0"]
+    assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1", "q1_0"]
     assert trio.lowlevel.current_task().child_nurseries == []
 
 
@@ -314,6 +317,7 @@ async def test_env_whose_cleanup_was_abandoned_is_closed_when_its_stuck_step_ret
     )
     out = await gen.generate(make_batch(2, ledger, extras={1: {"on_step": on_step}}), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", "rollout_error"]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 1
     # The stuck env is still open: its step is running, and closing now would race it.
     assert len(ledger.never_closed()) == 1

@@ -174,7 +174,9 @@ def test_chaos_policy_is_the_test_kits_own_and_refuses_impossible_rates():
     policy = chaos_policy(load_config(["chaos.failure_rate=0.3", "chaos.stage=step", "run.seed=5"]))
     assert isinstance(policy, ChaosPolicy)
     assert (policy.failure_rate, policy.stage, policy.seed) == (0.3, "step", 5)
-    assert chaos_policy(load_config(["chaos.failure_rate=0.3", "chaos.seed=2", "run.seed=5"])).seed == 2
+    seeded = chaos_policy(load_config(["chaos.failure_rate=0.3", "chaos.seed=2", "run.seed=5"]))
+    assert seeded is not None
+    assert seeded.seed == 2
     with pytest.raises(ConfigError, match=r"chaos\.\*: `failure_rate \+ hang_rate \+ slow_rate` must be at most 1"):
         chaos_policy(load_config(["chaos.failure_rate=0.6", "chaos.hang_rate=0.6"]))
 

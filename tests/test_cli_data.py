@@ -121,16 +121,18 @@ def test_batch_repeats_each_prompt_with_its_own_copies_and_trajectory_ids(tmp_pa
     assert len(batch["prompts"]) == 6
     assert batch["trajectory_ids"] == [TrajectoryID(str(i), r) for i in range(2) for r in range(3)]
     assert batch["env_classes"] == ["gsm8k"] * 6
+    assert batch["batch_metadata"] is not None
     assert batch["batch_metadata"].training_phase == "train"
     # Environments may edit their extras (the generator adds max_turns): no sharing between rollouts.
+    assert batch["env_extras"] is not None
     batch["env_extras"][0]["reward_spec"]["ground_truth"] = "changed"
     batch["prompts"][0][0]["content"] = "changed"
     assert batch["env_extras"][1]["reward_spec"]["ground_truth"] == "4"
     assert data.env_extras[0]["reward_spec"]["ground_truth"] == "4"
     assert batch["prompts"][1][0]["content"] == "What is 2 + 2?"
-    assert build_batch(data, n_samples=1, params=SamplingParams(), phase="eval")["batch_metadata"].training_phase == (
-        "eval"
-    )
+    eval_batch = build_batch(data, n_samples=1, params=SamplingParams(), phase="eval")
+    assert eval_batch["batch_metadata"] is not None
+    assert eval_batch["batch_metadata"].training_phase == "eval"
 
 
 def test_engine_sampling_params_use_vllms_names():

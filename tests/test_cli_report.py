@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 
-from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator, validate_generator_output
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    validate_generator_output,
+)
 from skyrl_structured._cli_config import load_config
 from skyrl_structured._cli_data import build_batch, load_dataset
 from skyrl_structured._cli_report import format_summary, summarize, write_outputs
@@ -90,7 +97,8 @@ def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
     tally = Tally(attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_finished=3)
     result = RunResult(status="interrupted", tally=tally, signal=2, engine="scripted")
     summary = summarize(cfg, "embedded arithmetic.jsonl", 3, 1, result)
-    write_outputs(tmp_path, summary, cfg, {"prompts": []}, result)
+    # A partial batch on purpose: without an output, write_outputs never reads it.
+    write_outputs(tmp_path, summary, cfg, cast(GeneratorInput, {"prompts": []}), result)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["status"] == "interrupted"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,13 @@ pytestmark = pytest.mark.slow
 
 ROLLOUTS = 48  # 12 embedded prompts x 4 samples
 ENVS = re.compile(r"environments\s+(\d+) opened = (\d+) closed")
+
+
+def _envs(summary: str) -> re.Match[str]:
+    """The summary's environments line."""
+    match = ENVS.search(summary)
+    assert match is not None, summary
+    return match
 
 
 def _command(*args: str) -> list[str]:
@@ -42,7 +50,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _load_output(tmp_path: Path) -> tuple[dict, list[dict], dict]:
+def _load_output(tmp_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
     out = tmp_path / "out"
     generator_output = json.loads((out / "generator_output.json").read_text())
     trajectories = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
@@ -65,7 +73,7 @@ def test_default_run_is_offline_and_writes_a_valid_generator_output(tmp_path, to
         assert re.search(rf"^  {label}\s+\S", proc.stdout, re.MULTILINE), label
     assert re.search(rf"^  rollouts ok\s+{ROLLOUTS}$", proc.stdout, re.MULTILINE)
     assert re.search(r"^  mean reward\s+\d\.\d{3} \(\d+ of 48 rollouts rewarded\)$", proc.stdout, re.MULTILINE)
-    assert ENVS.search(proc.stdout).groups() == (str(ROLLOUTS), str(ROLLOUTS))
+    assert _envs(proc.stdout).groups() == (str(ROLLOUTS), str(ROLLOUTS))
 
     output, trajectories, summary = _load_output(tmp_path)
     validate_generator_output(ROLLOUTS, output)
@@ -96,7 +104,7 @@ def test_chaos_with_skip_failed_rollouts_contains_the_failures(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert re.search(rf"^  rollouts failed\s+{expected}$", proc.stdout, re.MULTILINE)
     assert re.search(rf"^  failures by type\s+ChaosError {expected}$", proc.stdout, re.MULTILINE)
-    assert ENVS.search(proc.stdout).groups() == (str(ROLLOUTS), str(ROLLOUTS))
+    assert _envs(proc.stdout).groups() == (str(ROLLOUTS), str(ROLLOUTS))
 
     output, trajectories, summary = _load_output(tmp_path)
     validate_generator_output(ROLLOUTS, output)
@@ -120,7 +128,7 @@ def test_a_failed_rollout_without_skip_fails_the_run_with_one_line(tmp_path):
     assert last.startswith("skyrl-structured: error: a rollout failed and stopped the step: ChaosError: chaos: ")
     assert "generator.skip_failed_rollouts=true" in last
     # Siblings were cancelled and every environment they opened was closed.
-    opened, closed = ENVS.search(proc.stdout).groups()
+    opened, closed = _envs(proc.stdout).groups()
     assert opened == closed
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"] == "failed"
@@ -194,6 +202,7 @@ def test_signal_mid_run_cancels_rollouts_and_closes_every_environment(tmp_path, 
             proc.wait()
     watcher.join()
     assert proc.stdout is not None
+    assert proc.stderr is not None
     out = proc.stdout.read().decode()  # the summary: small enough never to fill the pipe
     proc.stdout.close()
     proc.stderr.close()
@@ -201,7 +210,7 @@ def test_signal_mid_run_cancels_rollouts_and_closes_every_environment(tmp_path, 
     assert "Traceback" not in watcher.text
     assert f"{signal.Signals(signum).name} received: cancelling" in watcher.text
     assert out.startswith("skyrl-structured rollout: interrupted\n")
-    opened, closed = ENVS.search(out).groups()
+    opened, closed = _envs(out).groups()
     assert opened == closed
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"] == "interrupted"

@@ -4,6 +4,7 @@ invariants any pattern of failures must keep (Hypothesis)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -74,6 +75,7 @@ def test_placeholder_has_exactly_the_documented_fields():
         time_splits={"llm": 0.4, "env": 0.0},
     )
     p = make_placeholder(failure(), token_id=7, token_level_rewards=False, with_logprobs=False, step_wise=False)
+    assert isinstance(p, TrajectoryOutput)
     assert (p.reward, p.rollout_logprobs, p.response_ids) == (0.0, None, [7])
 
 
@@ -183,6 +185,7 @@ def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_l
     assert out["loss_masks"] == [[0]] * n
     assert out["stop_reasons"] == [ROLLOUT_ERROR_STOP_REASON] * n
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_failed_rollouts"] == n
     assert metrics["generate/mean_failed_rollout_fraction"] == 1.0
     assert metrics["generate/failure_budget_exceeded"] == 1
@@ -193,7 +196,7 @@ def test_group_policies_worked_example():
     # Group "a": rewards 1, 0, failure. Group "b": all fine.
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
     masks = [[1, 1], [1], [0], [1], [1, 1, 1]]
-    common = dict(
+    common: dict[str, Any] = dict(
         row_trajectory=[0, 1, 2, 3, 4],
         is_last_row=[True] * 5,
         failed=[False, False, True, False, False],
@@ -290,22 +293,27 @@ def test_any_failure_pattern_keeps_order_size_lengths_and_one_reward_shape(case)
         assert len(out["response_ids"]) == n
         for i in range(n):
             if failed[i]:
+                assert out["stop_reasons"] is not None
                 assert out["stop_reasons"][i] == ROLLOUT_ERROR_STOP_REASON
                 assert out["loss_masks"][i] == [0]
             else:  # order kept: row i is rollout i
                 assert out["response_ids"][i] == list(range(10, 10 + lengths[i]))
     else:
         assert len(out["response_ids"]) == expected_rows
+        assert out["trajectory_ids"] is not None
+        assert out["is_last_step"] is not None
         assert [t.to_string() for t, last in zip(out["trajectory_ids"], out["is_last_step"], strict=True) if last] == [
             ids[i].to_string() for i in range(n) if failed[i] or steps[i]
         ]
     shapes = {isinstance(r, list) for r in out["rewards"]}
     assert len(shapes) <= 1
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_failed_rollouts"] == sum(failed)
     if policy == "mask_group":
         tainted = {ids[i].instance_id for i in range(n) if failed[i]}
         rows = out["trajectory_ids"] if step_wise else ids
+        assert rows is not None
         for row, tid in enumerate(rows):
             if tid.instance_id in tainted:
                 assert not any(out["loss_masks"][row])

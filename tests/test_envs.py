@@ -133,7 +133,9 @@ async def test_async_env_without_context_manager_is_closed_through_close(tokeniz
     batch = make_batch(2, EnvLedger())
     batch["env_classes"] = ["tests_awaiting_env"] * 2
     out = await gen.generate(batch, disable_tqdm=True)
-    assert out["rewards"][0][-1] == 0.5
+    reward = out["rewards"][0]
+    assert isinstance(reward, list)
+    assert reward[-1] == 0.5
     assert EVENTS == ["awaited close", "awaited close"]
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from skyrl_structured import GeneratorConfig, PromptTooLongError
+from skyrl_structured import GeneratorConfig, PromptTooLongError, StepWiseOutput, TrajectoryOutput
 from skyrl_structured._episode import Episode
 from skyrl_structured._rollout import BatchContext, RolloutContext, sampling_params_dict
 from skyrl_structured.observe import RolloutRef
@@ -70,6 +70,7 @@ async def test_two_turns_give_skyrl_token_layout(tokenizer, anyio_backend):
     second = [*tokenizer.encode("yes, seven", add_special_tokens=False), eos]
     observation = chat.observation_ids([{"role": "user", "content": "Sure?"}], done=False, multi_turn=True)
     prompt_ids = chat.render(PROMPT, add_generation_prompt=True)
+    assert isinstance(out, TrajectoryOutput)
     assert out.prompt_ids == prompt_ids
     assert out.response_ids == first + observation + second
     assert out.loss_mask == [1] * len(first) + [0] * len(observation) + [1] * len(second)
@@ -116,7 +117,10 @@ async def test_step_wise_episode_is_one_sample_per_turn(tokenizer, anyio_backend
         session_id="s",
         cache_salt=None,
     )
+    assert isinstance(out, StepWiseOutput)
     first, second = out.step_outputs
+    assert isinstance(first.reward, list)
+    assert isinstance(second.reward, list)
     assert first.prompt_ids == chat.render(PROMPT, add_generation_prompt=True)
     assert first.reward[-1] == 0.0
     assert first.reward[len(tokenizer.encode("seven", add_special_tokens=False))] == 0.25

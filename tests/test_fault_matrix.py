@@ -101,6 +101,7 @@ async def test_fault_with_skip_failed_rollouts(tokenizer, anyio_backend, stage):
     _, fails, exc_type = STAGES[stage]
     metrics = out["rollout_metrics"]
     if fails:
+        assert exc_type is not None
         assert out["stop_reasons"][1] == ROLLOUT_ERROR_STOP_REASON
         assert out["loss_masks"][1] == [0]
         assert metrics[f"generate/failures/{exc_type.__name__}"] == 1
@@ -121,6 +122,7 @@ async def test_fault_without_skip_failed_rollouts(tokenizer, anyio_backend, stag
     _, fails, exc_type = STAGES[stage]
     before = other_tasks()
     if fails:
+        assert exc_type is not None
         with pytest.raises(exc_type) as info:
             await gen.generate(batch, disable_tqdm=True)
         assert type(info.value) is exc_type

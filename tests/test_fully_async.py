@@ -12,18 +12,18 @@ from __future__ import annotations
 import sys
 import types
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, cast
 
 import anyio
 import pytest
 
-from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, validate_generator_output
+from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, validate_generator_output
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
 from ._upstream import load_upstream_generator, load_upstream_validator
-from .helpers import make_batch, make_generator, turn_replies
+from .helpers import make_batch, make_generator, not_none, turn_replies
 
 load_upstream_generator()
 from skyrl.train.generators.utils import (  # noqa: E402  (needs the loader's package shims)
@@ -46,17 +46,24 @@ def concatenate(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     module = types.ModuleType("skyrl.train.utils.trainer_utils")
     module.validate_generator_output = load_upstream_validator()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    return concatenate_generator_outputs
+    skyrl_concatenate: Callable[..., Any] = concatenate_generator_outputs
+    return skyrl_concatenate
 
 
-def group_batch(batch: dict[str, Any], group: int) -> dict[str, Any]:
+def group_batch(batch: GeneratorInput, group: int) -> GeneratorInput:
     """The rows of prompt group ``group``, as the fully-async trainer passes them to ``generate()``."""
     rows = slice(group * GROUP, (group + 1) * GROUP)
-    return {key: value[rows] for key, value in batch.items()}
+    fields: dict[str, Any] = dict(batch)
+    # Every field of these batches is a per-row list, so the sliced dict is a batch again.
+    return cast(GeneratorInput, {key: value[rows] for key, value in fields.items()})
 
 
 def scripted_faults(
-    tokenizer: Any, *, failing: set[str], flaky: set[str] = frozenset(), hanging: set[str] = frozenset()
+    tokenizer: Any,
+    *,
+    failing: Collection[str],
+    flaky: Collection[str] = frozenset(),
+    hanging: Collection[str] = frozenset(),
 ) -> ScriptedEngine:
     """An engine where ``failing`` sessions always raise, ``flaky`` ones raise on their first call only,
     and ``hanging`` ones never answer."""
@@ -106,16 +113,18 @@ async def test_merged_group_metrics_equal_the_whole_batch(tokenizer, anyio_backe
             [r for g in groups for r in g["response_ids"]],
             [r for g in groups for r in g["rewards"]],
             loss_masks=[m for g in groups for m in g["loss_masks"]],
-            trajectory_completion_times=[t for g in groups for t in g["trajectory_generation_times"]],
+            trajectory_completion_times=[t for g in groups for t in not_none(g["trajectory_generation_times"])],
         )
     )
+    assert whole["rollout_metrics"] is not None
+    group_metrics = [not_none(g["rollout_metrics"]) for g in groups]
     ours = {k for k in whole["rollout_metrics"] if k not in recomputed and not k.startswith("environment/")}
     assert ours == {k for k in merged if k not in recomputed and not k.startswith("environment/")}
     for key in sorted(ours):
         if key.startswith("generate/trajectory_time_"):
             # Wall-clock statistics: a merged mean, p90 or max lies within the groups' own values (a
             # summed one would not).
-            values = [g["rollout_metrics"][key] for g in groups if key in g["rollout_metrics"]]
+            values = [m[key] for m in group_metrics if key in m]
             assert min(values) <= merged[key] <= max(values), key
         else:
             assert merged[key] == pytest.approx(whole["rollout_metrics"][key]), key
@@ -150,6 +159,7 @@ async def test_with_warn_one_failed_group_does_not_end_the_run(tokenizer, anyio_
     assert failed["stop_reasons"] == [ROLLOUT_ERROR_STOP_REASON] * GROUP
     assert failed["loss_masks"] == [[0]] * GROUP
     assert failed["rewards"] == [[0.0]] * GROUP  # token-level, as the configuration's successes would be
+    assert failed["rollout_metrics"] is not None
     assert failed["rollout_metrics"]["generate/failure_budget_exceeded"] == 1
     assert failed["rollout_metrics"]["generate/mean_failed_rollout_fraction"] == 1.0
     (warning,) = budget_warnings(caplog)
@@ -177,6 +187,7 @@ async def test_with_warn_an_over_budget_group_keeps_its_successful_rollouts(toke
     out = await gen.generate(make_batch(GROUP, ledger, group_size=GROUP), disable_tqdm=True)
     # Over budget is no reason to cancel the siblings: with "warn" the step is returned, so they finish.
     assert out["stop_reasons"] == [ROLLOUT_ERROR_STOP_REASON] * 2 + ["stop"] * 2
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/failure_budget_exceeded"] == 1
     assert out["rollout_metrics"]["generate/mean_failed_rollout_fraction"] == 0.5
     (warning,) = budget_warnings(caplog)

@@ -11,7 +11,7 @@ from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, PromptTooLongError, vali
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
-from .helpers import make_batch, make_generator, other_tasks, turn_replies
+from .helpers import make_batch, make_generator, other_tasks, token_rewards, turn_replies
 
 pytestmark = pytest.mark.anyio
 
@@ -40,13 +40,20 @@ async def test_failed_rollout_becomes_placeholder_and_others_are_untouched(token
     assert out["prompt_token_ids"][1] == [pad]
     assert out["loss_masks"][1] == [0]
     assert out["rewards"][1] == [0.0]  # token-level, like its successful siblings
+    assert out["stop_reasons"] is not None
     assert out["stop_reasons"][1] == ROLLOUT_ERROR_STOP_REASON
+    assert out["rollout_logprobs"] is not None
     assert out["rollout_logprobs"][1] == [0.0]
+    assert out["env_metrics"] is not None
     assert out["env_metrics"][1] == {}
     for i in (0, 2, 3):
         for key in ("response_ids", "prompt_token_ids", "loss_masks", "rewards", "stop_reasons", "rollout_logprobs"):
-            assert out[key][i] == clean[key][i], key
+            got, want = out[key], clean[key]
+            assert got is not None, key
+            assert want is not None, key
+            assert got[i] == want[i], key
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_failed_rollouts"] == 1
     assert metrics["generate/mean_failed_rollout_fraction"] == 0.25
     assert metrics["generate/failure_budget_exceeded"] == 0
@@ -55,7 +62,7 @@ async def test_failed_rollout_becomes_placeholder_and_others_are_untouched(token
     assert metrics["generate/min_num_tokens"] == min(len(clean["response_ids"][i]) for i in (0, 2, 3))
     ledger.assert_all_closed_once()
     assert ledger.opened == 4
-    assert sorted(engine.finished_sessions) == ["q0_0", "q0_1", "q1_0", "q1_1"]
+    assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1", "q1_0", "q1_1"]
 
 
 async def test_placeholder_keeps_failed_attempt_timing(tokenizer, anyio_backend):
@@ -73,6 +80,8 @@ async def test_placeholder_keeps_failed_attempt_timing(tokenizer, anyio_backend)
 
     gen = make_generator(tokenizer, ScriptedEngine(tokenizer, mixed), skip_failed_rollouts=True)
     out = await gen.generate(batch, disable_tqdm=True)
+    assert out["trajectory_generation_times"] is not None
+    assert out["trajectory_time_splits"] is not None
     assert out["trajectory_generation_times"][1] >= 0.05
     assert out["trajectory_time_splits"]["llm"][1] >= 0.05
     assert out["trajectory_time_splits"]["env"][1] == 0.0
@@ -134,6 +143,7 @@ async def test_failure_budget(tokenizer, anyio_backend):
         tokenizer, failing_engine(tokenizer, {"q0_0"}), skip_failed_rollouts=True, max_failed_rollout_fraction=0.25
     )
     out = await gen.generate(make_batch(4, EnvLedger()), disable_tqdm=True)
+    assert out["stop_reasons"] is not None
     assert out["stop_reasons"].count(ROLLOUT_ERROR_STOP_REASON) == 1
 
 
@@ -152,10 +162,11 @@ async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_
     out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", ROLLOUT_ERROR_STOP_REASON]
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_timed_out_rollouts"] == 1
     assert metrics["generate/failures/TimeoutError"] == 1
     ledger.assert_all_closed_once()
-    assert sorted(engine.finished_sessions) == ["q0_0", "q0_1"]
+    assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1"]
 
     gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler), rollout_timeout_s=0.2)
     with pytest.raises(TimeoutError, match=r"rollout 1 \(q0_1\) exceeded generator.rollout_timeout_s=0.2s"):
@@ -181,6 +192,7 @@ async def test_retry_reruns_from_scratch_with_a_fresh_env(tokenizer, anyio_backe
     out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
     clean = await make_generator(tokenizer).generate(make_batch(2, EnvLedger()), disable_tqdm=True)
     assert out["response_ids"] == [clean["response_ids"][0], clean["response_ids"][0]]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/num_rollout_retries"] == 1
     assert out["rollout_metrics"]["generate/num_failed_rollouts"] == 0
     assert ledger.opened == 3  # the failed attempt's env, then a fresh one
@@ -208,6 +220,7 @@ async def test_retries_exhausted_keep_the_last_failure(tokenizer, anyio_backend,
     )
     out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_rollout_retries"] == 2
     assert metrics["generate/failures/KeyError"] == 1
     assert "generate/failures/ValueError" not in metrics
@@ -261,7 +274,9 @@ async def test_prompt_too_long_in_step_wise_mode_yields_no_steps(tokenizer, anyi
     out = await gen.generate(batch, disable_tqdm=True)
     # Rollout 0 contributes no rows; rollout 1 contributes its steps, the last one marked.
     assert out["trajectory_ids"]
+    assert batch["trajectory_ids"] is not None
     assert set(map(str, out["trajectory_ids"])) == {str(batch["trajectory_ids"][1])}
+    assert out["is_last_step"] is not None
     assert out["is_last_step"][-1] is True
     assert out["is_last_step"].count(True) == 1
 
@@ -273,6 +288,9 @@ async def test_step_wise_placeholder_is_one_last_step(tokenizer, anyio_backend):
     batch = make_batch(2, EnvLedger())
     out = await gen.generate(batch, disable_tqdm=True)
     validate_generator_output(2, out, step_wise=True)
+    assert out["trajectory_ids"] is not None
+    assert batch["trajectory_ids"] is not None
+    assert out["is_last_step"] is not None
     assert out["trajectory_ids"][0] == batch["trajectory_ids"][0]
     assert out["is_last_step"][0] is True
     assert out["response_ids"][0] == [tokenizer.pad_token_id]
@@ -342,9 +360,8 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
     from skyrl_structured import progress
 
     bars = []
-    real = progress.Progress
 
-    class Recording(real):
+    class Recording(progress.Progress):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             bars.append(self)
@@ -354,6 +371,7 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
     await gen.generate(make_batch(4, EnvLedger()))
     (bar,) = bars
     assert (bar.done, bar.failed) == (4, 2)
+    assert bar._bar is not None
     assert bar._bar.postfix == "failed=2"
     assert bar._bar.desc == "Generating Trajectories"
 
@@ -366,13 +384,14 @@ async def test_group_policies_through_generate(tokenizer, anyio_backend, policy)
     ledger = EnvLedger()
     # Group q0: rewards 1.0, 0.0, failure; group q1: 1.0, 1.0, 1.0.
     batch = make_batch(6, ledger, group_size=3)
+    assert batch["env_extras"] is not None
     for i, reward in enumerate([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]):
         batch["env_extras"][i]["script"] = script_with(reward)()
     gen = make_generator(
         tokenizer, failing_engine(tokenizer, {"q0_2"}), skip_failed_rollouts=True, failed_rollout_policy=policy
     )
     out = await gen.generate(batch, disable_tqdm=True)
-    sums = [sum(r) for r in out["rewards"]]
+    sums = [sum(r) for r in token_rewards(out)]
     if policy == "fill_group_mean":
         assert sums == [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]
         assert out["rewards"][2] == [0.5]

@@ -14,17 +14,21 @@ import sys
 import textwrap
 import types
 import typing
+from typing import Any
 
 import pytest
 
 from skyrl_structured import (
     GeneratorConfig,
+    GeneratorInput,
     ResilienceSettings,
     StructuredGymGenerator,
     TrajectoryID,
     validate_generator_output,
 )
 from skyrl_structured.testing import ScriptedEngine
+
+from .helpers import token_rewards
 
 skyrl_config = pytest.importorskip("skyrl.train.config")
 integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
@@ -60,7 +64,7 @@ def test_without_skyrl_the_module_says_what_to_install():
     assert lines[1] == "cause: ModuleNotFoundError"
 
 
-def _added_fields(cls: type, base: type) -> dict[str, dataclasses.Field]:
+def _added_fields(cls: type, base: type) -> dict[str, dataclasses.Field[Any]]:
     inherited = {f.name for f in dataclasses.fields(base)}
     return {f.name: f for f in dataclasses.fields(cls) if f.name not in inherited}
 
@@ -88,10 +92,12 @@ def test_subclassed_configs_keep_every_skyrl_field():
     ours = integration.StructuredGeneratorConfig()
     for f in dataclasses.fields(skyrl_config.GeneratorConfig):
         assert getattr(ours, f.name) == getattr(skyrl_defaults, f.name), f.name
+    structured_generator_config: type = integration.StructuredGeneratorConfig
     generator_field = {f.name: f for f in dataclasses.fields(integration.StructuredTrainConfig)}["generator"]
     # SkyRL's parser finds nested sections from the field's type, which must be the class itself.
-    assert generator_field.type is integration.StructuredGeneratorConfig
-    assert isinstance(generator_field.default_factory(), integration.StructuredGeneratorConfig)
+    assert generator_field.type is structured_generator_config
+    assert callable(generator_field.default_factory)
+    assert isinstance(generator_field.default_factory(), structured_generator_config)
 
 
 @pytest.fixture
@@ -107,7 +113,7 @@ def skyrl_cli_parser(monkeypatch):
         for name in ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.inference_servers"):
             monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
         utils = types.ModuleType("skyrl.backends.skyrl_train.inference_servers.utils")
-        utils._uses_lora_weight_sync = lambda cfg: False
+        utils._uses_lora_weight_sync = lambda cfg: False  # type: ignore[attr-defined]  # a stand-in module
         monkeypatch.setitem(sys.modules, utils.__name__, utils)
     return integration.StructuredTrainConfig.from_cli_overrides
 
@@ -159,7 +165,7 @@ async def test_generator_built_from_skyrl_configs_contains_a_failed_rollout(anyi
         tokenizer,
     )
     n = 4
-    batch = {
+    batch: GeneratorInput = {
         "prompts": [[{"role": "user", "content": "What is 2 + 2?"}]] * n,
         "env_classes": ["gsm8k"] * n,
         "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": "4"}} for _ in range(n)],
@@ -168,8 +174,9 @@ async def test_generator_built_from_skyrl_configs_contains_a_failed_rollout(anyi
     output = await generator.generate(batch, disable_tqdm=True)
     validate_generator_output(n, output)
     assert output["stop_reasons"] == ["stop", "stop", "rollout_error", "stop"]
-    assert [sum(r) for r in output["rewards"]] == [1.0, 1.0, 0.0, 1.0]
+    assert [sum(r) for r in token_rewards(output)] == [1.0, 1.0, 0.0, 1.0]
     assert output["loss_masks"][2] == [0]
     metrics = output["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/failures/ConnectionError"] == 1
     assert metrics["generate/num_envs_opened"] == metrics["generate/num_envs_closed"] == n

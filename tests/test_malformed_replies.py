@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.anyio
 
 BAD = "q0_1"  # the session whose reply is mangled (row 1 of the batch)
 ROWS = 4
-FIELDS = ("response_ids", "prompt_token_ids", "loss_masks", "rewards", "stop_reasons", "rollout_logprobs")
+FIELDS: Final = ("response_ids", "prompt_token_ids", "loss_masks", "rewards", "stop_reasons", "rollout_logprobs")
 
 Mangle = Callable[[dict[str, Any]], Any]
 
@@ -167,18 +167,23 @@ async def test_malformed_reply_becomes_a_placeholder(tokenizer, anyio_backend, l
     assert out["prompt_token_ids"][1] == [pad]
     assert out["loss_masks"][1] == [0]
     assert out["rewards"][1] == [0.0]
+    assert out["stop_reasons"] is not None
     assert out["stop_reasons"][1] == ROLLOUT_ERROR_STOP_REASON
     assert out["rollout_logprobs"] is not None
     assert out["rollout_logprobs"][1] == [0.0]
     for i in (0, 2, 3):
         for key in FIELDS:
-            assert out[key][i] == clean[key][i], (key, i)
+            got, want = out[key], clean[key]
+            assert got is not None, (key, i)
+            assert want is not None, (key, i)
+            assert got[i] == want[i], (key, i)
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/num_failed_rollouts"] == 1
     assert metrics["generate/failures/MalformedEngineReplyError"] == 1
     ledger.assert_all_closed_once()
     assert ledger.opened == ROWS
-    assert sorted(engine.inner.finished_sessions) == ["q0_0", "q0_1", "q1_0", "q1_1"]
+    assert sorted(engine.inner.finished_sessions, key=str) == ["q0_0", "q0_1", "q1_0", "q1_1"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -240,5 +245,6 @@ async def test_well_formed_variants_are_accepted_unchanged(tokenizer, anyio_back
     )
     for key in FIELDS:
         assert out[key] == clean[key], key
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/num_failed_rollouts"] == 0
     ledger.assert_all_closed_once()

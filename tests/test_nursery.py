@@ -14,7 +14,7 @@ import anyio
 import pytest
 import skyrl_gym
 
-from skyrl_structured import RolloutCancelledError
+from skyrl_structured import GeneratorInput, RolloutCancelledError
 from skyrl_structured.envs import active_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
@@ -100,6 +100,7 @@ async def test_self_raised_cancellation_is_that_rollouts_failure(tokenizer, anyi
     pad = tokenizer.pad_token_id
     assert out["response_ids"][2] == [pad]
     assert all(out["response_ids"][i] != [pad] for i in (0, 1, 3))
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/failures/RolloutCancelledError"] == 1
     ledger.assert_all_closed_once()
     _sessions_finished(engine)
@@ -132,6 +133,7 @@ async def test_self_raised_cancellation_is_retried_like_any_failure(tokenizer, a
     gen = make_generator(tokenizer, engine, max_rollout_retries=1, rollout_retry_backoff_s=0)
     out = await gen.generate(make_batch(1, ledger), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop"]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/num_rollout_retries"] == 1
     assert ledger.opened == 2
     ledger.assert_all_closed_once()
@@ -166,6 +168,7 @@ async def test_generator_exit_from_close_counts_as_a_close_error(tokenizer, anyi
     out = await gen.generate(make_batch(4, ledger, extras={2: {"on_close": _raiser(GeneratorExit())}}), True)
     assert out["stop_reasons"] == ["stop"] * 4
     metrics = out["rollout_metrics"]
+    assert metrics is not None
     assert metrics["generate/env_close_errors"] == 1
     assert metrics["generate/num_envs_closed"] == 4
     ledger.assert_all_closed_once()
@@ -176,6 +179,7 @@ async def test_generator_exit_from_a_step_is_that_rollouts_failure(tokenizer, an
     gen = make_generator(tokenizer, _engine(tokenizer), skip_failed_rollouts=True)
     out = await gen.generate(make_batch(4, ledger, extras={3: {"on_step": _raiser(GeneratorExit())}}), True)
     assert out["stop_reasons"] == ["stop", "stop", "stop", "rollout_error"]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/failures/RolloutCancelledError"] == 1
     ledger.assert_all_closed_once()
 
@@ -254,7 +258,7 @@ for _name, _cls in (
         skyrl_gym.register(id=_name, entry_point=_cls)
 
 
-def _with_env(batch: dict[str, Any], env_class: str) -> dict[str, Any]:
+def _with_env(batch: GeneratorInput, env_class: str) -> GeneratorInput:
     batch["env_classes"] = [env_class] * len(batch["prompts"])
     return batch
 
@@ -287,6 +291,7 @@ async def test_sync_close_of_an_async_env_runs_in_a_thread_and_is_bounded(tokeni
     release.set()
     safety.cancel()
     assert not freed_by_safety_net, "the event loop was blocked by a synchronous close"
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 4
     assert loop_thread not in close_threads
     await _drain_threads(ledger)
@@ -301,6 +306,7 @@ async def test_close_queued_behind_a_hung_close_still_runs(tokenizer, anyio_back
     batch = make_batch(6, ledger, extras={0: {"on_close": release.wait}})
     out = await gen.generate(batch, disable_tqdm=True)
     # With one worker thread held by the hung close, the others' closes could not start in time.
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] >= 1
     assert not release.is_set()
     release.set()

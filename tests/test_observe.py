@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
+from typing import Any
 
 import anyio
 import pytest
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.anyio
 
 class Recorder(RolloutObserver):
     def __init__(self) -> None:
-        self.events: list[tuple] = []
+        self.events: list[tuple[Any, ...]] = []
 
     def batch_started(self, size):
         self.events.append(("batch_started", size))
@@ -50,13 +52,13 @@ class Recorder(RolloutObserver):
     def batch_finished(self, size, failed):
         self.events.append(("batch_finished", size, failed))
 
-    def of(self, index: int) -> list[tuple]:
+    def of(self, index: int) -> list[tuple[Any, ...]]:
         return [
             e for e in self.events if len(e) > 1 and e[0] not in ("batch_started", "batch_finished") and e[1] == index
         ]
 
 
-def _engine(tokenizer, fail_first: set[str] = frozenset()):
+def _engine(tokenizer, fail_first: Collection[str] = frozenset()):
     calls: dict[str, int] = {}
 
     def handler(call):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -37,7 +38,7 @@ SkyRLGymGenerator = load_upstream_generator()
 TIMING_KEYS = {"trajectory_generation_times", "trajectory_time_splits"}
 
 
-def turn_handler(replies: dict[int, Reply | str]):
+def turn_handler(replies: Mapping[int, Reply | str]):
     """Replies by turn number within each session, so interleaving never changes the answers."""
     turns: dict[Any, int] = defaultdict(int)
 
@@ -99,7 +100,7 @@ def run_ours(cfg, gym_cfg, engine, tokenizer, b, backend, **kw):
     return anyio.run(lambda: gen.generate(b, disable_tqdm=True), backend=backend)
 
 
-def assert_same_output(ours: dict, theirs: dict) -> None:
+def assert_same_output(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     # SkyRL 0.3.0 predates `trajectory_time_splits`; everything else it returns must match exactly.
     assert set(ours) - set(theirs) <= {"trajectory_time_splits"}
     for key, value in theirs.items():
@@ -244,7 +245,8 @@ class TestParity:
 
     @pytest.mark.parametrize("flag", ["zero_reward_on_non_stop", "apply_overlong_filtering"])
     def test_non_stop_filters(self, tokenizer, backend, flag):
-        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, **{flag: True})
+        flags: dict[str, Any] = {flag: True}
+        cfg = GeneratorConfig(max_turns=3, max_input_length=4096, **flags)
         replies = {1: "#### 7", 2: Reply("cut off mid", stop_reason="length"), 3: "#### 8"}
         ours, _ = check_parity(tokenizer, backend, cfg, batch(2), replies=replies)
         if flag == "zero_reward_on_non_stop":

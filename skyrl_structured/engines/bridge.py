@@ -19,15 +19,29 @@ Cancellation crosses the bridge both ways:
 A trio-asyncio loop must be running around the calls: open one with ``async with
 asyncio_loop():`` (or ``async with AsyncioBridge(client):``, which does it for you), or run the
 whole program with ``trio_asyncio.run``.
+
+Some asyncio code does not run on trio-asyncio at all (vLLM's ``AsyncLLM`` hands work to its own
+``ThreadPoolExecutor`` with ``loop.run_in_executor``, which trio-asyncio refuses). For such code,
+:class:`AsyncioLoopThread` runs a plain asyncio event loop in a thread of its own: coroutines are
+submitted to it from any thread and awaited with :func:`wait_future`, from asyncio or trio,
+without blocking the caller's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+import concurrent.futures
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
+
+import anyio
+import anyio.lowlevel
 
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._optional import import_optional
@@ -35,13 +49,17 @@ from .errors import EngineError
 
 __all__ = [
     "AsyncioBridge",
+    "AsyncioLoopThread",
     "BridgedCallCancelled",
     "asyncio_loop",
     "bridged_client",
     "needs_asyncio_bridge",
     "run_asyncio",
     "running_under_trio",
+    "wait_future",
 ]
+
+logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -207,3 +225,138 @@ async def bridged_client(client: Any) -> AsyncIterator[Any]:
         return
     async with AsyncioBridge(client, enter_client=False) as bridge:
         yield bridge
+
+
+# ---------------------------------------------------------------------- an asyncio loop in a thread
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
+    """How another thread schedules a callback on the calling event loop (asyncio or trio)."""
+    token = anyio.lowlevel.current_token()
+    native = getattr(token, "native_token", token)  # anyio < 4.11 returns the native token itself
+    schedule = getattr(native, "call_soon_threadsafe", None)  # an asyncio loop
+    if schedule is None:
+        schedule = getattr(native, "run_sync_soon", None)  # trio's TrioToken
+    if schedule is None:
+        raise RuntimeError(f"cannot schedule callbacks on this event loop from another thread ({native!r})")
+    return schedule  # type: ignore[no-any-return]
+
+
+async def wait_future(future: concurrent.futures.Future[T]) -> T:
+    """Await ``future`` (completed by another thread) from asyncio or trio, without blocking the event loop.
+
+    Cancelling the waiter does not cancel the future: the caller decides what to do about work
+    still running elsewhere.
+
+    Raises:
+        Exception: whatever the future holds (``concurrent.futures.CancelledError`` if it was cancelled).
+    """
+    if not future.done():
+        done = anyio.Event()
+        schedule = _call_soon_threadsafe()
+
+        def wake(_: concurrent.futures.Future[T]) -> None:
+            # An exception here means the waiting event loop has finished: nobody is left to wake.
+            with contextlib.suppress(Exception):
+                schedule(done.set)
+
+        future.add_done_callback(wake)
+        await done.wait()
+    return future.result()
+
+
+class AsyncioLoopThread:
+    """A plain asyncio event loop running in a daemon thread of its own.
+
+    Asyncio-only code that must own its loop (vLLM's ``AsyncLLM``) lives here, reachable from
+    any thread and any backend: :meth:`submit` a coroutine or :meth:`call` a function on the
+    loop, and await the returned future with :func:`wait_future`. :meth:`stop` cancels what still
+    runs on the loop, closes it and joins the thread.
+
+    Args:
+        name: the thread's name (it shows in ``threading.enumerate()`` and in stack dumps).
+    """
+
+    def __init__(self, name: str = "skyrl-structured-asyncio") -> None:
+        # A stock loop, built directly: once trio-asyncio is imported, asyncio.new_event_loop()
+        # builds trio-asyncio loops (or refuses, inside trio), which is what this class avoids.
+        loop_class = getattr(asyncio, "ProactorEventLoop", None) if sys.platform == "win32" else None
+        self.loop: asyncio.AbstractEventLoop = (loop_class or asyncio.SelectorEventLoop)()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+            # Stopped: whatever still runs is cancelled and allowed to unwind, then the loop closes.
+            leftovers = asyncio.all_tasks(self.loop)
+            for task in leftovers:
+                task.cancel()
+            if leftovers:
+                self.loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        except BaseException:
+            logger.exception("the asyncio loop in thread %s failed", self.thread.name)
+        finally:
+            asyncio.set_event_loop(None)
+            self.loop.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop accepts work (it was not stopped, and its thread lives)."""
+        return not self._stopping and self.thread.is_alive()
+
+    def _check_running(self) -> None:
+        if not self.running:
+            raise RuntimeError(f"the asyncio loop in thread {self.thread.name} was stopped; it takes no more work")
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coroutine`` as a task on the loop; its future completes with the task's outcome.
+
+        Raises:
+            RuntimeError: the loop was stopped (the coroutine is closed unstarted).
+        """
+        try:
+            self._check_running()
+        except RuntimeError:
+            coroutine.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[T]:
+        """Run the plain function ``fn(*args, **kwargs)`` on the loop's thread, between its tasks.
+
+        Raises:
+            RuntimeError: the loop was stopped.
+        """
+        self._check_running()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self.loop.call_soon_threadsafe(run)
+        return future
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the loop (its tasks are cancelled and unwind first) and wait for the thread to end.
+
+        Blocking; idempotent. Returns whether the thread has ended within ``timeout`` seconds.
+        """
+        if not self._stopping:
+            self._stopping = True
+            with contextlib.suppress(RuntimeError):  # already closed
+                self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        return not self.thread.is_alive()

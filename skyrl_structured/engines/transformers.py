@@ -1,9 +1,12 @@
 """``TransformersEngine``: Hugging Face ``generate`` on CPU or GPU, behind SkyRL's inference-client interface.
 
-Token ids in, token ids out, like vLLM: generation stops on the tokenizer's EOS (or an EOS id the
-checkpoint's generation config names) and the response ids then end with it; the text is
-decoded with ``skip_special_tokens`` (default true); ``"stop"`` means EOS, a stop token or a stop
-string, ``"length"`` the token budget.
+Token ids in, token ids out, with vLLM's stop semantics: generation stops on the tokenizer's EOS
+(or an EOS id the checkpoint's generation config names) or a ``stop_token_ids`` id, and the
+response ids then end with it; only generated text can complete a stop string (never the
+prompt's tail), and the ids then end with the token that completed it. The text is decoded
+incrementally as vLLM decodes it (``skip_special_tokens``, default true), without the stop
+string or the stop token's text unless ``include_stop_str_in_output``. ``"stop"`` means EOS, a
+stop token or a stop string (also on the last allowed token), ``"length"`` the token budget.
 
 ``generate`` is blocking, so it runs in a worker thread; at most ``max_workers`` requests run
 at once (one per worker), the rest wait for a slot without blocking the event loop. When the
@@ -22,12 +25,13 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 
@@ -49,19 +53,6 @@ class _Generated:
     token_ids: list[int]
     stop_reason: str
     logprobs: list[float]
-
-
-def _truncate_at_stop(text: str, stops: Sequence[str], include: bool) -> tuple[str, bool]:
-    """Cut ``text`` at the earliest stop string (keeping it when ``include``); report whether one was found."""
-    best: tuple[int, int] | None = None
-    for stop in stops:
-        at = text.find(stop)
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, len(stop))
-    if best is None:
-        return text, False
-    at, length = best
-    return text[: at + length] if include else text[:at], True
 
 
 class TransformersEngine:
@@ -121,6 +112,7 @@ class TransformersEngine:
         self._eos_ids: list[int] = [int(eos), *(int(e) for e in extra_eos if int(e) != int(eos))]
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad) if pad is not None else int(eos)
+        self._vocab_size = self._model_vocab_size(model)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -208,7 +200,8 @@ class TransformersEngine:
         """Generate one completion per prompt (``model`` is ignored: one model is loaded).
 
         Raises:
-            ValueError: bad sampling parameters, or ones this engine cannot honour (named).
+            ValueError: bad sampling parameters, or ones this engine cannot honour (named); an empty
+                prompt, or a prompt token id out of the model's vocabulary.
         """
         spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
         if spec.extra:
@@ -217,6 +210,8 @@ class TransformersEngine:
                 "HTTPEngine/VLLMEngine, which pass extra vLLM parameters through"
             )
         prompts = self._prompt_ids(input_batch)
+        for prompt in prompts:
+            self._check_prompt(prompt)
         # Seeds are drawn here, in request order, so a seeded engine is reproducible.
         seeds = [spec.seed if spec.seed is not None else self._seeds.getrandbits(63) for _ in prompts]
 
@@ -231,9 +226,25 @@ class TransformersEngine:
             "response_logprobs": [r.logprobs for r in results] if spec.logprobs is not None else None,
         }
 
-    async def _generate_one(self, prompt_ids: list[int], spec: SamplingSpec, seed: int) -> _Generated:
+    @staticmethod
+    def _model_vocab_size(model: Any) -> int | None:
+        """Rows of the input embedding (what a prompt id indexes), else the config's ``vocab_size``."""
+        embeddings = getattr(model, "get_input_embeddings", None)
+        rows = getattr(embeddings(), "num_embeddings", None) if callable(embeddings) else None
+        if rows is None:
+            rows = getattr(getattr(model, "config", None), "vocab_size", None)
+        return int(rows) if rows is not None else None
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        """Refuse what vLLM refuses (with its wording) instead of failing inside the model."""
         if not prompt_ids:
             raise ValueError("a prompt has no tokens; TransformersEngine needs at least one prompt token")
+        vocab = self._vocab_size
+        for token in (min(prompt_ids), max(prompt_ids)):
+            if token < 0 or (vocab is not None and token >= vocab):
+                raise ValueError(f"Token id {token} is out of vocabulary (the model has {vocab} tokens)")
+
+    async def _generate_one(self, prompt_ids: list[int], spec: SamplingSpec, seed: int) -> _Generated:
         cancel = threading.Event()
 
         async def raise_flag_when_cancelled() -> None:
@@ -250,6 +261,9 @@ class TransformersEngine:
                 result = await anyio.to_thread.run_sync(self._generate_blocking, prompt_ids, spec, seed, cancel)
             finally:
                 group.cancel_scope.cancel()
+        # A generation cut short by our caller's cancellation returned normally from its thread:
+        # the cancellation goes on from here (on asyncio nothing above raises it).
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return result
 
     @staticmethod
@@ -273,7 +287,7 @@ class TransformersEngine:
         torch = self._torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-        from ._hf_sampling import CancelFlagCriteria, TokenPicker
+        from ._hf_sampling import CancelFlagCriteria, ResponseText, StopStringCriteria, TokenPicker
 
         stop_ids = self._eos_ids + [i for i in spec.stop_token_ids if i not in self._eos_ids]
         picker = TokenPicker(
@@ -283,6 +297,18 @@ class TransformersEngine:
             seed=seed,
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
         )
+        text = ResponseText(
+            self.tokenizer,
+            prompt_ids,
+            stop=spec.stop,
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            min_tokens=spec.min_tokens,
+            skip_special_tokens=spec.skip_special_tokens,
+        )
+        criteria = StoppingCriteriaList([CancelFlagCriteria(cancel)])
+        if spec.stop:  # decoded as it is generated, to stop on the token that completes a stop string
+            criteria.append(StopStringCriteria(text, prompt_length=len(prompt_ids)))
         config = GenerationConfig(  # type: ignore[no-untyped-call]
             **{
                 **self._neutral_generation_params(GenerationConfig),
@@ -290,26 +316,23 @@ class TransformersEngine:
                 "do_sample": False,  # TokenPicker samples; see _hf_sampling
                 "eos_token_id": stop_ids,
                 "pad_token_id": self._pad_id,
-                "stop_strings": list(spec.stop) or None,
             }
         )
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        extra: dict[str, Any] = {"tokenizer": self.tokenizer} if spec.stop else {}
         with torch.inference_mode():
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([picker]),
-                stopping_criteria=StoppingCriteriaList([CancelFlagCriteria(cancel)]),
-                **extra,
+                stopping_criteria=criteria,
             )
         token_ids: list[int] = sequences[0, len(prompt_ids) :].tolist()
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=spec.skip_special_tokens)
-        text, hit_stop_string = _truncate_at_stop(text, spec.stop, spec.include_stop_str_in_output)
-        stopped = hit_stop_string or (bool(token_ids) and token_ids[-1] in stop_ids)
+        text.extend(token_ids[text.count :])  # without stop strings: decoded here, once
+        # As vLLM: a stop token (EOS first) or a stop string is "stop", even on the last allowed token.
+        stopped = text.stop_string is not None or (bool(token_ids) and token_ids[-1] in stop_ids)
         return _Generated(
-            text=text,
+            text=text.text,
             token_ids=token_ids,
             stop_reason="stop" if stopped else "length",
             logprobs=picker.logprobs[: len(token_ids)],

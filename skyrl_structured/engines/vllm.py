@@ -1,28 +1,32 @@
 """``VLLMEngine``: vLLM's in-process async engine (``AsyncLLM``) behind SkyRL's inference-client interface.
 
-**Not yet verified on a GPU.** Written against vLLM's ``AsyncLLM`` API as read from its source
-(``vllm/v1/engine/async_llm.py``: ``generate(prompt, sampling_params, request_id)`` yielding
-``RequestOutput``s, ``abort(request_id)``); the request/response mapping is in pure functions
-below, unit-tested with objects shaped like vLLM's. ``scripts/gpu_check_vllm.sh`` runs it end to
-end on a GPU machine.
-
 Token ids in (a ``TokensPrompt``, with the cache salt), token ids, text, stop reason and the
-chosen tokens' logprobs out, one request per prompt with ``output_kind=FINAL_ONLY``.
+chosen tokens' logprobs out, one request per prompt with ``output_kind=FINAL_ONLY``. The
+request/response mapping is in pure functions below; ``vllm_tests/`` checks the engine against
+a real vLLM (CPU build) token for token.
 
-Cancellation: vLLM's ``generate`` aborts its request in its own ``except CancelledError`` handler,
-by awaiting ``abort``. Under anyio's level cancellation that await is itself cancelled again
-(asyncio backend), so the request could keep running on the GPU. This adapter therefore aborts
-the request itself, in a shielded, time-bounded scope, whenever a request ends without its final
-output. vLLM is asyncio-only; under trio every call goes through :mod:`skyrl_structured.engines.bridge`
-(``async with engine:`` opens the trio-asyncio loop).
+vLLM runs on its own asyncio event loop, in a thread of its own
+(:class:`~skyrl_structured.engines.bridge.AsyncioLoopThread`), never on the caller's loop: its
+engine binds itself to the loop it first runs on and hands work to its own thread pool with
+``loop.run_in_executor``, which trio-asyncio refuses. Each request is a task on that loop; the
+caller, on asyncio or trio, awaits its outcome without blocking its own loop, so one engine
+serves callers on any backend and any number of ``anyio.run`` calls in turn.
+
+Cancellation: cancelling the caller cancels the request's task on the engine loop (vLLM's
+``generate`` aborts the request in its own ``except CancelledError`` handler), waits for it to
+unwind and aborts the request again (idempotent), in a shielded, time-bounded scope: when the
+cancelled call returns, vLLM no longer tracks the request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import AsyncExitStack, aclosing
+from contextlib import aclosing
 from types import TracebackType
 from typing import Any
 
@@ -32,9 +36,9 @@ import anyio.to_thread
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
-from .bridge import asyncio_loop, run_asyncio
+from .bridge import AsyncioLoopThread, wait_future
 from .completions import Completion
-from .errors import EngineResponseError
+from .errors import EngineError, EngineResponseError
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
 __all__ = [
@@ -140,19 +144,28 @@ def _vllm_sampling_params(kwargs: dict[str, Any]) -> Any:
 
 
 class VLLMEngine:
-    """An inference client over an in-process vLLM ``AsyncLLM`` (not yet verified on a GPU).
+    """An inference client over an in-process vLLM ``AsyncLLM``, on asyncio and trio alike.
 
     Args:
-        async_llm_engine: a started ``vllm.v1.engine.async_llm.AsyncLLM`` (or anything with its
-            ``generate``/``abort``).
+        async_llm_engine: a ``vllm.v1.engine.async_llm.AsyncLLM`` (or anything with its
+            ``generate``/``abort``) that has not run on an event loop yet: built outside async
+            code, or on ``loop_thread``. :meth:`from_engine_args` builds one on the engine's loop.
         default_sampling_params: used when a request's ``sampling_params`` is None (see
             :mod:`skyrl_structured.engines.sampling`).
-        tokenizer: exposed as ``engine.tokenizer``; default: the engine's own, if it has one.
+        tokenizer: exposed as ``engine.tokenizer`` and used for chat ``prompts``; default: the
+            engine's own, if it has one.
         abort_timeout_s: how long the shielded abort of a cancelled request may take.
         owns_engine: shut the vLLM engine down in :meth:`aclose` (set by :meth:`from_engine_args`).
         sampling_params_factory: builds the engine's sampling-parameter object from
             :func:`vllm_sampling_kwargs`; default: ``vllm.SamplingParams`` with
             ``output_kind=FINAL_ONLY``. For engines that are not vLLM's, and for tests.
+        loop_thread: the event loop the engine runs on; default: one started on first use.
+            :meth:`aclose` stops it either way.
+        shutdown_timeout_s: how long :meth:`aclose` waits for vLLM's shutdown and for the loop's
+            thread to end.
+
+    Raises:
+        ValueError: the engine already runs on some event loop (its output handler was started).
     """
 
     #: This engine bridges itself; it is not to be wrapped in an ``AsyncioBridge``.
@@ -167,14 +180,26 @@ class VLLMEngine:
         abort_timeout_s: float = 10.0,
         owns_engine: bool = False,
         sampling_params_factory: Callable[[dict[str, Any]], Any] | None = None,
+        loop_thread: AsyncioLoopThread | None = None,
+        shutdown_timeout_s: float = 60.0,
     ) -> None:
+        if loop_thread is None and getattr(async_llm_engine, "output_handler", None) is not None:
+            raise ValueError(
+                "this AsyncLLM already runs on an event loop (it was built inside async code); VLLMEngine runs "
+                "vLLM on a loop of its own: build the AsyncLLM outside async code, or use VLLMEngine.from_engine_args"
+            )
         self.engine = async_llm_engine
         self._params_factory = sampling_params_factory or _vllm_sampling_params
         self.default_sampling: SamplingSpec = default_spec(default_sampling_params)
         self._tokenizer = tokenizer
         self.abort_timeout_s = abort_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.owns_engine = owns_engine
-        self._stack: AsyncExitStack | None = None
+        self._loop_thread = loop_thread
+        self._lock = threading.Lock()
+        self._closed = False
+        #: The task of each request in flight, by request id; touched on the engine loop only.
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
 
     @classmethod
     def from_engine_args(
@@ -183,7 +208,9 @@ class VLLMEngine:
         """Start vLLM in this process: ``VLLMEngine.from_engine_args(model="Qwen/Qwen2.5-0.5B-Instruct")``.
 
         ``engine_args`` are ``vllm.AsyncEngineArgs`` fields (``model``, ``tensor_parallel_size``,
-        ``gpu_memory_utilization``, ``max_model_len``, ``seed``, ...). Call it outside async code.
+        ``gpu_memory_utilization``, ``max_model_len``, ``seed``, ...). Blocking (it loads the
+        model): call it outside async code, or in a worker thread. The engine is built on the
+        loop it will run on, in a thread of its own.
 
         Raises:
             ImportError: vLLM is not installed (``pip install 'skyrl-structured[vllm]'``).
@@ -193,8 +220,18 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM as engine_class
         except ImportError:  # older releases export the V1 engine under its V0 name only
             engine_class = vllm.AsyncLLMEngine
-        engine = engine_class.from_engine_args(vllm.AsyncEngineArgs(**engine_args))
-        return cls(engine, default_sampling_params=default_sampling_params, owns_engine=True)
+        args = vllm.AsyncEngineArgs(**engine_args)
+        loop_thread = AsyncioLoopThread(name="skyrl-structured-vllm")
+        try:
+            engine = loop_thread.call(engine_class.from_engine_args, args).result()
+        except BaseException:
+            loop_thread.stop()
+            raise
+        client = cls(engine, default_sampling_params=default_sampling_params, owns_engine=True, loop_thread=loop_thread)
+        # vLLM keeps the tracebacks of some optional imports, and with them this frame: holding
+        # no AsyncLLM here lets close() release it while the interpreter still runs.
+        del engine
+        return client
 
     @property
     def tokenizer(self) -> Any:
@@ -205,10 +242,15 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _loop(self) -> AsyncioLoopThread:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this VLLMEngine was closed; create a new one")
+            if self._loop_thread is None:
+                self._loop_thread = AsyncioLoopThread(name="skyrl-structured-vllm")
+            return self._loop_thread
+
     async def __aenter__(self) -> VLLMEngine:
-        stack = AsyncExitStack()
-        await stack.enter_async_context(asyncio_loop())
-        self._stack = stack
         return self
 
     async def __aexit__(
@@ -217,41 +259,83 @@ class VLLMEngine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Shut vLLM down if this engine started it, then close the trio-asyncio loop (under trio)."""
+        """Shut vLLM down if this engine started it, stop its event loop and join the loop's thread."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
+
+    def close(self) -> None:
+        """Blocking :meth:`aclose`, for synchronous code (fixtures, ``atexit``). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop_thread, self._loop_thread = self._loop_thread, None
         try:
-            if self.owns_engine:
-                shutdown = getattr(self.engine, "shutdown", None)
-                if shutdown is not None:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(shutdown)
+            shutdown = getattr(self.engine, "shutdown", None) if self.owns_engine else None
+            if shutdown is not None:
+                if loop_thread is not None and loop_thread.running:
+                    # On the engine's loop, where its tasks live.
+                    loop_thread.call(shutdown).result(self.shutdown_timeout_s)
+                else:
+                    shutdown()
+                # Let it go now: AsyncLLM shuts down again when collected, which fails at interpreter exit.
+                self.engine = None
         finally:
-            stack, self._stack = self._stack, None
-            if stack is not None:
-                await stack.aclose()
+            if loop_thread is not None and not loop_thread.stop(self.shutdown_timeout_s):
+                logger.warning(
+                    "the vLLM engine loop's thread %s did not end within %gs",
+                    loop_thread.thread.name,
+                    self.shutdown_timeout_s,
+                )
 
     async def finish_session(self, session_id: Hashable) -> None:
         """Nothing to release (vLLM's prefix cache is global); present for the client interface."""
 
+    async def num_unfinished_requests(self) -> int:
+        """Requests vLLM still tracks (``AsyncLLM.get_num_unfinished_requests``, read on its loop)."""
+        loop = self._loop()
+        count: int = await wait_future(loop.call(self.engine.get_num_unfinished_requests))
+        return count
+
     # ------------------------------------------------------------------ generation
+
+    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
+        ids = input_batch.get("prompt_token_ids")
+        if ids is not None:
+            return [list(p) for p in ids]
+        prompts = input_batch.get("prompts")
+        if prompts is None:
+            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(
+                "input_batch has chat prompts but no prompt_token_ids, and this engine has no tokenizer to apply the "
+                "chat template with; pass tokenizer= to VLLMEngine, or send token ids"
+            )
+        return [
+            list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for p in prompts
+        ]
 
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         """One completion per prompt (``model`` is ignored: one model is loaded).
 
         Raises:
             EngineResponseError: vLLM's output lacks what the generator needs.
-            ValueError: bad sampling parameters (named).
+            EngineError: the engine's loop was stopped while a request ran.
+            ValueError: bad sampling parameters (named), or a request vLLM refuses.
+            RuntimeError: the engine was closed.
             Exception: whatever vLLM raises (``EngineDeadError``, ``EngineGenerateError``, ...).
         """
         spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
-        prompts = input_batch.get("prompt_token_ids")
-        if prompts is None:
-            raise ValueError("VLLMEngine needs input_batch['prompt_token_ids'] (token-in-token-out)")
+        prompts = self._prompt_ids(input_batch)
         params = self._params_factory(vllm_sampling_kwargs(spec))
         cache_salt = input_batch.get("cache_salt")
         want_logprobs = spec.logprobs is not None
+        loop = self._loop()
 
         def call(prompt: Sequence[int]) -> Any:
-            return lambda: self._generate_one(tokens_prompt(prompt, cache_salt), params, want_logprobs)
+            return lambda: self._generate_one(loop, tokens_prompt(prompt, cache_salt), params, want_logprobs)
 
         results = await gather_in_order([call(p) for p in prompts])
         return {
@@ -261,32 +345,51 @@ class VLLMEngine:
             "response_logprobs": [r.logprobs or [] for r in results] if want_logprobs else None,
         }
 
-    async def _generate_one(self, prompt: dict[str, Any], params: Any, want_logprobs: bool) -> Completion:
+    async def _generate_one(
+        self, loop: AsyncioLoopThread, prompt: dict[str, Any], params: Any, want_logprobs: bool
+    ) -> Completion:
         request_id = f"skyrl-structured-{uuid.uuid4().hex}"
-        final: Any = None
+        future = loop.submit(self._final_output(prompt, params, request_id))
         try:
-            final = await run_asyncio(self._final_output, prompt, params, request_id)
-        finally:
-            if final is None:
-                await self._abort(request_id)
+            final = await wait_future(future)
+        except concurrent.futures.CancelledError as exc:  # the loop was stopped under the request
+            raise EngineError(f"vLLM request {request_id} was cancelled: the engine is shutting down") from exc
+        except BaseException:
+            if not future.done():  # our caller was cancelled (or interrupted) while vLLM works on it
+                await self._abort(loop, request_id)
+            raise
         return completion_from_request_output(final, want_logprobs=want_logprobs)
 
     async def _final_output(self, prompt: dict[str, Any], params: Any, request_id: str) -> Any:
-        """Runs on asyncio: drain vLLM's output stream for one request, return its last output."""
+        """On the engine loop: drain vLLM's output stream for one request, return its last output."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[request_id] = task
         final = None
-        async with aclosing(self.engine.generate(prompt, params, request_id)) as stream:
-            async for output in stream:
-                final = output
+        try:
+            async with aclosing(self.engine.generate(prompt, params, request_id)) as stream:
+                async for output in stream:
+                    final = output
+        finally:
+            self._tasks.pop(request_id, None)
         if final is None:
             raise EngineResponseError(f"vLLM request {request_id} produced no output")
         return final
 
-    async def _abort(self, request_id: str) -> None:
-        """Abort a request that ended early; shielded, so a cancellation cannot interrupt it."""
+    async def _cancel_request(self, request_id: str) -> None:
+        """On the engine loop: cancel the request's task, let it unwind (vLLM aborts it there), abort it again."""
+        task = self._tasks.get(request_id)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        await self.engine.abort(request_id)  # idempotent; covers a task that had not reached vLLM yet
+
+    async def _abort(self, loop: AsyncioLoopThread, request_id: str) -> None:
+        """Abort a request whose caller left; shielded, so a cancellation cannot interrupt it."""
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + self.abort_timeout_s
             try:
-                await run_asyncio(self.engine.abort, request_id)
+                await wait_future(loop.submit(self._cancel_request(request_id)))
             except Exception as exc:
                 logger.warning("could not abort vLLM request %s: %r", request_id, exc)
         if scope.cancelled_caught:

@@ -9,6 +9,7 @@ inside), and its ``generate`` handles cancellation the way vLLM's does: it await
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,13 +93,27 @@ class FakeAsyncLLM:
     aborted: list[str] = field(default_factory=list)
     calls: list[tuple[Any, Any, str]] = field(default_factory=list)
     shutdowns: int = 0
+    #: Names of the threads ``shutdown`` was called on.
+    shutdown_threads: list[str] = field(default_factory=list)
+    #: The event loop each request ran on.
+    loops: list[Any] = field(default_factory=list)
+    #: Raised by ``generate`` before anything else, when set (a request vLLM refuses).
+    fail: BaseException | None = None
+    #: Requests started and neither finished nor aborted.
+    unfinished: set[str] = field(default_factory=set)
     #: Called with the request id once a request has started (tests set an event there).
     on_start: Any = None
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.unfinished)
+
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str):
-        asyncio.get_running_loop()  # asyncio-only: fails outside an asyncio loop
+        self.loops.append(asyncio.get_running_loop())  # asyncio-only: fails outside an asyncio loop
+        if self.fail is not None:
+            raise self.fail
         self.calls.append((prompt, sampling_params, request_id))
         self.started.append(request_id)
+        self.unfinished.add(request_id)
         if self.on_start is not None:
             self.on_start(request_id)
         try:
@@ -109,6 +124,7 @@ class FakeAsyncLLM:
                 {t: Logprob(-0.1 * (i + 1), rank=1), 999: Logprob(-20.0, rank=2)} for i, t in enumerate(self.reply)
             ]
             self.finished.append(request_id)
+            self.unfinished.discard(request_id)
             yield RequestOutput(
                 request_id=request_id,
                 prompt=None,
@@ -130,9 +146,11 @@ class FakeAsyncLLM:
         for _ in range(self.abort_steps):  # like vLLM's round trip to the engine-core process
             await asyncio.sleep(0.001)
         self.aborted.append(request_id)
+        self.unfinished.discard(request_id)
 
     def shutdown(self) -> None:
         self.shutdowns += 1
+        self.shutdown_threads.append(threading.current_thread().name)
 
 
 def params_factory(kwargs: dict[str, Any]) -> dict[str, Any]:

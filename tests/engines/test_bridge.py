@@ -14,10 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from skyrl_structured.engines import AsyncioBridge, VLLMEngine, asyncio_loop
-from skyrl_structured.engines.bridge import bridged_client, needs_asyncio_bridge, run_asyncio
+from skyrl_structured.engines.bridge import (
+    AsyncioLoopThread,
+    bridged_client,
+    needs_asyncio_bridge,
+    run_asyncio,
+    wait_future,
+)
 from skyrl_structured.testing import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,3 +103,75 @@ async def test_on_asyncio_the_bridge_is_a_plain_await(anyio_backend, tokenizer):
     async with bridged_client(client) as same:
         assert same is client  # on asyncio nothing needs bridging
     assert "trio_asyncio" not in sys.modules
+
+
+# ------------------------------------------------------------------ an asyncio loop in a thread
+
+
+@pytest.mark.anyio
+async def test_a_loop_thread_runs_asyncio_code_for_asyncio_and_trio_callers(anyio_backend):
+    import asyncio
+    import threading
+
+    loop_thread = AsyncioLoopThread(name="test-loop")
+    try:
+
+        async def on_the_loop(x: int) -> tuple[int, str]:
+            await asyncio.sleep(0.01)  # asyncio-only
+            return x * 2, threading.current_thread().name
+
+        assert await wait_future(loop_thread.submit(on_the_loop(21))) == (42, "test-loop")
+        assert await wait_future(loop_thread.call(lambda: threading.current_thread().name)) == "test-loop"
+
+        async def fails() -> None:
+            raise KeyError("on the loop")
+
+        with pytest.raises(KeyError, match="on the loop"):
+            await wait_future(loop_thread.submit(fails()))
+        # Cancelling the waiter leaves the work running; the caller decides what to do about it.
+        release = asyncio.Event()
+
+        async def waits() -> str:
+            await release.wait()
+            return "released"
+
+        future = loop_thread.submit(waits())
+        with anyio.move_on_after(0.05):
+            await wait_future(future)
+        assert not future.done()
+        loop_thread.call(release.set)
+        assert await wait_future(future) == "released"
+    finally:
+        assert loop_thread.stop(10)
+    assert "trio_asyncio" not in sys.modules  # no bridge needed
+
+
+def test_stopping_a_loop_thread_cancels_what_runs_and_refuses_more():
+    import asyncio
+    import threading
+
+    loop_thread = AsyncioLoopThread()
+    cleaned = []
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(True)
+
+    future = loop_thread.submit(forever())
+    assert started.wait(10)
+    assert loop_thread.stop(10)
+    assert loop_thread.stop(10)  # idempotent
+    assert cleaned == [True]
+    assert future.cancelled()
+    assert loop_thread.loop.is_closed()
+    assert not loop_thread.running
+    coroutine = forever()
+    with pytest.raises(RuntimeError, match="was stopped"):
+        loop_thread.submit(coroutine)
+    assert coroutine.cr_frame is None  # closed unstarted: no "never awaited" warning
+    with pytest.raises(RuntimeError, match="was stopped"):
+        loop_thread.call(print)

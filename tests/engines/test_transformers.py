@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from skyrl_structured.engines import TransformersEngine
+from skyrl_structured.engines._hf_sampling import ResponseText
 
 pytestmark = pytest.mark.anyio
 
@@ -142,6 +143,96 @@ async def test_stop_token_ids_stop_generation(anyio_backend, tiny_engine, prompt
     )
     assert reason == "stop"
     assert ids == full_ids[: full_ids.index(stopper) + 1]
+
+
+async def test_a_stop_string_is_matched_in_generated_text_only(anyio_backend, tiny_engine, tokenizer):
+    # What a real vLLM (0.32, CPU) answers for this prompt and model: the prompt ends in "\n" and the
+    # first generated token is "\n", but the prompt's newline does not count towards "\n\n".
+    prompt = list(tokenizer.encode("students Tom train\n"))
+    assert prompt[-1] == 198
+    params = {"temperature": 0.0, "max_tokens": 8, "stop": ["\n\n"], "min_tokens": 0}
+    ids, text, reason, _ = await generate(tiny_engine, prompt, {**params, "include_stop_str_in_output": True})
+    assert (text, ids, reason) == ("\n\n", [198, 198], "stop")
+    ids, text, reason, _ = await generate(tiny_engine, prompt, {**params, "include_stop_str_in_output": False})
+    assert (text, ids, reason) == ("", [198, 198], "stop")
+
+
+async def test_a_stop_token_on_the_last_allowed_token_is_stop(anyio_backend, tiny_engine, prompt_ids):
+    full_ids, *_ = await generate(tiny_engine, prompt_ids, {"max_tokens": 20, "seed": 4, "min_tokens": 0})
+    # The last token that had not occurred before: as a stop token, it ends the run right there.
+    last = max(i for i, t in enumerate(full_ids) if t not in full_ids[:i])
+    sampling = {"max_tokens": last + 1, "seed": 4, "min_tokens": 0, "stop_token_ids": [full_ids[last]]}
+    ids, _, reason, _ = await generate(tiny_engine, prompt_ids, sampling)
+    assert (ids, reason) == (full_ids[: last + 1], "stop")
+
+
+async def test_out_of_vocabulary_prompt_tokens_are_refused_before_generating(anyio_backend, tiny_engine, prompt_ids):
+    with pytest.raises(ValueError, match=r"Token id 394 is out of vocabulary \(the model has 394 tokens\)"):
+        await generate(tiny_engine, [*prompt_ids, 394], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="Token id -1 is out of vocabulary"):
+        await generate(tiny_engine, [-1, *prompt_ids], {"max_tokens": 2})
+
+
+def response_text(tokenizer, prompt, tokens, **kwargs):
+    text = ResponseText(
+        tokenizer,
+        prompt,
+        stop=kwargs.pop("stop", ()),
+        stop_token_ids=kwargs.pop("stop_token_ids", (tokenizer.eos_token_id,)),
+        include_stop_str_in_output=kwargs.pop("include", False),
+        min_tokens=kwargs.pop("min_tokens", 0),
+        skip_special_tokens=kwargs.pop("skip_special_tokens", True),
+    )
+    assert not kwargs
+    text.extend(tokens)
+    return text
+
+
+def test_response_text_follows_vllms_stop_string_rules(tokenizer):
+    prompt = list(tokenizer.encode("a\n"))
+    nl = tokenizer.encode("\n")
+    ab = tokenizer.encode("ab")
+    # Within the first min_tokens tokens a stop string is not looked for; after, one that ends in
+    # the new token's text counts, even if it began earlier.
+    assert response_text(tokenizer, prompt, nl * 3, stop=["\n"], min_tokens=2).count == 3
+    found = response_text(tokenizer, prompt, nl * 3, stop=["\n\n"], min_tokens=1, include=True)
+    assert (found.text, found.count, found.stop_string) == ("\n\n", 2, "\n\n")
+    # The stop string completing earliest wins, whatever the list order; cut before it or after it.
+    tokens = list(tokenizer.encode("xxabyy"))
+    for include, expected in ((False, "xx"), (True, "xxab")):
+        found = response_text(tokenizer, prompt, tokens, stop=["by", "ab"], include=include)
+        assert (found.text, found.stop_string) == (expected, "ab")
+    assert response_text(tokenizer, prompt, ab, stop=["zz"]).stop_string is None
+
+
+def test_response_text_leaves_out_stop_tokens_and_incomplete_characters(tokenizer):
+    eos = tokenizer.eos_token_id
+    word = list(tokenizer.encode("hi"))
+    assert response_text(tokenizer, [1], [*word, eos], skip_special_tokens=False).text == "hi"
+    assert response_text(tokenizer, [1], [*word, eos], skip_special_tokens=False, include=True).text == "hi<|im_end|>"
+    # "é" is two byte tokens here: its first byte alone adds no text (decode would give "\ufffd").
+    e_acute = list(tokenizer.encode("é"))
+    assert len(e_acute) == 2
+    assert response_text(tokenizer, [1], [*word, e_acute[0]]).text == "hi"
+    assert response_text(tokenizer, [1], [*word, *e_acute]).text == "hié"
+
+
+def test_response_text_without_a_tokenizers_backend_decodes_the_same(tokenizer):
+    class SlowTokenizer:  # only decode(): the window decoder
+        eos_token_id = tokenizer.eos_token_id
+
+        def decode(self, ids, skip_special_tokens=True):
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    prompt = list(tokenizer.encode("Tom has 3 apples\n"))
+    tokens = [*tokenizer.encode("héllo wörld, the answer is #### 8 <think>"), tokenizer.eos_token_id]
+    for skip in (True, False):
+        for include in (True, False):
+            fast = response_text(tokenizer, prompt, tokens, skip_special_tokens=skip, include=include, stop=["8 <"])
+            slow = response_text(
+                SlowTokenizer(), prompt, tokens, skip_special_tokens=skip, include=include, stop=["8 <"]
+            )
+            assert (slow.text, slow.count, slow.stop_string) == (fast.text, fast.count, fast.stop_string)
 
 
 async def test_seeds(anyio_backend, tiny_model, tokenizer, prompt_ids):
@@ -287,6 +378,23 @@ async def test_cancelling_a_long_generate_stops_its_thread_before_returning(anyi
     assert scope.cancelled_caught
     assert probe.finished == 1  # the worker thread had returned before the cancellation completed
     assert probe.running == 0
+
+
+async def test_a_cancelled_call_raises_instead_of_returning_what_was_generated(anyio_backend, probe_engine, prompt_ids):
+    engine, probe = probe_engine()
+    params = {"max_tokens": 1_000_000, "min_tokens": 1_000_000}
+    returned = []
+
+    async def call() -> None:
+        returned.append(await engine.generate({"prompt_token_ids": [prompt_ids], "sampling_params": params}))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            await anyio.to_thread.run_sync(probe.entered.wait)
+            group.cancel_scope.cancel()
+    assert probe.finished == 1
+    assert returned == []  # the truncated generation is not handed to a cancelled caller
 
 
 def test_constructor_checks(tiny_model, tokenizer):

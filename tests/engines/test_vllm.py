@@ -1,19 +1,18 @@
 """VLLMEngine without vLLM: its pure request/response mapping against objects shaped like vLLM's,
-and the adapter (shielded abort on cancellation) against an asyncio-only stand-in for AsyncLLM.
-
-The adapter tests run on asyncio here; their trio counterparts (through trio-asyncio) are in
-``bridge_cases.py``, which ``test_bridge.py`` runs in a subprocess so that importing trio-asyncio
-never patches this process's asyncio.
+and the adapter (its own loop thread, abort on cancellation, shutdown) against an asyncio-only
+stand-in for AsyncLLM, on asyncio and trio. The real engine is checked in ``vllm_tests/``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import anyio
+import anyio.to_thread
 import pytest
 
-from skyrl_structured.engines import EngineResponseError, VLLMEngine
+from skyrl_structured.engines import EngineError, EngineResponseError, VLLMEngine
 from skyrl_structured.engines.sampling import SamplingSpec
 from skyrl_structured.engines.vllm import (
     chosen_token_logprobs,
@@ -113,13 +112,20 @@ def test_from_engine_args_without_vllm_names_the_extra():
         VLLMEngine.from_engine_args(model="Qwen/Qwen2.5-0.5B-Instruct")
 
 
-# ------------------------------------------------------------------ the adapter, on asyncio
+# ------------------------------------------------------------------ the adapter, on asyncio and trio
+# VLLMEngine runs the (asyncio-only) stand-in on its own loop thread, so it needs no bridge on trio.
 
-asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+async def wait_until(flag: threading.Event) -> None:
+    """Wait for a flag raised on the engine's loop thread, without blocking this event loop."""
+    assert await anyio.to_thread.run_sync(flag.wait, 30.0), "the flag was not raised within 30 s"
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "skyrl-structured-vllm"]
 
 
 @pytest.mark.anyio
-@asyncio_only
 async def test_generate_maps_requests_and_outputs(anyio_backend):
     fake = FakeAsyncLLM(reply=[11, 12, 2])
     engine = VLLMEngine(fake, sampling_params_factory=params_factory)
@@ -143,34 +149,107 @@ async def test_generate_maps_requests_and_outputs(anyio_backend):
     params = fake.calls[0][1]
     assert (params["max_tokens"], params["temperature"], params["output_kind"]) == (5, 0.0, "FINAL_ONLY")
     assert fake.abort_calls == []  # finished requests are not aborted
+    assert {loop is not None for loop in fake.loops} == {True}
+    assert len(set(fake.loops)) == 1  # one loop, the engine's own, for every request
 
 
 @pytest.mark.anyio
-@asyncio_only
-async def test_a_cancelled_request_is_aborted_in_a_shielded_scope(anyio_backend):
-    started = anyio.Event()
+async def test_chat_prompts_are_templated_with_the_tokenizer(anyio_backend, tokenizer):
+    fake = FakeAsyncLLM()
+    messages = [{"role": "user", "content": "hi"}]
+    async with VLLMEngine(fake, tokenizer=tokenizer, sampling_params_factory=params_factory) as engine:
+        await engine.generate({"prompts": [messages]})
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert fake.calls[0][0]["prompt_token_ids"] == list(expected)
+    async with VLLMEngine(FakeAsyncLLM(), sampling_params_factory=params_factory) as engine:
+        with pytest.raises(ValueError, match="no tokenizer"):
+            await engine.generate({"prompts": [messages]})
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_request_is_cancelled_and_aborted_on_the_engine_loop(anyio_backend):
+    started = threading.Event()
+    fake = FakeAsyncLLM(hang=True, on_start=lambda request_id: started.set())
+    async with VLLMEngine(fake, sampling_params_factory=params_factory) as engine:
+        with anyio.fail_after(30):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(engine.generate, {"prompt_token_ids": [[1]]})
+                    await wait_until(started)
+                    scope.cancel()
+            assert scope.cancelled_caught
+            request_id = fake.started[0]
+            # By the time the cancelled call has returned, vLLM's own abort (in its cancellation
+            # handler, not interrupted on the engine's loop) and the adapter's have both completed.
+            assert fake.abort_calls.count(request_id) == 2
+            assert fake.aborted.count(request_id) == 2
+            assert await engine.num_unfinished_requests() == 0
+
+
+@pytest.mark.anyio
+async def test_an_error_on_the_engine_loop_reaches_the_caller(anyio_backend):
+    fake = FakeAsyncLLM(fail=ValueError("max_tokens must be at least 1, got 0."))
+    async with VLLMEngine(fake, sampling_params_factory=params_factory) as engine:
+        with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+            await engine.generate({"prompt_token_ids": [[1]]})
+    assert fake.abort_calls == []
+
+
+@pytest.mark.anyio
+async def test_owned_engine_is_shut_down_on_close_and_the_loop_thread_ends(anyio_backend):
+    before = engine_threads()
+    fake = FakeAsyncLLM()
+    async with VLLMEngine(fake, owns_engine=True, sampling_params_factory=params_factory) as engine:
+        await engine.generate({"prompt_token_ids": [[1]]})
+        assert len(engine_threads()) == len(before) + 1
+    assert fake.shutdown_threads == ["skyrl-structured-vllm"]  # shut down on its own loop
+    async with VLLMEngine(fake, sampling_params_factory=params_factory) as engine:
+        await engine.generate({"prompt_token_ids": [[1]]})
+    assert fake.shutdowns == 1  # an engine it does not own is left running
+    assert engine_threads() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        await engine.generate({"prompt_token_ids": [[1]]})
+    await engine.aclose()  # idempotent
+
+
+def test_one_engine_serves_asyncio_and_trio_runs_in_turn():
+    fake = FakeAsyncLLM()
+    engine = VLLMEngine(fake, sampling_params_factory=params_factory)
+    try:
+        for backend in ("asyncio", "trio", "asyncio"):
+            out = anyio.run(engine.generate, {"prompt_token_ids": [[1]]}, backend=backend)
+            assert out["response_ids"] == [[11, 12, 2]]
+    finally:
+        engine.close()
+    assert len(set(fake.loops)) == 1
+    assert not engine_threads()
+
+
+def test_an_engine_already_bound_to_a_loop_is_refused():
+    class Bound(FakeAsyncLLM):
+        output_handler = object()  # AsyncLLM built inside async code starts this task on that loop
+
+    with pytest.raises(ValueError, match="already runs on an event loop"):
+        VLLMEngine(Bound())
+
+
+def test_a_loop_stopped_under_a_request_is_an_engine_error():
+    started = threading.Event()
     fake = FakeAsyncLLM(hang=True, on_start=lambda request_id: started.set())
     engine = VLLMEngine(fake, sampling_params_factory=params_factory)
-    with anyio.fail_after(30):
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as group:
-                group.start_soon(engine.generate, {"prompt_token_ids": [[1]]})
-                await started.wait()
-                scope.cancel()
-    assert scope.cancelled_caught
-    request_id = fake.started[0]
-    # vLLM's own abort (in its cancellation handler) may be cut short by anyio's repeated
-    # cancellation; the adapter's shielded abort always completes.
-    assert fake.abort_calls.count(request_id) == 2  # the stand-in's own attempt, then the adapter's
-    assert request_id in fake.aborted
 
+    async def main():
+        async with anyio.create_task_group() as group:
 
-@pytest.mark.anyio
-@asyncio_only
-async def test_owned_engine_is_shut_down_on_close(anyio_backend):
-    fake = FakeAsyncLLM()
-    async with VLLMEngine(fake, owns_engine=True, sampling_params_factory=params_factory):
-        pass
-    async with VLLMEngine(fake, sampling_params_factory=params_factory):
-        pass
-    assert fake.shutdowns == 1
+            async def close_when_started():
+                await wait_until(started)
+                await anyio.to_thread.run_sync(engine._loop().stop)
+
+            group.start_soon(close_when_started)
+            with pytest.raises(EngineError, match="shutting down"):
+                await engine.generate({"prompt_token_ids": [[1]]})
+
+    try:
+        anyio.run(main)
+    finally:
+        engine.close()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured import GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
 
 
-def generator(tokenizer, engine, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
+def generator(tokenizer: Any, engine: Any, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
     cfg.setdefault("max_turns", 2)
     return StructuredGymGenerator(GeneratorConfig(**cfg), SkyRLGymConfig(max_env_workers=workers), engine, tokenizer)
 
 
-def batch(env_class: str, n: int, **extras: Any) -> dict[str, Any]:
+def batch(env_class: str, n: int, **extras: Any) -> GeneratorInput:
     """``n`` rollouts of ``env_class``; every rollout gets ``extras`` plus a gsm8k reward spec."""
     return {
         "prompts": [[{"role": "user", "content": f"Tom has 3 apples and buys 5 more ({i})?"}] for i in range(n)],

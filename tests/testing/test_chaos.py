@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -57,7 +58,7 @@ def test_decisions_are_a_pure_function_of_seed_stage_and_call():
     assert narrow.decide("init", 1) is None  # other stages are never disturbed
 
 
-def _knobs(policy: ChaosPolicy) -> dict:
+def _knobs(policy: ChaosPolicy) -> dict[str, Any]:
     return {
         "failure_rate": policy.failure_rate,
         "hang_rate": policy.hang_rate,
@@ -152,7 +153,8 @@ async def test_chaos_engine_forwards_everything_else(tokenizer, anyio_backend):
 def _seed_with_some(kind: str, rate_key: str, calls: int) -> int:
     """A seed whose first ``calls`` decisions at ``generate`` include ``kind``, but not only."""
     for seed in range(100):
-        policy = ChaosPolicy(**{rate_key: 0.5}, stage="generate", seed=seed)
+        rate: dict[str, Any] = {rate_key: 0.5}
+        policy = ChaosPolicy(**rate, stage="generate", seed=seed)
         hits = [policy.decide("generate", n) == kind for n in range(1, calls + 1)]
         if 0 < sum(hits) < calls:
             return seed
@@ -169,11 +171,13 @@ async def test_async_hang_is_contained_by_the_rollout_deadline(tokenizer, anyio_
     ledger = EnvLedger()
     # One turn per rollout, so each rollout makes exactly one generate call.
     out = await gen.generate(batch(SCRIPTED_ENV, 4, ledger=ledger), disable_tqdm=True)
+    assert out["stop_reasons"] is not None
     assert out["stop_reasons"].count(ROLLOUT_ERROR_STOP_REASON) == expected_hangs
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/num_timed_out_rollouts"] == expected_hangs
     assert [e.kind for e in policy.events] == ["hang"] * expected_hangs
     ledger.assert_all_closed_once()
-    assert sorted(scripted.finished_sessions) == ["t0_0", "t1_0", "t2_0", "t3_0"]
+    assert sorted(scripted.finished_sessions, key=str) == ["t0_0", "t1_0", "t2_0", "t3_0"]
 
 
 @pytest.mark.anyio
@@ -187,6 +191,7 @@ async def test_same_seed_gives_the_same_number_of_failures(tokenizer, anyio_back
         out = await generator(tokenizer, engine, skip_failed_rollouts=True).generate(
             batch(SCRIPTED_ENV, 6), disable_tqdm=True
         )
+        assert out["rollout_metrics"] is not None
         assert out["rollout_metrics"]["generate/failures/ChaosError"] == expected
         assert [e.call for e in policy.events] == [n for n in range(1, 7) if policy.decide("generate", n)]
 
@@ -198,8 +203,9 @@ async def test_hung_finish_session_is_bounded_by_the_cleanup_timeout(tokenizer, 
     gen = generator(tokenizer, engine, env_cleanup_timeout_s=0.1)
     out = await gen.generate(batch(SCRIPTED_ENV, 2), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", "stop"]
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/finish_session_timeouts"] == 2
-    assert sorted(scripted.finished_sessions) == ["t0_0", "t1_0"]  # finished before the hang
+    assert sorted(scripted.finished_sessions, key=str) == ["t0_0", "t1_0"]  # finished before the hang
 
 
 @pytest.mark.anyio
@@ -229,6 +235,7 @@ async def test_chaos_env_close_fault_lands_after_the_real_close(tokenizer, anyio
     gen = generator(tokenizer, ScriptedEngine.from_replies(tokenizer, "#### 8"))
     out = await gen.generate(batch(env_id, 3, ledger=ledger), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop"] * 3  # a failing close never costs a finished trajectory
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/env_close_errors"] == 3
     ledger.assert_all_closed_once()  # the inner environments really were closed
     assert [e.stage for e in policy.events] == ["close"] * 3
@@ -242,6 +249,7 @@ async def test_slow_calls_sleep_then_run_normally(tokenizer, anyio_backend):
     plain = await gen.generate(batch(SCRIPTED_ENV, 2), disable_tqdm=True)
     for key in ("response_ids", "loss_masks", "rewards", "stop_reasons"):
         assert slow[key] == plain[key]
+    assert slow["trajectory_time_splits"] is not None
     assert all(t >= 0.05 for t in slow["trajectory_time_splits"]["env"])
 
 

@@ -190,7 +190,7 @@ class ThreadLeakingEnv(BaseTextEnv):
 
 def test_check_reports_a_thread_left_running_by_close():
     env_class = _register("tests_check_thread_leak", ThreadLeakingEnv)
-    narrow = {"max_env_workers": (2,), "stages": ("step",), "leak_grace_s": 0.1}
+    narrow: dict[str, Any] = {"max_env_workers": (2,), "stages": ("step",), "leak_grace_s": 0.1}
     report = check_structured_concurrency(env_class, raise_on_failure=False, **narrow)
     assert not report.ok
     assert len(report.failures) == len(report.cases)  # every case leaks: the bug is in every rollout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from skyrl_structured import InferenceEngineInput
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine, replies_by_turn
 
 
@@ -28,7 +29,7 @@ def test_replies_are_required():
 @pytest.mark.anyio
 async def test_from_replies_builds_a_scripted_engine(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "#### 7", "#### 8", logprobs=False)
-    request = {"prompt_token_ids": [[1], [2]], "session_ids": ["a", "a"], "sampling_params": None}
+    request: InferenceEngineInput = {"prompt_token_ids": [[1], [2]], "session_ids": ["a", "a"], "sampling_params": None}
     out = await engine.generate(request)
     assert out["responses"] == ["#### 7", "#### 8"]
     assert out["response_ids"][1] == [*tokenizer.encode("#### 8", add_special_tokens=False), tokenizer.eos_token_id]

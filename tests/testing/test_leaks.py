@@ -213,6 +213,7 @@ async def test_abandoned_close_shows_as_a_running_env_call_and_a_busy_worker(tok
     try:
         gen = generator(tokenizer, engine, workers=2, env_cleanup_timeout_s=0.1)
         out = await gen.generate(batch(env_id, 2), disable_tqdm=True)
+        assert out["rollout_metrics"] is not None
         assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] == 2
         leaks = await tracker.leaks_async(grace_s=0.05)
         assert leaks[0] == "2 environment calls are still running in worker threads"

@@ -71,6 +71,7 @@ async def test_sync_env_stages_in_order(tokenizer, anyio_backend):
     env_id = register_wrapper_env(SCRIPTED_ENV, hooks=[hook], ledgers=[ledger])
     script = [{"observation": "more", "reward": 0.0}, {"reward": 1.0, "done": True}]
     b = batch(env_id, 1, script=script)
+    assert b["env_extras"] is not None
     b["env_extras"][0][TAG_KEY] = "r0"
     gen = generator(tokenizer, ScriptedEngine.from_replies(tokenizer, "a", "#### 8"), workers=2)
     out = await gen.generate(b, disable_tqdm=True)
@@ -137,6 +138,7 @@ async def test_async_env_is_wrapped_as_an_async_env(tokenizer, anyio_backend):
     assert is_async_env(skyrl_gym.make(env_id, extras={}))
     AsyncEnv.closed = []
     b = batch(env_id, 2, name="a")
+    assert b["env_extras"] is not None
     for i, extras in enumerate(b["env_extras"]):
         extras[TAG_KEY] = i
     gen = generator(tokenizer, ScriptedEngine.from_replies(tokenizer, "#### 8"))
@@ -171,4 +173,5 @@ async def test_environment_metrics_are_aggregated_by_the_inner_class(tokenizer, 
     gen = generator(tokenizer, ScriptedEngine.from_replies(tokenizer, "#### 7", "#### 8"), max_turns=3)
     out = await gen.generate(batch(env_id, 2), disable_tqdm=True)
     # GSM8kMultiTurnEnv.aggregate_metrics names its average "avg_steps": reached through the wrapper.
+    assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["environment/avg_steps"] == 2.0

@@ -1,0 +1,322 @@
+"""Real vLLM servers for the lane: :class:`VLLMServer` runs ``python -m
+vllm.entrypoints.openai.api_server`` in its own process group; :func:`build_model_dir` writes the
+tiny model it serves. Used by ``conftest.py``; tests import the helpers from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: The name every test server serves the tiny model under.
+SERVED_MODEL = "tiny"
+#: The seed of the tiny model's random weights.
+MODEL_SEED = 0
+#: Their standard deviation: at 0.2 (not the default 0.02, whose greedy output repeats one token)
+#: greedy decoding varies from token to token and often ends with EOS, so that comparing engines
+#: token for token means something; top-1/top-2 logit gaps stay far above float32 noise.
+MODEL_INIT_STD = 0.2
+MAX_MODEL_LEN = 512
+STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "300"))
+MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
+OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    """``GET url`` -> (status, body); a connection failure raises ``OSError``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status), response.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def parse_metric(text: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of ``name`` in Prometheus text whose labels include ``labels``; None if absent.
+
+    ``parse_metric(text, "vllm:request_success_total", finished_reason="abort")``.
+    """
+    values = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric != name:
+            continue
+        present = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', label_text))
+        if all(present.get(key) == want for key, want in labels.items()):
+            values.append(float(value))
+    return sum(values) if values else None
+
+
+class VLLMServer:
+    """One real vLLM OpenAI-compatible server process serving ``model_dir`` as ``model``.
+
+    Attributes:
+        url: ``"http://127.0.0.1:PORT"`` (no ``/v1``).
+        model: the served model name.
+        model_dir: the directory served.
+        log_path: the server's stdout and stderr.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, *, model: str = SERVED_MODEL, port: int | None = None) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.model = model
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        #: Seconds from launch to serving (warm-up request included), once it served.
+        self.startup_s: float | None = None
+        self._launched_at = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            # Sampling defaults come from the request alone, not from generation_config.json.
+            "--generation-config",
+            "vllm",
+            # One INFO line per request received ("Received request ...") and aborted ("Aborted
+            # request(s) ..."): what the cancellation and routing tests read in the log.
+            "--enable-log-requests",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the tiny model needs a few MiB
+            OMP_NUM_THREADS=OMP_THREADS,
+            VLLM_CPU_OMP_THREADS_BIND="nobind",  # don't pin cores that other processes share
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Start the server and wait until it serves the model (:meth:`launch`, then :meth:`wait_ready`).
+
+        Raises:
+            RuntimeError: the port is taken, the server exited, or it was not ready within
+                ``timeout_s``; the message carries the tail of its log.
+        """
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the server process without waiting for it (a no-op if it runs).
+
+        Raises:
+            RuntimeError: something already listens on the port.
+        """
+        if self.alive():
+            return
+        if port_in_use(self.port):
+            raise RuntimeError(
+                f"port {self.port} is already in use; refusing to test against whatever answers there ({self.url})"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._launched_at = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # its own process group: the engine core dies with it
+            )
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until the launched server serves the model, then send it one warm-up request.
+
+        Raises:
+            RuntimeError: the server exited or was not ready within ``timeout_s`` of its launch
+                (it is stopped); the message carries the tail of its log.
+        """
+        if self.startup_s is not None and self.alive():
+            return
+        deadline = self._launched_at + timeout_s
+        try:
+            self._wait_ready(deadline)
+            # The first request pays a one-off warm-up (a few seconds on a small CPU): pay it here,
+            # so that tests time only their own requests.
+            self.complete([1, 2, 3], max_tokens=1, timeout=max(30.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - self._launched_at
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server on port {self.port} exited with status {self.process.returncode} "
+                    f"before it was ready; log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.serves_model():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM server on port {self.port} not ready after {STARTUP_TIMEOUT_S:g}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def serves_model(self) -> bool:
+        """Whether ``/health`` answers 200 and ``/v1/models`` lists :attr:`model`."""
+        try:
+            health, _ = http_get(f"{self.url}/health", timeout=5.0)
+            if health != 200:
+                return False
+            status, body = http_get(f"{self.url}/v1/models", timeout=5.0)
+        except OSError:
+            return False
+        if status != 200:
+            return False
+        return self.model in {m.get("id") for m in json.loads(body).get("data", [])}
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the server's whole process group (API server and engine core)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Terminate the process group, then kill it if it lingers; wait for the server to exit."""
+        if self.process is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.process.wait(30)
+        # Children that outlived their parent (same group) go too.
+        self.kill(signal.SIGKILL)
+
+    def restart(self) -> None:
+        """Start the server again on the same port (after :meth:`kill` or :meth:`stop`)."""
+        if self.process is not None:
+            self.stop()
+        self.startup_s = None
+        deadline = time.monotonic() + 30
+        while port_in_use(self.port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.start()
+
+    # ------------------------------------------------------------------ introspection
+
+    def complete(self, prompt: list[int], timeout: float = 120.0, **params: object) -> dict[str, object]:
+        """``POST /v1/completions`` for token ids ``prompt`` -> the JSON answer (raises on a non-2xx status)."""
+        body = json.dumps({"model": self.model, "prompt": prompt, **params}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer: dict[str, object] = json.loads(response.read())
+        return answer
+
+    def metrics_text(self) -> str:
+        """The text of ``GET /metrics`` (Prometheus format)."""
+        status, body = http_get(f"{self.url}/metrics")
+        if status != 200:
+            raise RuntimeError(f"{self.url}/metrics answered HTTP {status}")
+        return body.decode()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The sum of metric ``name`` over the label sets matching ``labels``, None if absent.
+
+        E.g. ``metric("vllm:num_requests_running")``, ``metric("vllm:request_success_total",
+        finished_reason="abort")``.
+        """
+        return parse_metric(self.metrics_text(), name, **labels)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def aborted_requests(self, since: int = 0) -> list[str]:
+        """The ids of the requests the server logged as aborted after character ``since`` of its log."""
+        ids: list[str] = []
+        for line in self.log_text()[since:].splitlines():
+            _, found, rest = line.partition("Aborted request(s) ")
+            if found:
+                ids.extend(i for i in rest.strip().rstrip(".").split(",") if i)
+        return ids
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.url}, model={self.model!r}, alive={self.alive()})"
+
+
+def build_model_dir(path: Path, *, seed: int = MODEL_SEED, init_std: float = MODEL_INIT_STD) -> Path:
+    """Save the tiny tokenizer (with its chat template) and a seeded tiny Llama, in float32, to ``path``."""
+    import torch
+
+    from skyrl_structured.tiny import build_chatml_tokenizer, build_tiny_model
+
+    tokenizer = build_chatml_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, init_std=init_std).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
