@@ -228,8 +228,13 @@ def test_ctrl_c_during_a_threaded_step_raises_keyboard_interrupt_after_cleanup(t
     engine = ScriptedEngine(tokenizer, turn_replies("a #### 7", "b #### 8"))
     gen = make_generator(tokenizer, engine, workers=2)
     batch = make_batch(3, ledger, extras={1: {"on_step": on_step}})
-    with pytest.raises(KeyboardInterrupt):
-        anyio.run(lambda: gen.generate(batch, disable_tqdm=True), backend=backend)
+    # Python's own Ctrl-C handler, whatever the runner inherited (a shell's background job ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            anyio.run(lambda: gen.generate(batch, disable_tqdm=True), backend=backend)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     ledger.assert_all_closed_once()
     assert len(engine.finished_sessions) == len(set(engine.finished_sessions)) == 3
     assert active_env_thread_calls() == 0
@@ -310,10 +315,10 @@ async def test_env_whose_cleanup_was_abandoned_is_closed_when_its_stuck_step_ret
     release = threading.Event()
 
     def on_step(turn: int) -> None:
-        release.wait(10)
+        release.wait(30)
 
     gen = make_generator(
-        tokenizer, workers=2, skip_failed_rollouts=True, rollout_timeout_s=0.1, env_cleanup_timeout_s=0.2
+        tokenizer, workers=2, skip_failed_rollouts=True, rollout_timeout_s=3, env_cleanup_timeout_s=0.2
     )
     out = await gen.generate(make_batch(2, ledger, extras={1: {"on_step": on_step}}), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", "rollout_error"]

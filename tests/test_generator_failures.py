@@ -158,7 +158,7 @@ async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_
         return replies(call)
 
     engine = ScriptedEngine(tokenizer, handler)
-    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True, rollout_timeout_s=0.2)
+    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True, rollout_timeout_s=3)
     out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", ROLLOUT_ERROR_STOP_REASON]
     metrics = out["rollout_metrics"]
@@ -168,8 +168,8 @@ async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_
     ledger.assert_all_closed_once()
     assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1"]
 
-    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler), rollout_timeout_s=0.2)
-    with pytest.raises(TimeoutError, match=r"rollout 1 \(q0_1\) exceeded generator.rollout_timeout_s=0.2s"):
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler), rollout_timeout_s=3)
+    with pytest.raises(TimeoutError, match=r"rollout 1 \(q0_1\) exceeded generator.rollout_timeout_s=3s"):
         await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
 
 

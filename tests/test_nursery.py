@@ -298,17 +298,30 @@ async def test_sync_close_of_an_async_env_runs_in_a_thread_and_is_bounded(tokeni
     ledger.assert_all_closed_once()
 
 
-async def test_close_queued_behind_a_hung_close_still_runs(tokenizer, anyio_backend):
+async def test_close_queued_behind_a_hung_call_still_runs(tokenizer, anyio_backend):
+    # One worker thread, held by rollout 0's hung step. generate() is cancelled: every other
+    # rollout's close is queued behind that step when its cleanup deadline passes. Each queued close
+    # must still run, once, when the thread frees (before, the queued ones were dropped).
     ledger = EnvLedger()
     release = threading.Event()
-    safety = _release_later(release, 20)
+    safety = _release_later(release, 30)
+    held = threading.Event()
+
+    def hang(turn: int) -> None:
+        held.set()
+        release.wait()
+
     gen = make_generator(tokenizer, _engine(tokenizer), workers=1, env_cleanup_timeout_s=0.2)
-    batch = make_batch(6, ledger, extras={0: {"on_close": release.wait}})
-    out = await gen.generate(batch, disable_tqdm=True)
-    # With one worker thread held by the hung close, the others' closes could not start in time.
-    assert out["rollout_metrics"] is not None
-    assert out["rollout_metrics"]["generate/env_cleanup_timeouts"] >= 1
-    assert not release.is_set()
+    batch = make_batch(6, ledger, extras={0: {"on_step": hang}})
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen.generate, batch, True)
+            await anyio.to_thread.run_sync(held.wait)
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert not release.is_set(), "the cancellation waited for the hung step instead of abandoning it"
+    assert ledger.opened == 6
+    assert ledger.closed < 6  # the thread is still held: the queued closes have not run yet
     release.set()
     safety.cancel()
     await _drain_threads(ledger)

@@ -167,7 +167,7 @@ async def test_async_hang_is_contained_by_the_rollout_deadline(tokenizer, anyio_
     policy = ChaosPolicy(hang_rate=0.5, stage="generate", seed=seed)
     expected_hangs = sum(policy.decide("generate", n) == "hang" for n in range(1, 5))
     scripted = ScriptedEngine.from_replies(tokenizer, "#### 8")
-    gen = generator(tokenizer, ChaosEngine(scripted, policy), skip_failed_rollouts=True, rollout_timeout_s=0.2)
+    gen = generator(tokenizer, ChaosEngine(scripted, policy), skip_failed_rollouts=True, rollout_timeout_s=3)
     ledger = EnvLedger()
     # One turn per rollout, so each rollout makes exactly one generate call.
     out = await gen.generate(batch(SCRIPTED_ENV, 4, ledger=ledger), disable_tqdm=True)
