@@ -2,7 +2,7 @@
 """Write docs/configuration.md from the config dataclasses' ``help`` texts (``--check``: fail if stale).
 
 Run it after changing a field, a default or a help text in ``skyrl_structured/config.py`` or the
-command's sections (``skyrl_structured/_cli_schema.py``); tests/test_cli_docs.py fails until you do.
+command's sections (``skyrl_structured/_cli/schema.py``); tests/test_cli_docs.py fails until you do.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from skyrl_structured._cli_help import reference_markdown
+from skyrl_structured._cli.help import reference_markdown
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

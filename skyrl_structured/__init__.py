@@ -7,6 +7,7 @@ cancellation on asyncio and trio.
 
 from ._episode import PromptTooLongError as PromptTooLongError
 from ._replies import MalformedEngineReplyError as MalformedEngineReplyError
+from ._supervisor import RolloutCancelledError as RolloutCancelledError
 from .config import ChatTemplateConfig as ChatTemplateConfig
 from .config import GeneratorConfig as GeneratorConfig
 from .config import InferenceEngineConfig as InferenceEngineConfig
@@ -17,7 +18,6 @@ from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
 from .failures import FailedRollout as FailedRollout
 from .generator import StructuredGymGenerator as StructuredGymGenerator
-from .nursery import RolloutCancelledError as RolloutCancelledError
 from .observe import RolloutObserver as RolloutObserver
 from .observe import RolloutRef as RolloutRef
 from .types import ROLLOUT_ERROR_STOP_REASON as ROLLOUT_ERROR_STOP_REASON

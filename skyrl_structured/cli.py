@@ -22,14 +22,14 @@ from typing import Any
 import anyio
 import yaml
 
-from ._cli_config import ConfigError, check_config, load_config
-from ._cli_data import build_batch, load_dataset
-from ._cli_engine import EngineSetup, chaos_policy, wrap_env_classes
-from ._cli_help import keys_help
-from ._cli_report import format_summary, jsonable, summarize, write_outputs
-from ._cli_run import RunResult, run_step
-from ._cli_schema import RolloutConfig
-from .nursery import describe_error
+from ._cli.config import ConfigError, check_config, load_config
+from ._cli.data import build_batch, load_dataset
+from ._cli.engine import EngineSetup, chaos_policy, wrap_env_classes
+from ._cli.help import keys_help
+from ._cli.report import format_summary, jsonable, summarize, write_outputs
+from ._cli.run import RunResult, run_step
+from ._cli.schema import RolloutConfig
+from ._supervisor import describe_error
 from .types import GeneratorInput
 
 __all__ = ["main"]

@@ -6,7 +6,7 @@ rollout a child scope that contains its own failures (``skip_failed_rollouts``),
 environment and finishes its inference session on every path, and lets cancellation through.
 
 This module is the facade SkyRL sees. The layers below it, each owning one concern:
-:mod:`~skyrl_structured.nursery` (the task group, retries, deadlines, bounds),
+:mod:`~skyrl_structured._supervisor` (the task group, retries, deadlines, bounds),
 :mod:`~skyrl_structured._episode` (one rollout's turns), :mod:`~skyrl_structured.envs`
 (environments and their cleanup) and :mod:`~skyrl_structured._collector` (results to output).
 """
@@ -25,10 +25,10 @@ from ._collector import collect
 from ._env_threads import EnvThreadPool
 from ._episode import Episode
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict
+from ._supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
 from .envs import EnvCallRunner, env_config_for, open_env, shielded_cleanup
-from .nursery import run_rollouts
 from .observe import CleanupOutcome, Observers, RolloutObserver
 from .progress import Progress
 from .tokens import ChatTokenizer, load_custom_chat_template

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from skyrl_structured import GeneratorConfig, SamplingParams
-from skyrl_structured._cli_config import ConfigError, check_config, load_config
-from skyrl_structured._cli_engine import chaos_policy
-from skyrl_structured._cli_help import keys_help
-from skyrl_structured._cli_schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, CLI_PRESET, SECTIONS, key_specs
+from skyrl_structured._cli.config import ConfigError, check_config, load_config
+from skyrl_structured._cli.engine import chaos_policy
+from skyrl_structured._cli.help import keys_help
+from skyrl_structured._cli.schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, CLI_PRESET, SECTIONS, key_specs
 from skyrl_structured.cli import main
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from skyrl_structured._cli_help import reference_markdown
-from skyrl_structured._cli_schema import key_specs
+from skyrl_structured._cli.help import reference_markdown
+from skyrl_structured._cli.schema import key_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,10 +14,10 @@ from skyrl_structured import (
     StructuredGymGenerator,
     validate_generator_output,
 )
-from skyrl_structured._cli_config import load_config
-from skyrl_structured._cli_data import build_batch, load_dataset
-from skyrl_structured._cli_report import format_summary, summarize, write_outputs
-from skyrl_structured._cli_run import RunResult, Tally
+from skyrl_structured._cli.config import load_config
+from skyrl_structured._cli.data import build_batch, load_dataset
+from skyrl_structured._cli.report import format_summary, summarize, write_outputs
+from skyrl_structured._cli.run import RunResult, Tally
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 

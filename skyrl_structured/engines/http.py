@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Mapping, Sequence
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from anyio.lowlevel import RunVar
 
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._resource import AsyncResource
 from .completions import Completion, completion_request, error_message, parse_completion, session_header
 from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 from .routing import StickyRouter
@@ -43,7 +43,7 @@ def _normalise_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-class HTTPEngine:
+class HTTPEngine(AsyncResource):
     """An inference client for vLLM servers.
 
     Args:
@@ -122,14 +122,9 @@ class HTTPEngine:
             self._client.set(client)
         return client
 
-    async def __aenter__(self) -> HTTPEngine:
+    async def __aenter__(self) -> Self:
         self._get_client()
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close this event loop's connection pool (a later call opens a new one)."""

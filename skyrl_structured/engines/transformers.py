@@ -27,7 +27,6 @@ import random
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -38,6 +37,7 @@ from anyio.lowlevel import RunVar
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._resource import AsyncResource
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
 __all__ = ["TransformersEngine"]
@@ -55,7 +55,7 @@ class _Generated:
     logprobs: list[float]
 
 
-class TransformersEngine:
+class TransformersEngine(AsyncResource):
     """An inference client running a Hugging Face causal LM in worker threads.
 
     Args:
@@ -159,14 +159,6 @@ class TransformersEngine:
         return cls(build_tiny_model(tokenizer, seed=seed), tokenizer, default_sampling_params=default_sampling_params)
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> TransformersEngine:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Nothing to release: the model stays loaded (no request runs once its caller returned)."""

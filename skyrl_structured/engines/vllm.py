@@ -27,7 +27,6 @@ import threading
 import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import aclosing
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -36,6 +35,7 @@ import anyio.to_thread
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._resource import AsyncResource
 from .bridge import AsyncioLoopThread, wait_future
 from .completions import Completion
 from .errors import EngineError, EngineResponseError
@@ -143,7 +143,7 @@ def _vllm_sampling_params(kwargs: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------- the engine
 
 
-class VLLMEngine:
+class VLLMEngine(AsyncResource):
     """An inference client over an in-process vLLM ``AsyncLLM``, on asyncio and trio alike.
 
     Args:
@@ -249,14 +249,6 @@ class VLLMEngine:
             if self._loop_thread is None:
                 self._loop_thread = AsyncioLoopThread(name="skyrl-structured-vllm")
             return self._loop_thread
-
-    async def __aenter__(self) -> VLLMEngine:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Shut vLLM down if this engine started it, stop its event loop and join the loop's thread."""

@@ -14,8 +14,8 @@ from typing import Any
 import anyio
 
 from .._replies import MalformedEngineReplyError
+from .._supervisor import RolloutCancelledError
 from ..generator import StructuredGymGenerator
-from ..nursery import RolloutCancelledError
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
 from ._matrix import (

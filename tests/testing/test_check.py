@@ -20,7 +20,7 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import StructuredGymGenerator, _episode, envs, nursery
+from skyrl_structured import StructuredGymGenerator, _episode, _supervisor, envs
 from skyrl_structured._env_threads import EnvCall
 from skyrl_structured.envs import SyncEnvAdapter
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
@@ -389,8 +389,8 @@ def test_check_catches_a_swallowed_cancellation():
 
 def test_check_catches_an_interrupt_its_rollout_does_not_hold(monkeypatch):
     # BUG (the old behaviour): the interrupt leaves its rollout at once and is never unwrapped.
-    monkeypatch.setattr(nursery, "_interrupt_in", lambda exc: None)
-    monkeypatch.setattr(nursery, "_raise_interrupt", lambda group: None)
+    monkeypatch.setattr(_supervisor, "_interrupt_in", lambda exc: None)
+    monkeypatch.setattr(_supervisor, "_raise_interrupt", lambda group: None)
     with warnings.catch_warnings():
         # asyncio's loop dies with rollouts never started ("coroutine ... was never awaited").
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -418,7 +418,7 @@ def test_check_catches_a_client_cancellation_let_through(monkeypatch):
     def old_rule(exc, where):
         return exc if isinstance(exc, Exception) else None  # BUG: every CancelledError propagates
 
-    monkeypatch.setattr(nursery, "_as_rollout_error", old_rule)
+    monkeypatch.setattr(_supervisor, "_as_rollout_error", old_rule)
     report = check_structured_concurrency(
         SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2, 0), matrices=("self_cancel",)
     )

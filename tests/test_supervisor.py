@@ -1,4 +1,4 @@
-"""The nursery under attack: interrupts, self-raised cancellation, GeneratorExit, abandoned cleanups, bounds.
+"""The supervisor under attack: interrupts, self-raised cancellation, GeneratorExit, abandoned cleanups, bounds.
 
 Each case is a way real systems break a batch (an env that calls ``sys.exit`` in its worker thread, a
 client that raises ``CancelledError`` itself, a close that hangs); every one runs on asyncio and trio.
@@ -448,8 +448,8 @@ def _batch_context() -> Any:
 
 
 async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):
+    from skyrl_structured._supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
-    from skyrl_structured.nursery import run_rollouts
 
     attempts: dict[int, int] = {}
 
@@ -473,8 +473,8 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
 
 
 async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling_siblings(anyio_backend):
+    from skyrl_structured._supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
-    from skyrl_structured.nursery import run_rollouts
 
     cancelled: list[int] = []
 

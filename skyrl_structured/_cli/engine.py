@@ -12,8 +12,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from ._cli_config import ConfigError
-from ._cli_schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, RolloutConfig
+from .config import ConfigError
+from .schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, RolloutConfig
 
 __all__ = ["EngineSetup", "chaos_active", "chaos_policy", "load_engine", "wrap_env_classes"]
 
@@ -100,10 +100,10 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
     # What the engine uses when a request carries no sampling params (SkyRL's trainer sends none).
     defaults = dataclasses.asdict(cfg.generator.sampling_params)
     if e.kind == "transformers":
-        from .engines import TransformersEngine
+        from ..engines import TransformersEngine
 
         if e.model is None:
-            from .tiny import build_chatml_tokenizer, build_tiny_model
+            from ..tiny import build_chatml_tokenizer, build_tiny_model
 
             # As TransformersEngine.tiny(), with run.seed seeding the sampling as well as the weights.
             tokenizer = build_chatml_tokenizer()
@@ -120,7 +120,7 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
             )
             setup = EngineSetup(engine, engine.tokenizer, f"transformers, {e.model}")
     elif e.kind == "http":
-        from .engines import HTTPEngine
+        from ..engines import HTTPEngine
 
         assert e.model is not None  # checked by check_config
         tokenizer = _auto_tokenizer(e.tokenizer or e.model)
@@ -129,7 +129,7 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
         )
         setup = EngineSetup(engine, tokenizer, f"http, {e.model} at {', '.join(e.base_urls)}")
     else:
-        from .engines import VLLMEngine
+        from ..engines import VLLMEngine
 
         assert e.model is not None
         tokenizer = _auto_tokenizer(e.tokenizer or e.model)

@@ -19,9 +19,9 @@ from typing import Any
 
 import skyrl_gym
 
-from ._cli_config import ConfigError
-from .config import SamplingParams
-from .types import BatchMetadata, GeneratorInput, TrajectoryID
+from ..config import SamplingParams
+from ..types import BatchMetadata, GeneratorInput, TrajectoryID
+from .config import ConfigError
 
 __all__ = ["EMBEDDED_DATASET", "Dataset", "build_batch", "engine_sampling_params", "load_dataset"]
 

@@ -1,6 +1,6 @@
 """Every configuration key with its default and meaning: for ``--help`` and for the docs' reference.
 
-Both are rendered from :func:`skyrl_structured._cli_schema.key_specs`, that is from the config
+Both are rendered from :func:`skyrl_structured._cli.schema.key_specs`, that is from the config
 dataclasses' ``help`` metadata, so they list exactly the keys the command accepts.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from ._cli_config import format_value
-from ._cli_schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs
+from .config import format_value
+from .schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs
 
 __all__ = ["keys_help", "reference_markdown"]
 

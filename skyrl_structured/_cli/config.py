@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from ._cli_schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs, strip_optional
-from .config import resolve_resilience
-from .tokens import load_custom_chat_template
-from .validate import check_generator_config
+from ..config import resolve_resilience
+from ..tokens import load_custom_chat_template
+from ..validate import check_generator_config
+from .schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs, strip_optional
 
 __all__ = ["ConfigError", "check_config", "format_value", "load_config", "parse_value"]
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .config import FAILED_ROLLOUT_POLICIES, GeneratorConfig, SkyRLGymConfig
+from ..config import FAILED_ROLLOUT_POLICIES, GeneratorConfig, SkyRLGymConfig
 
 __all__ = [
     "CLI_PRESET",

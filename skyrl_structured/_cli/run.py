@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import anyio
 
-from ._cli_engine import EngineSetup, load_engine
-from ._cli_schema import RolloutConfig
-from .generator import StructuredGymGenerator
-from .observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
-from .types import GeneratorInput, GeneratorOutput
+from ..generator import StructuredGymGenerator
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from ..types import GeneratorInput, GeneratorOutput
+from .engine import EngineSetup, load_engine
+from .schema import RolloutConfig
 
 __all__ = ["RunResult", "Tally", "run_step"]
 

@@ -14,10 +14,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ._cli_run import RunResult
-from ._cli_schema import RolloutConfig
-from .nursery import describe_error
-from .types import GeneratorInput, GeneratorOutput
+from .._supervisor import describe_error
+from ..types import GeneratorInput, GeneratorOutput
+from .run import RunResult
+from .schema import RolloutConfig
 
 __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
 

@@ -1,0 +1,1 @@
+"""The private parts of the ``skyrl-structured`` command (see :mod:`skyrl_structured.cli`)."""
