@@ -172,16 +172,6 @@ def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, aband
             one_closed()
 
 
-def _raise_interrupt(group_error: BaseExceptionGroup[BaseException]) -> None:
-    for kind in (KeyboardInterrupt, SystemExit):
-        matched, _ = group_error.split(kind)
-        if matched is not None:
-            leaf: BaseException = matched
-            while isinstance(leaf, BaseExceptionGroup):
-                leaf = leaf.exceptions[0]
-            raise leaf from None
-
-
 async def run_rollouts(
     count: int,
     rollout: Callable[[int], Awaitable[Any]],
@@ -208,9 +198,9 @@ async def run_rollouts(
     except BaseExceptionGroup as group_error:
         # Children catch every Exception, so only KeyboardInterrupt/SystemExit-like errors get here:
         # re-raise the interrupt itself, as SkyRL's gather would, so `except KeyboardInterrupt` works.
-        if supervisor.interrupt is not None:
-            raise supervisor.interrupt from None
-        _raise_interrupt(group_error)
+        held = supervisor.interrupt or _interrupt_in(group_error)
+        if held is not None:
+            raise held from None
         raise
     if supervisor.interrupt is not None:
         raise supervisor.interrupt
