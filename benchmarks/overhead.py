@@ -41,7 +41,12 @@ def _sizes(ctx: Context) -> list[tuple[int, int]]:
 def _thread_sizes(ctx: Context) -> list[tuple[int, int]]:
     if ctx.quick:
         return [(16, 1)]
-    return [(64, 11), (1024, 5)]
+    return [(64, 11), (1024, 5), (16384, 1)]
+
+
+#: "repeating": observations drawn from a few texts (the memo's best case); "unique": none ever repeats.
+WORKLOADS = ("repeating", "unique")
+_nonces = iter(range(1, 1 << 62))
 
 
 def _timed(work: Callable[[], Awaitable[Any]], backend: str) -> tuple[float, float, Any]:
@@ -74,6 +79,7 @@ def measure(
     max_env_workers: int,
     pool: ReplyPool,
     with_skyrl: bool = False,
+    workload: str = "repeating",
 ) -> dict[str, Any]:
     engine = InstantEngine(pool)
     gen = make_generator(ctx.tokenizer, engine, turns=TURNS, max_env_workers=max_env_workers)
@@ -94,8 +100,10 @@ def measure(
         # Rotate the order so that no contender always runs first (or right after a big collection).
         order = names[r % len(names) :] + names[: r % len(names)]
         outputs: dict[str, Any] = {}
+        # Same texts for every contender of this repeat (tokens are compared), new ones each repeat.
+        nonce = next(_nonces) if workload == "unique" else None
         for which in order:
-            batch = make_batch(n)
+            batch = make_batch(n, nonce=nonce)
             settle()
             wall, cpu_s, outputs[which] = runners[which](batch)
             times[which].append(wall)
@@ -109,6 +117,7 @@ def measure(
     a, b = median(times["generator"]), median(times["bare"])
     row: dict[str, Any] = {
         "backend": backend,
+        "workload": workload,
         "n": n,
         "turns": TURNS,
         "max_env_workers": max_env_workers,
@@ -130,23 +139,45 @@ def measure(
         row["skyrl_ratio"] = s / b
         row["generator_over_skyrl"] = a / s
         row["skyrl_cpu_ratio"] = median(cpu["skyrl"]) / median(cpu["bare"])
+        # Process CPU time, all threads, measured in this one process: steadier than wall on a loaded machine.
+        row["generator_over_skyrl_cpu"] = median(cpu["generator"]) / median(cpu["skyrl"])
     return row
 
 
 def run(ctx: Context) -> dict[str, Any]:
     pool = ReplyPool.build(ctx.tokenizer)
     rows: list[dict[str, Any]] = []
-    for variant, sizes, workers in (("inline", _sizes(ctx), 0), ("threads", _thread_sizes(ctx), 32)):
+    plan = [
+        (variant, workload, sizes, workers)
+        for variant, sizes, workers in (("inline", _sizes(ctx), 0), ("threads", _thread_sizes(ctx), 32))
+        for workload in WORKLOADS
+    ]
+    for variant, workload, sizes, workers in plan:
         for backend in ctx.backends:
             for n, repeats in sizes:
+                if workload == "unique" and n > 1024 and not ctx.quick:
+                    continue  # the large point is about scale, measured on the repeating workload
                 row = measure(
-                    ctx, n=n, repeats=repeats, backend=backend, max_env_workers=workers, pool=pool, with_skyrl=True
+                    ctx,
+                    n=n,
+                    repeats=repeats,
+                    backend=backend,
+                    max_env_workers=workers,
+                    pool=pool,
+                    with_skyrl=True,
+                    workload=workload,
                 )
                 row["variant"] = variant
                 rows.append(row)
-                skyrl = f", SkyRL's generator {row['skyrl_ratio']:.3f}" if "skyrl_ratio" in row else ""
+                skyrl = (
+                    f", vs SkyRL's generator wall {row['generator_over_skyrl']:.3f} CPU "
+                    f"{row['generator_over_skyrl_cpu']:.3f}"
+                    if "skyrl_ratio" in row
+                    else ""
+                )
                 ctx.log(
-                    f"overhead {variant:7s} {backend:7s} N={n:<6d} generator {row['generator_s']['median']:.3f}s "
+                    f"overhead {variant:7s} {workload:9s} {backend:7s} N={n:<6d} "
+                    f"generator {row['generator_s']['median']:.3f}s "
                     f"bare {row['bare_s']['median']:.3f}s ratio {row['ratio']:.3f} "
                     f"(+{row['per_rollout_extra_us']:.0f} us/rollout), CPU-time ratio {row['cpu_ratio']:.3f}{skyrl}"
                 )

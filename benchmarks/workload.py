@@ -203,6 +203,9 @@ class BenchEnv(BaseTextEnv):  # type: ignore[misc]
         extras = extras or {}
         self.max_turns = int(extras.get("max_turns", 1))
         self.salt = int(extras.get("salt", 0))
+        #: With a nonce, every observation names (nonce, row, turn): no two are ever the same text.
+        self.nonce = extras.get("nonce")
+        self.row = extras.get("row")
         COUNTERS.open()
 
     def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
@@ -216,6 +219,8 @@ class BenchEnv(BaseTextEnv):  # type: ignore[misc]
         else:
             s = len(action) + self.salt
             text = _OBSERVATIONS[(self.turns + self.salt) % len(_OBSERVATIONS)].format(s=s)
+            if self.nonce is not None:
+                text += f" (run {self.nonce}, rollout {self.row}, turn {self.turns})"
             observations = [{"role": "user", "content": text}]
         return BaseTextEnvStepOutput(observations=observations, reward=1.0 if done else 0.0, done=done, metadata={})
 
@@ -232,14 +237,24 @@ def register_bench_env() -> str:
     return BENCH_ENV
 
 
-def make_batch(n: int, *, samples_per_prompt: int = 8) -> Any:
-    """A ``GeneratorInput`` of ``n`` rollouts as SkyRL's trainer builds it (training: no sampling params)."""
+def make_batch(n: int, *, samples_per_prompt: int = 8, nonce: int | None = None) -> Any:
+    """A ``GeneratorInput`` of ``n`` rollouts as SkyRL's trainer builds it (training: no sampling params).
+
+    With ``nonce`` (the non-repeating workload), prompts carry it and every observation is unique, so
+    no text is rendered twice within a run or across runs with different nonces; the prompts are
+    still shared within a group of ``samples_per_prompt``, as in GRPO.
+    """
     register_bench_env()
-    prompts = [[{"role": "user", "content": question(i // samples_per_prompt)}] for i in range(n)]
+    tag = "" if nonce is None else f" (batch {nonce})"
+    prompts = [[{"role": "user", "content": question(i // samples_per_prompt) + tag}] for i in range(n)]
+    extras: list[dict[str, Any]] = [{"salt": i % 13} for i in range(n)]
+    if nonce is not None:
+        for i, e in enumerate(extras):
+            e.update(nonce=nonce, row=i)
     return {
         "prompts": prompts,
         "env_classes": [BENCH_ENV] * n,
-        "env_extras": [{"salt": i % 13} for i in range(n)],
+        "env_extras": extras,
         "sampling_params": None,
         "trajectory_ids": [
             TrajectoryID(instance_id=f"p{i // samples_per_prompt}", repetition_id=i % samples_per_prompt)

@@ -18,8 +18,11 @@ from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
 from .failures import FailedRollout as FailedRollout
 from .generator import StructuredGymGenerator as StructuredGymGenerator
+from .observe import FinishedTrajectory as FinishedTrajectory
 from .observe import RolloutObserver as RolloutObserver
 from .observe import RolloutRef as RolloutRef
+from .observe import TrajectoryStep as TrajectoryStep
+from .stream import TrajectoryStream as TrajectoryStream
 from .types import ROLLOUT_ERROR_STOP_REASON as ROLLOUT_ERROR_STOP_REASON
 from .types import BatchMetadata as BatchMetadata
 from .types import ConversationType as ConversationType
@@ -43,6 +46,7 @@ __all__ = (
     "ChatTemplateConfig",
     "ConversationType",
     "FailedRollout",
+    "FinishedTrajectory",
     "GeneratorConfig",
     "GeneratorInput",
     "GeneratorOutput",
@@ -63,6 +67,8 @@ __all__ = (
     "StructuredGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
+    "TrajectoryStep",
+    "TrajectoryStream",
     "open_env",
     "validate_generator_output",
 )

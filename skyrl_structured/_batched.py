@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._collector import overlong_filtered
 from .envs import CleanupStats, env_config_for, open_env
 from .metrics import rollout_metrics
-from .types import ConversationType, GeneratorOutput
+from .types import ConversationType, GeneratorOutput, InferenceEngineOutput
 
 __all__ = ["generate_batched"]
+
+
+@dataclass
+class _Rows:
+    """The batch's per-rollout results, one entry per prompt, filled in prompt order."""
+
+    responses: list[list[int]] = field(default_factory=list)
+    rewards: list[Any] = field(default_factory=list)
+    loss_masks: list[list[int]] = field(default_factory=list)
+    env_metrics: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None
+    expert_indices: list[Any] | None = None
 
 
 async def generate_batched(
@@ -29,72 +42,90 @@ async def generate_batched(
     Every environment opened is closed on every path; there is no per-rollout failure
     containment here (one engine call serves all prompts).
     """
-    runner = generator._env_runner()
-    cleanup = CleanupStats()
     async with AsyncExitStack() as stack:
-        envs = []
-        init_prompts = []
-        for env_class, extras, prompt in zip(env_classes, env_extras, prompts, strict=True):
-            extras["max_turns"] = generator.max_turns
-            env = await stack.enter_async_context(
-                open_env(
-                    env_class,
-                    env_config=env_config_for(generator.skyrl_gym_cfg, env_class),
-                    extras=extras,
-                    runner=runner,
-                    cleanup_timeout=generator.resilience.env_cleanup_timeout_s,
-                    stats=cleanup,
-                )
-            )
-            init_prompt, _ = await env.init(prompt)
-            init_prompts.append(init_prompt)
-            envs.append(env)
-
-        rendered = generator.tokenizer.apply_chat_template(
-            init_prompts, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        prompt_token_ids = [list(ids) for ids in (rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)]
-        engine_output = await client.generate(
+        envs, init_prompts = await _open_envs(stack, generator, prompts, env_classes, env_extras)
+        prompt_token_ids = _templated(generator.tokenizer, init_prompts)
+        engine_output: InferenceEngineOutput = await client.generate(
             {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
             model=generator.policy_model_name,
         )
-        texts = engine_output["responses"]
-        all_ids = engine_output["response_ids"]
-        stop_reasons = engine_output["stop_reasons"]
-        all_logprobs = engine_output.get("response_logprobs", None)
-        all_indices = engine_output.get("rollout_expert_indices", None)
+        rows = await _step_envs(envs, engine_output, prompt_token_ids, max_tokens)
 
-        responses: list[list[int]] = []
-        rewards: list[Any] = []
-        loss_masks: list[list[int]] = []
-        env_metrics: list[dict[str, Any]] = []
-        logprobs: list[list[float]] | None = [] if all_logprobs is not None else None
-        indices: list[Any] | None = [] if all_indices is not None else None
-        for i, (text, ids, env) in enumerate(zip(texts, all_ids, envs, strict=True)):
-            step_output = await env.step(text)
-            rewards.append(step_output["reward"])
-            response = list(ids[:max_tokens])
-            responses.append(response)
-            loss_masks.append([1] * len(response))
-            if logprobs is not None:
-                assert all_logprobs is not None
-                logprobs.append(list(all_logprobs[i][: len(response)]))
-            if indices is not None:
-                assert all_indices is not None
-                indices.append(all_indices[i][: len(prompt_token_ids[i]) + len(response)])
-            env_metrics.append(env.get_metrics())
-
-    metrics = rollout_metrics(responses, rewards, env_metrics, env_classes, loss_masks)
+    stop_reasons = engine_output["stop_reasons"]
+    metrics = rollout_metrics(rows.responses, rows.rewards, rows.env_metrics, env_classes, rows.loss_masks)
+    loss_masks = rows.loss_masks
     if generator.generator_cfg.apply_overlong_filtering:
         loss_masks = overlong_filtered(loss_masks, stop_reasons)
-    generator_output: GeneratorOutput = {
+    return {
         "prompt_token_ids": prompt_token_ids,
-        "response_ids": responses,
-        "rewards": rewards,
+        "response_ids": rows.responses,
+        "rewards": rows.rewards,
         "loss_masks": loss_masks,
         "stop_reasons": stop_reasons,
         "rollout_metrics": metrics,
-        "rollout_logprobs": logprobs,
-        "rollout_expert_indices": indices,
+        "rollout_logprobs": rows.logprobs,
+        "rollout_expert_indices": rows.expert_indices,
     }
-    return generator_output
+
+
+async def _open_envs(
+    stack: AsyncExitStack,
+    generator: Any,
+    prompts: list[ConversationType],
+    env_classes: list[str],
+    env_extras: list[dict[str, Any]],
+) -> tuple[list[Any], list[ConversationType]]:
+    """Open and init one environment per prompt, each closed when ``stack`` exits; their initial prompts."""
+    runner = generator._env_runner()
+    cleanup = CleanupStats()
+    envs: list[Any] = []
+    init_prompts: list[ConversationType] = []
+    for env_class, extras, prompt in zip(env_classes, env_extras, prompts, strict=True):
+        extras["max_turns"] = generator.max_turns
+        env = await stack.enter_async_context(
+            open_env(
+                env_class,
+                env_config=env_config_for(generator.skyrl_gym_cfg, env_class),
+                extras=extras,
+                runner=runner,
+                cleanup_timeout=generator.resilience.env_cleanup_timeout_s,
+                stats=cleanup,
+            )
+        )
+        init_prompt, _ = await env.init(prompt)
+        init_prompts.append(init_prompt)
+        envs.append(env)
+    return envs, init_prompts
+
+
+def _templated(tokenizer: Any, conversations: list[ConversationType]) -> list[list[int]]:
+    """The generation prompt's token ids of each conversation, by the tokenizer's chat template."""
+    rendered = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    # transformers 5 may return a BatchEncoding even with return_dict=False.
+    return [list(ids) for ids in (rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)]
+
+
+async def _step_envs(
+    envs: list[Any], engine_output: InferenceEngineOutput, prompt_token_ids: list[list[int]], max_tokens: int
+) -> _Rows:
+    """Step each environment with its response (cut to ``max_tokens``) and collect the rows."""
+    all_logprobs = engine_output.get("response_logprobs", None)
+    all_indices = engine_output.get("rollout_expert_indices", None)
+    rows = _Rows(
+        logprobs=[] if all_logprobs is not None else None, expert_indices=[] if all_indices is not None else None
+    )
+    texts, all_ids = engine_output["responses"], engine_output["response_ids"]
+    for i, (text, ids, env) in enumerate(zip(texts, all_ids, envs, strict=True)):
+        step_output = await env.step(text)
+        rows.rewards.append(step_output["reward"])
+        response = list(ids[:max_tokens])
+        rows.responses.append(response)
+        rows.loss_masks.append([1] * len(response))
+        if rows.logprobs is not None and all_logprobs is not None:
+            rows.logprobs.append(list(all_logprobs[i][: len(response)]))
+        if rows.expert_indices is not None and all_indices is not None:
+            rows.expert_indices.append(all_indices[i][: len(prompt_token_ids[i]) + len(response)])
+        rows.env_metrics.append(env.get_metrics())
+    return rows

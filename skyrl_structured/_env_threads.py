@@ -7,19 +7,24 @@ in at most ``max_env_workers`` daemon threads. The policy, the same on asyncio a
   thread until it returns, so no more than ``max_env_workers`` env calls ever run at once;
 - a call queued but not started when its rollout gives up is skipped, except a close: a close once
   submitted always runs, however late;
-- threads are daemons, so a call that never returns cannot keep the process from exiting.
+- threads are daemons, started on demand, so a call that never returns cannot keep the process
+  from exiting.
 
-Completion is handed back to the event loop without blocking the worker thread (the loop's own
-thread-safe callback), so a worker never waits for a busy or already-closed loop.
+Completions are handed back to the event loop without blocking the worker thread and coalesced:
+finished calls queue their callbacks in the loop's :class:`_Waker`, and only the first of a burst
+schedules a wake-up (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``), which then runs
+every callback queued by then. A thousand closes finishing together cost the loop one wake-up, not
+a thousand, and a worker never waits for a busy or already-closed loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext, suppress
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -32,11 +37,11 @@ T = TypeVar("T")
 #: Something that runs a callback in the event loop's thread soon; safe to call from any thread.
 Scheduler = Callable[[Callable[[], None]], object]
 
-_claim_worker_thread: Callable[[Any, object], AbstractContextManager[Any]] | None
+_threadlocals: Any
 try:  # lets env code call anyio.from_thread.* from our threads, as from anyio's own workers
-    from anyio._core._eventloop import claim_worker_thread as _claim_worker_thread
+    from anyio._core._eventloop import threadlocals as _threadlocals
 except ImportError:  # pragma: no cover - a future anyio without it: from_thread then needs a token
-    _claim_worker_thread = None
+    _threadlocals = None
 
 _PENDING, _RUNNING, _DONE, _SKIPPED = "pending", "running", "done", "skipped"
 
@@ -55,17 +60,84 @@ def _count_running(delta: int) -> None:
         _running += delta
 
 
+class _Waker:
+    """One event loop's coalesced wake-up: callbacks queued from any thread, run by one drain.
+
+    The first callback queued while no drain is pending schedules one with the loop's thread-safe
+    call-soon; later ones only join the queue. The drain takes everything queued so far and runs it
+    in the loop's thread. If the loop is gone, the callbacks are dropped: nobody waits on them.
+    It also keeps what every call needs from its loop, looked up once per run: the anyio token
+    (for ``anyio.from_thread`` in env code) and the cheapest native way to wait.
+    """
+
+    __slots__ = ("_armed", "_lock", "_pending", "_schedule", "event_class", "loop", "token")
+
+    def __init__(self, token: Any) -> None:
+        native: Any = token.native_token
+        self.token = token
+        self._schedule: Scheduler = getattr(native, "call_soon_threadsafe", None) or native.run_sync_soon
+        self._lock = threading.Lock()
+        self._pending: list[Callable[[], None]] = []
+        self._armed = False
+        #: The asyncio loop (waits on a bare future), or None.
+        self.loop: asyncio.AbstractEventLoop | None = native if isinstance(native, asyncio.AbstractEventLoop) else None
+        #: Otherwise an event class with ``set()`` and ``await wait()``: trio's own, or anyio's.
+        self.event_class: Callable[[], Any] = anyio.Event
+        if self.loop is None and type(native).__module__.startswith("trio"):
+            import trio
+
+            self.event_class = trio.Event
+
+    def __call__(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending.append(callback)
+            if self._armed:
+                return
+            self._armed = True
+        try:
+            self._schedule(self._drain)
+        except Exception:  # the loop is closed (asyncio) or its run finished (trio)
+            with self._lock:
+                self._pending.clear()
+                self._armed = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._armed = False
+        for callback in batch:
+            try:
+                callback()
+            except Exception:  # pragma: no cover - our callbacks set events; never crash trio's run
+                logger.exception("an environment call's completion callback failed")
+
+
+_wakers: anyio.lowlevel.RunVar[_Waker] = anyio.lowlevel.RunVar("skyrl_structured_env_waker")
+
+
+def _current_waker() -> _Waker:
+    try:
+        return _wakers.get()
+    except LookupError:
+        waker = _Waker(anyio.lowlevel.current_token())
+        _wakers.set(waker)
+        return waker
+
+
 def loop_scheduler() -> Scheduler:
-    """The current event loop's thread-safe ``call soon`` (asyncio's loop or trio's token)."""
-    native: Any = anyio.lowlevel.current_token().native_token
-    schedule: Scheduler = getattr(native, "call_soon_threadsafe", None) or native.run_sync_soon
-    return schedule
+    """The current event loop's coalescing thread-safe ``call soon`` (one wake-up per burst)."""
+    return _current_waker()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a cancelled waiter has cancelled its future
+        future.set_result(None)
 
 
 class EnvCall(Generic[T]):
     """One blocking call for a worker thread: pending, then running, then done (or skipped)."""
 
-    __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_token", "_value", "skippable")
+    __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_value", "_waker", "skippable")
 
     def __init__(self, fn: Callable[..., T], *args: Any, skippable: bool = True) -> None:
         self._fn = fn
@@ -78,7 +150,7 @@ class EnvCall(Generic[T]):
         self._error: BaseException | None = None
         self._callbacks: list[tuple[Scheduler, Callable[[], None]]] = []
         self._then: EnvCall[Any] | None = None
-        self._token = anyio.lowlevel.current_token()
+        self._waker = _current_waker()
 
     @property
     def done(self) -> bool:
@@ -117,8 +189,14 @@ class EnvCall(Generic[T]):
 
     async def wait(self) -> None:
         """Wait until the call is done. Cancellation leaves the call alone: the caller decides."""
-        event = anyio.Event()
-        if self.add_done_callback(loop_scheduler(), event.set):
+        waker = self._waker
+        if waker.loop is not None:
+            future: asyncio.Future[None] = waker.loop.create_future()
+            if self.add_done_callback(waker, partial(_resolve, future)):
+                await future
+            return
+        event = waker.event_class()
+        if self.add_done_callback(waker, event.set):
             await event.wait()
 
     def result(self) -> T:
@@ -135,10 +213,14 @@ class EnvCall(Generic[T]):
             self._state = _RUNNING
         _count_running(1)
         try:
-            claim: AbstractContextManager[Any] = nullcontext()
-            if _claim_worker_thread is not None:
-                claim = _claim_worker_thread(self._token.backend_class, self._token.native_token)
-            with claim:
+            if _threadlocals is not None:
+                # What anyio's claim_worker_thread does, without a generator-based context manager.
+                _threadlocals.current_token = self._waker.token
+                try:
+                    self._value = self._fn(*self._args)
+                finally:
+                    del _threadlocals.current_token
+            else:  # pragma: no cover - see the import above
                 self._value = self._fn(*self._args)
         except BaseException as exc:
             self._error = exc
@@ -156,12 +238,21 @@ class EnvCall(Generic[T]):
     def _notify(callbacks: list[tuple[Scheduler, Callable[[], None]]]) -> None:
         for schedule, callback in callbacks:
             # The loop may be gone (its generate() returned long ago): nobody is waiting then.
-            with suppress(Exception):
+            try:
                 schedule(callback)
+            except Exception:
+                logger.debug("an environment call finished after its event loop closed", exc_info=True)
 
 
 class EnvThreadPool:
-    """At most ``max_workers`` daemon threads, started on demand, that exit after ``idle_s`` idle."""
+    """At most ``max_workers`` daemon threads, started on demand, that exit after ``idle_s`` idle.
+
+    Wake-ups are chained rather than one per call: a call queued while no thread is on its way
+    wakes (or starts) one thread; a thread that takes a call and finds more queued wakes the next.
+    A burst of a thousand cheap calls (the closes after a cancellation) so wakes a handful of threads
+    instead of making a thousand threads fight for the GIL, while blocking calls still fan out to
+    every allowed thread within a few thread switches.
+    """
 
     def __init__(self, max_workers: int, *, idle_s: float = 10.0, name: str = "skyrl-structured-env") -> None:
         if max_workers < 1:
@@ -172,7 +263,8 @@ class EnvThreadPool:
         self._cond = threading.Condition(threading.Lock())
         self._queue: collections.deque[EnvCall[Any]] = collections.deque()
         self._threads = 0
-        self._idle = 0
+        self._sleeping = 0  # threads waiting for work
+        self._waking = 0  # threads notified or started that have not yet looked at the queue
         self._started = 0
 
     @property
@@ -181,32 +273,66 @@ class EnvThreadPool:
         return self._threads
 
     def submit(self, call: EnvCall[Any]) -> None:
-        """Queue ``call``; a new thread starts only if no idle one can take it and the bound allows."""
+        """Queue ``call``; wake or start a thread for it unless one is already on its way."""
         with self._cond:
             self._queue.append(call)
-            if self._idle >= len(self._queue):
-                self._cond.notify()
-            elif self._threads < self.max_workers:
-                self._threads += 1
-                self._idle += 1
-                self._started += 1
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True)
-                thread.start()
+            if self._waking:
+                return
+            start = self._wake_one()
+        if start:
+            self._start()
+
+    def _wake_one(self) -> bool:
+        """Under the lock: notify a sleeping thread, or say that a new one is to start (False: at the bound)."""
+        if self._sleeping > self._waking:
+            self._waking += 1
+            self._cond.notify()
+            return False
+        if self._threads < self.max_workers:
+            self._threads += 1
+            self._waking += 1
+            self._started += 1
+            return True
+        return False
+
+    def _arrived(self) -> None:
+        """Under the lock: a thread that was started or woke up (notified or not) is here.
+
+        Never below zero: a thread that woke on its own timeout may take another's count, which only
+        makes the next call wake one thread more, never leaves a queued call with no thread coming.
+        """
+        if self._waking > 0:
+            self._waking -= 1
+
+    def _start(self) -> None:
+        threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
 
     def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    if not self._cond.wait(self._idle_s) and not self._queue:
+        cond, work = self._cond, self._queue
+        cond.acquire()
+        try:
+            self._arrived()  # started: was on its way, now here
+            while True:
+                while not work:
+                    self._sleeping += 1
+                    try:
+                        notified = cond.wait(self._idle_s)
+                    finally:
+                        self._sleeping -= 1
+                    self._arrived()
+                    if not notified and not work:
                         self._threads -= 1
-                        self._idle -= 1
                         return
-                call = self._queue.popleft()
-                self._idle -= 1
-            try:
-                call.run()
-            except BaseException:  # pragma: no cover - run() keeps every error; never lose the thread count
-                logger.exception("an environment call escaped its worker")
-            finally:
-                with self._cond:
-                    self._idle += 1
+                call = work.popleft()
+                start = bool(work) and not self._waking and self._wake_one()
+                cond.release()
+                try:
+                    if start:
+                        self._start()
+                    call.run()
+                except BaseException:  # pragma: no cover - run() keeps every error; never lose the thread count
+                    logger.exception("an environment call escaped its worker")
+                finally:
+                    cond.acquire()
+        finally:
+            cond.release()

@@ -77,6 +77,8 @@ class _Run:
     #: (reward, index of the last response token of that turn)
     per_step_rewards: list[tuple[float, int | None]] = field(default_factory=list)
     steps: list[TrajectoryOutput] = field(default_factory=list)
+    #: Engine calls made so far: the turn part of each request's derived seed.
+    engine_calls: int = 0
 
 
 class Episode:
@@ -169,9 +171,11 @@ class Episode:
         engine_input = {
             "prompt_token_ids": [list(run.input_ids)],
             "session_ids": [session_id],
-            "sampling_params": sampling_params,
+            # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
+            "sampling_params": context.request_params(sampling_params, run.engine_calls),
             "cache_salt": cache_salt,
         }
+        run.engine_calls += 1
         llm_started = time.monotonic()
         try:
             engine_output = await context.client.generate(engine_input, model=self.policy_model_name)

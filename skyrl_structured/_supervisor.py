@@ -34,11 +34,12 @@ import anyio
 import anyio.lowlevel
 
 from ._env_threads import EnvCall, loop_scheduler
+from ._gc import relaxed_gc
 from ._rollout import BatchContext, RolloutContext, activate
 from .config import ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded
-from .observe import RolloutRef
+from .observe import RolloutRef, failed_record, finished_record
 
 __all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
 
@@ -179,10 +180,13 @@ async def run_rollouts(
     batch: BatchContext,
     *,
     trajectory_ids: Sequence[Any] | None = None,
+    env_classes: Sequence[str] | None = None,
+    step_wise: bool = False,
 ) -> BatchResult:
     """Run ``rollout(i)`` for ``i in range(count)`` concurrently in one task group.
 
     Each attempt runs with its :class:`RolloutContext` active (see :func:`~skyrl_structured._rollout.activate`).
+    ``env_classes`` and ``step_wise`` only describe the rollouts to observers (``trajectory_finished``).
 
     Raises:
         Exception: without ``skip_failed_rollouts``, the first rollout's original exception, after
@@ -190,7 +194,19 @@ async def run_rollouts(
         KeyboardInterrupt, SystemExit: one raised inside a rollout, after every sibling cleaned up.
     """
     supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
+    supervisor.env_classes = env_classes
+    supervisor.step_wise = step_wise
     batch.observers.emit("batch_started", count)
+    try:
+        # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py).
+        with relaxed_gc(settings.gc_tuning):
+            return await _supervise(supervisor, count, batch)
+    except BaseException as exc:
+        batch.observers.emit("batch_aborted", count, exc)
+        raise
+
+
+async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -> BatchResult:
     try:
         async with anyio.create_task_group() as group:
             for index in range(count):
@@ -231,6 +247,8 @@ class _Supervisor:
         self.settings = settings
         self.batch = batch
         self.trajectory_ids = trajectory_ids
+        self.env_classes: Sequence[str] | None = None
+        self.step_wise = False
         self.results: list[Any] = [None] * count
         self.failures: list[FailedRollout] = []
         self.retries = 0
@@ -257,8 +275,16 @@ class _Supervisor:
                     continue
                 return
             self.results[index] = result
+            if self.batch.observers.wants("trajectory_finished"):
+                record = finished_record(
+                    context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
+                )
+                context.emit("trajectory_finished", record)
             context.emit("rollout_finished", failed=False)
             return
+
+    def _env_class(self, index: int) -> str:
+        return str(self.env_classes[index]) if self.env_classes is not None else ""
 
     async def _attempt(self, index: int, context: RolloutContext) -> Any:
         borrower = object()
@@ -330,6 +356,16 @@ class _Supervisor:
         self.results[index] = failure
         self.failures.append(failure)
         logger.warning("%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
+        if self.batch.observers.wants("trajectory_finished"):
+            record = failed_record(
+                context.ref,
+                describe_error(error),
+                env_class=self._env_class(index),
+                elapsed=elapsed,
+                timed_out=timed_out,
+                step_wise=self.step_wise,
+            )
+            context.emit("trajectory_finished", record)
         context.emit("rollout_finished", failed=True)
         if not settings.skip_failed_rollouts:
             if self.first_error is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import sys
 import traceback
 from collections.abc import Sequence
@@ -24,8 +23,9 @@ import yaml
 
 from ._cli.config import ConfigError, check_config, load_config
 from ._cli.data import build_batch, load_dataset
-from ._cli.engine import EngineSetup, chaos_policy, wrap_env_classes
+from ._cli.engine import EngineSetup, chaos_policy, preflight, wrap_env_classes
 from ._cli.help import keys_help
+from ._cli.logs import AggregatingHandler, configure_logging
 from ._cli.report import format_summary, jsonable, summarize, write_outputs
 from ._cli.run import RunResult, run_step
 from ._cli.schema import RolloutConfig
@@ -97,26 +97,6 @@ def _status(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class _TqdmLogHandler(logging.Handler):
-    """Log lines written above the progress bar instead of through it."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
-
-
-def _configure_logging(level: str) -> None:
-    handler = _TqdmLogHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
 def _describe_failure(result: RunResult, skip_failed: bool) -> str:
     error = result.error
     assert error is not None
@@ -127,8 +107,23 @@ def _describe_failure(result: RunResult, skip_failed: bool) -> str:
     if isinstance(error, RuntimeError) and skip_failed and cause is not None:
         # The failure budget's message counts failures by type; name the first one too.
         return f"the step failed: {error} First error: {describe_error(cause)}; --debug shows the traceback"
-    hint = "" if skip_failed else " (generator.skip_failed_rollouts=true contains failed rollouts)"
+    if _engine_unreachable(error):
+        hint = " (the vLLM servers stopped answering: check that they are up at engine.base_urls)"
+    else:
+        hint = "" if skip_failed else " (generator.skip_failed_rollouts=true contains failed rollouts)"
     return f"a rollout failed and stopped the step: {what}{hint}; --debug shows the traceback"
+
+
+def _engine_unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) is the HTTP engine finding no server."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ == "EngineConnectionError":  # the engines package may not be importable
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 @dataclass
@@ -142,6 +137,7 @@ class _Plan:
     samples: int
     batch: GeneratorInput
     output_dir: Path
+    logs: AggregatingHandler
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -152,6 +148,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     """
     cfg = load_config(args.overrides, args.config)
     check_config(cfg)
+    # Before anything that may log (a dataset's environment module is imported to check it).
+    logs = configure_logging(cfg.run.log_level)
     policy = chaos_policy(cfg)
     dataset = load_dataset(cfg.data.path, default_env_class=cfg.environment.env_class, max_prompts=cfg.data.max_prompts)
     dataset.env_classes = wrap_env_classes(dataset.env_classes, policy, cfg.chaos.stage)
@@ -160,7 +158,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     params = cfg.generator.eval_sampling_params if eval_phase else cfg.generator.sampling_params
     assert params is not None  # GeneratorConfig fills eval_sampling_params at construction
     batch = build_batch(dataset, n_samples=samples, params=params, phase=cfg.run.phase)
-    return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir))
+    return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir), logs)
 
 
 def _run(plan: _Plan, debug: bool) -> RunResult | int:
@@ -198,14 +196,20 @@ def _rollout(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(jsonable(plan.cfg), sort_keys=False), end="")
         return 0
+    problems = preflight(plan.cfg)
+    for problem in problems:
+        _error(problem)
+    if problems:
+        return EXIT_CONFIG
     try:
         plan.output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         _error(f"`run.output_dir` {str(plan.output_dir)!r} cannot be created: {exc}")
         return EXIT_CONFIG
 
-    _configure_logging(plan.cfg.run.log_level)
     result = _run(plan, args.debug)
+    for line in plan.logs.summary_lines():
+        _status(line)
     if isinstance(result, int):
         return result
     summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result)

@@ -94,6 +94,8 @@ class ResilienceSettings:
     max_failed_rollout_fraction: float = 1.0
     failure_budget_action: FailureBudgetAction = "raise"
     failed_rollout_policy: str = "placeholder"
+    sampling_seed: int | None = None
+    gc_tuning: bool = True
 
 
 _KNOB_DEFAULTS = ResilienceSettings()
@@ -183,6 +185,16 @@ class GeneratorConfig:
         "group) or 'fill_group_mean' (placeholder reward = mean of its successful siblings).",
         _KNOB_DEFAULTS.failed_rollout_policy,
     )
+    sampling_seed: int | None = _help(
+        "Seed each engine request from (this seed, prompt, sample, turn), so a run is reproducible whatever "
+        "order requests reach the engine in; an integer. null sends requests unseeded, as SkyRL does.",
+        _KNOB_DEFAULTS.sampling_seed,
+    )
+    gc_tuning: bool = _help(
+        "Raise the garbage collector's generation-0 threshold while generate() runs (restored after), so a "
+        "batch does not trigger full collections of the heap; false leaves the collector as it is.",
+        _KNOB_DEFAULTS.gc_tuning,
+    )
 
     def __post_init__(self) -> None:
         if self.eval_sampling_params is None:
@@ -227,12 +239,25 @@ def invalid_value(path: str, value: Any, requirement: str, fix: str = "", *, wit
     return ValueError(f"{message}. {fix}" if fix else message)
 
 
+def _requirement(
+    *, integer: bool, minimum: float, maximum: float | None, strict: bool, seconds: bool, null_means: str | None
+) -> str:
+    if maximum is None:
+        what = "an integer" if integer else ("a finite number of seconds" if seconds else "a finite number")
+        requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
+    else:  # a closed interval already says "finite"
+        what = "an integer " if integer else ("seconds " if seconds else "")
+        requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
+    return f"{requirement}, or null for {null_means}" if null_means is not None else requirement
+
+
 def check_number(
     path: str,
     value: Any,
     *,
     integer: bool,
     minimum: float,
+    maximum: float | None = None,
     strict: bool = False,
     seconds: bool = False,
     null_means: str | None = None,
@@ -240,16 +265,17 @@ def check_number(
 ) -> Any:
     """Check a numeric setting and return it (None where null is allowed and given).
 
-    The rule is ``value >= minimum`` (``> minimum`` with ``strict``), finite, and an ``int`` where
-    ``integer``; a ``bool`` is never a number. ``null_means`` allows None and says what it means.
+    The rule is ``value >= minimum`` (``> minimum`` with ``strict``), ``value <= maximum`` when given,
+    finite, and an ``int`` where ``integer``; a ``bool`` is never a number. ``null_means`` allows None
+    and says what it means. Every refused value of one setting gets the same message but for its
+    ``got`` part, so a user who fixes one wrong value is not told a different rule for the next.
 
     Raises:
         ValueError: from :func:`invalid_value`, naming ``path``.
     """
-    what = "an integer" if integer else ("a finite number of seconds" if seconds else "a finite number")
-    requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
-    if null_means is not None:
-        requirement += f", or null for {null_means}"
+    requirement = _requirement(
+        integer=integer, minimum=minimum, maximum=maximum, strict=strict, seconds=seconds, null_means=null_means
+    )
     if value is None:
         if null_means is not None:
             return None
@@ -259,10 +285,82 @@ def check_number(
         number = value
     else:
         raise invalid_value(path, value, requirement, fix, with_type=True)
-    infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite
-    if infinite or number < minimum or (strict and number == minimum):
+    infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite; NaN too
+    too_small = number < minimum or (strict and number == minimum)
+    if infinite or too_small or (maximum is not None and number > maximum):
         raise invalid_value(path, value, requirement, fix)
     return value
+
+
+@dataclass(frozen=True)
+class _NumberRule:
+    """The accepted range of one numeric knob and the fix its refusal suggests (see :func:`check_number`)."""
+
+    integer: bool
+    minimum: float
+    fix: str
+    maximum: float | None = None
+    strict: bool = False
+    seconds: bool = False
+    null_means: str | None = None
+
+    def check(self, path: str, value: Any) -> None:
+        check_number(
+            path,
+            value,
+            integer=self.integer,
+            minimum=self.minimum,
+            maximum=self.maximum,
+            strict=self.strict,
+            seconds=self.seconds,
+            null_means=self.null_means,
+            fix=self.fix,
+        )
+
+
+#: The range of every numeric knob of :class:`ResilienceSettings`, checked in this order.
+_NUMERIC_KNOBS: dict[str, _NumberRule] = {
+    "rollout_timeout_s": _NumberRule(
+        integer=False,
+        minimum=0,
+        strict=True,
+        seconds=True,
+        null_means="no deadline (.inf means the same)",
+        fix="Set the longest one rollout attempt may run, e.g. 600, or null for no deadline.",
+    ),
+    "max_rollout_retries": _NumberRule(integer=True, minimum=0, fix="0 runs each rollout once, without retries."),
+    "rollout_retry_backoff_s": _NumberRule(integer=False, minimum=0, seconds=True, fix="0 retries at once."),
+    "max_concurrent_rollouts": _NumberRule(
+        integer=True, minimum=1, null_means="no limit", fix="null runs every rollout of the batch at once."
+    ),
+    "env_cleanup_timeout_s": _NumberRule(
+        integer=False,
+        minimum=0,
+        strict=True,
+        seconds=True,
+        fix="It bounds each environment close and session finish (0 would abandon every one of them, "
+        "inf would let a hung close block the step); keep the default 30, or raise it for slow environments.",
+    ),
+    "max_failed_rollout_fraction": _NumberRule(
+        integer=False,
+        minimum=0,
+        maximum=1,
+        fix="It is the largest failed share a step tolerates; 1.0 (the default) tolerates any short of all.",
+    ),
+}
+
+#: The accepted values of every choice knob of :class:`ResilienceSettings`, and the fix a refusal suggests.
+_CHOICE_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
+    "failure_budget_action": (
+        FAILURE_BUDGET_ACTIONS,
+        "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
+    ),
+    "failed_rollout_policy": (
+        FAILED_ROLLOUT_POLICIES,
+        "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
+        "docs/failures.md.",
+    ),
+}
 
 
 def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
@@ -284,68 +382,20 @@ def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
     timeout = values["rollout_timeout_s"]
     if isinstance(timeout, float) and timeout == math.inf:
         values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null
-    check_number(
-        "generator.rollout_timeout_s",
-        values["rollout_timeout_s"],
-        integer=False,
-        minimum=0,
-        strict=True,
-        seconds=True,
-        null_means="no deadline (.inf means the same)",
-        fix="Set the longest one rollout attempt may run, e.g. 600, or null for no deadline.",
-    )
-    check_number(
-        "generator.max_rollout_retries",
-        values["max_rollout_retries"],
-        integer=True,
-        minimum=0,
-        fix="0 runs each rollout once, without retries.",
-    )
-    check_number(
-        "generator.rollout_retry_backoff_s",
-        values["rollout_retry_backoff_s"],
-        integer=False,
-        minimum=0,
-        seconds=True,
-        fix="0 retries at once.",
-    )
-    check_number(
-        "generator.max_concurrent_rollouts",
-        values["max_concurrent_rollouts"],
-        integer=True,
-        minimum=1,
-        null_means="no limit",
-        fix="null runs every rollout of the batch at once.",
-    )
-    check_number(
-        "generator.env_cleanup_timeout_s",
-        values["env_cleanup_timeout_s"],
-        integer=False,
-        minimum=0,
-        strict=True,
-        seconds=True,
-        fix="It bounds each environment close and session finish (0 would abandon every one of them, "
-        "inf would let a hung close block the step); keep the default 30, or raise it for slow environments.",
-    )
-    fraction = values["max_failed_rollout_fraction"]
-    fraction_fix = "It is the largest failed share a step tolerates; 1.0 (the default) tolerates any short of all."
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    for name, rule in _NUMERIC_KNOBS.items():
+        rule.check(f"generator.{name}", values[name])
+    for name, (choices, fix) in _CHOICE_KNOBS.items():
+        if values[name] not in choices:
+            raise invalid_value(f"generator.{name}", values[name], f"one of {', '.join(choices)}", fix)
+    seed = values["sampling_seed"]
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid_value(
-            "generator.max_failed_rollout_fraction", fraction, "within [0, 1]", fraction_fix, with_type=True
+            "generator.sampling_seed",
+            seed,
+            "an integer, or null for unseeded requests",
+            "Any integer makes the samples reproducible: the same seed gives the same samples.",
+            with_type=True,
         )
-    if not 0 <= fraction <= 1:  # NaN fails both comparisons
-        raise invalid_value("generator.max_failed_rollout_fraction", fraction, "within [0, 1]", fraction_fix)
-    if values["failure_budget_action"] not in FAILURE_BUDGET_ACTIONS:
-        raise invalid_value(
-            "generator.failure_budget_action",
-            values["failure_budget_action"],
-            f"one of {', '.join(FAILURE_BUDGET_ACTIONS)}",
-            "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
-        )
-    if values["failed_rollout_policy"] not in FAILED_ROLLOUT_POLICIES:
-        raise invalid_value(
-            "generator.failed_rollout_policy",
-            values["failed_rollout_policy"],
-            f"one of {', '.join(FAILED_ROLLOUT_POLICIES)}",
-        )
+    if not isinstance(values["gc_tuning"], bool):
+        raise invalid_value("generator.gc_tuning", values["gc_tuning"], "true or false", with_type=True)
     return ResilienceSettings(**values)

@@ -24,12 +24,12 @@ from ._batched import generate_batched
 from ._collector import collect
 from ._env_threads import EnvThreadPool
 from ._episode import Episode
-from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict
+from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
 from .envs import EnvCallRunner, env_config_for, open_env, shielded_cleanup
-from .observe import CleanupOutcome, Observers, RolloutObserver
+from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
 from .tokens import ChatTokenizer, load_custom_chat_template
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
@@ -295,15 +295,14 @@ class StructuredGymGenerator:
         # trio-asyncio for the whole batch; anywhere else the client is used as is.
         async with bridged_client(self.inference_engine_client) as client:
             if self.batched:
-                return await generate_batched(
-                    self,
+                return await self._generate_batched_observed(
                     client,
                     prompts,
                     env_classes,
                     env_extras,
-                    cfg.sampling_params.max_generate_length,
+                    input_batch.get("trajectory_ids", None),
                     sampling_params,
-                    cache_salt=cache_salt,
+                    cache_salt,
                 )
             progress = Progress(len(prompts), disable=disable_tqdm)
             batch = BatchContext(
@@ -311,6 +310,8 @@ class StructuredGymGenerator:
                 client=client,
                 default_params=sampling_params_dict(cfg.sampling_params),
                 observers=Observers([progress, *self.observers]),
+                sampling_seed=self.resilience.sampling_seed,
+                seed_scope=seed_scope(input_batch.get("batch_metadata")),
             )
             try:
                 return await self._generate_rollouts(
@@ -324,6 +325,44 @@ class StructuredGymGenerator:
                 )
             finally:
                 progress.close()
+
+    async def _generate_batched_observed(
+        self,
+        client: Any,
+        prompts: list[ConversationType],
+        env_classes: list[str],
+        env_extras: list[dict[str, Any]],
+        trajectory_ids: list[Any] | None,
+        sampling_params: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> GeneratorOutput:
+        """The batched path, with the batch events and one ``trajectory_finished`` per row at its end."""
+        observers = Observers(self.observers)
+        observers.emit("batch_started", len(prompts))
+        started = time.monotonic()
+        try:
+            output = await generate_batched(
+                self,
+                client,
+                prompts,
+                env_classes,
+                env_extras,
+                self.generator_cfg.sampling_params.max_generate_length,
+                sampling_params,
+                cache_salt=cache_salt,
+            )
+        except BaseException as exc:
+            observers.emit("batch_aborted", len(prompts), exc)
+            raise
+        if observers.wants("trajectory_finished"):
+            records = batched_records(
+                output, env_classes=env_classes, trajectory_ids=trajectory_ids, elapsed=time.monotonic() - started
+            )
+            for record in records:
+                rollout = RolloutRef(record.index, 1, record.trajectory_id)
+                observers.emit("trajectory_finished", rollout, record)
+        observers.emit("batch_finished", len(prompts), 0)
+        return output
 
     async def generate_batched(
         self,
@@ -364,7 +403,15 @@ class StructuredGymGenerator:
                 cache_salt=cache_salt,
             )
 
-        result = await run_rollouts(len(prompts), rollout, self.resilience, batch, trajectory_ids=trajectory_ids)
+        result = await run_rollouts(
+            len(prompts),
+            rollout,
+            self.resilience,
+            batch,
+            trajectory_ids=trajectory_ids,
+            env_classes=env_classes,
+            step_wise=bool(cfg.step_wise_trajectories),
+        )
         pad = self.tokenizer.pad_token_id
         return collect(
             result.results,

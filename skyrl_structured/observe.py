@@ -8,6 +8,10 @@ call: observing never changes a batch's outcome.
 
 The progress bar, the ``skyrl-structured rollout`` command's tally and the test kit are observers
 too, so anything they show can be logged elsewhere (W&B, a dashboard, a file) the same way.
+
+``trajectory_finished`` hands over each rollout's result as a :class:`FinishedTrajectory` the moment
+it is final, so a trainer or a dashboard can consume rollouts as they land
+(:class:`~skyrl_structured.TrajectoryStream` turns that into an async iterator).
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["CleanupKind", "CleanupOutcome", "RolloutObserver", "RolloutRef"]
+from .types import ROLLOUT_ERROR_STOP_REASON
+
+__all__ = [
+    "CleanupKind",
+    "CleanupOutcome",
+    "FinishedTrajectory",
+    "RolloutObserver",
+    "RolloutRef",
+    "TrajectoryStep",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +50,78 @@ class RolloutRef:
     session_id: Hashable | None = None
 
 
+@dataclass(frozen=True)
+class TrajectoryStep:
+    """One training row of a finished rollout, as the rollout produced it.
+
+    A rollout has one step, or one per turn with ``step_wise_trajectories``. The values are the
+    rollout's own: the batch-level policies that ``generate()`` applies afterwards to its
+    ``GeneratorOutput`` (``failed_rollout_policy``, ``apply_overlong_filtering``,
+    ``zero_reward_on_non_stop``) are not in them.
+    """
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    #: A float, or one float per response token (token-level rewards).
+    reward: float | tuple[float, ...]
+    stop_reason: str
+    #: One logprob per response token when the sampling parameters asked for them, else None.
+    logprobs: tuple[float, ...] | None = None
+
+    @property
+    def total_reward(self) -> float:
+        """The step's reward as one number (token-level rewards summed)."""
+        return float(sum(self.reward)) if isinstance(self.reward, tuple) else float(self.reward)
+
+
+@dataclass(frozen=True)
+class FinishedTrajectory:
+    """What one rollout produced, final after its retries: its steps, or the error it failed with.
+
+    A failed rollout has no steps (its placeholder is built only once the whole batch is known);
+    ``error`` says why it failed.
+    """
+
+    #: The rollout's position in the batch.
+    index: int
+    trajectory_id: Any | None
+    env_class: str
+    #: Attempts made, from 1 (retries + 1).
+    attempts: int
+    #: Seconds the last attempt ran.
+    elapsed: float
+    steps: tuple[TrajectoryStep, ...] = ()
+    #: ``"Type: message"`` of the exception a failed rollout raised; None for a success.
+    error: str | None = None
+    #: A failed rollout whose last attempt overran ``rollout_timeout_s``.
+    timed_out: bool = False
+    #: Whether the generator returns this rollout turn by turn (``step_wise_trajectories``).
+    step_wise: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def reward(self) -> float:
+        """The rollout's reward as one number: its last step's (0.0 for a failed rollout)."""
+        return self.steps[-1].total_reward if self.steps else 0.0
+
+    @property
+    def stop_reason(self) -> str:
+        """The last step's stop reason; ``"rollout_error"`` for a failed rollout."""
+        return self.steps[-1].stop_reason if self.steps else ROLLOUT_ERROR_STOP_REASON
+
+
 class RolloutObserver:
     """Base class for observers: every event is a no-op until overridden.
 
     Events of one rollout arrive in this order: ``attempt_started``, ``env_opened``, then one of
     ``attempt_finished`` / ``attempt_failed`` / ``attempt_cancelled`` (with ``cleanup_finished``
     events before it, one per environment close and session finish), repeated per retry, then
-    ``rollout_finished`` once (not for a cancelled rollout).
+    ``trajectory_finished`` and ``rollout_finished`` once each (neither for a cancelled rollout).
+    A batch ends with ``batch_finished``, or with ``batch_aborted`` when ``generate()`` raises.
     """
 
     def batch_started(self, size: int) -> None:
@@ -71,11 +149,21 @@ class RolloutObserver:
     ) -> None:
         """An environment close or a session finish ended (``error`` is set when it raised)."""
 
+    def trajectory_finished(self, rollout: RolloutRef, trajectory: FinishedTrajectory) -> None:
+        """The rollout's final result, after retries: its steps, or (``trajectory.failed``) its error."""
+
     def rollout_finished(self, rollout: RolloutRef, *, failed: bool) -> None:
         """The rollout's final outcome, after retries: a trajectory, or a failure."""
 
     def batch_finished(self, size: int, failed: int) -> None:
         """The ``generate()`` call's rollouts are all done (not called when it was cancelled)."""
+
+    def batch_aborted(self, size: int, error: BaseException) -> None:
+        """The ``generate()`` call stops without its rollouts all done and raises ``error``.
+
+        It was cancelled (``error`` is the backend's cancellation), interrupted, or a rollout failed
+        without ``skip_failed_rollouts``. Either this or ``batch_finished`` ends every batch.
+        """
 
 
 class Observers:
@@ -90,6 +178,11 @@ class Observers:
     def __bool__(self) -> bool:
         return bool(self._observers)
 
+    def wants(self, event: str) -> bool:
+        """Whether any observer overrides ``event`` (so a costly argument is built only when heard)."""
+        default = getattr(RolloutObserver, event)
+        return any(getattr(type(observer), event, default) is not default for observer in self._observers)
+
     def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
         """Call ``event`` on every observer; one that raises is logged and skipped from then on."""
         for position, observer in enumerate(self._observers):
@@ -102,3 +195,79 @@ class Observers:
                 logger.exception(
                     "observer %r raised in %s; it is skipped for the rest of this generate() call", observer, event
                 )
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _step(output: Any) -> TrajectoryStep:
+    reward = output.reward
+    logprobs = output.rollout_logprobs
+    return TrajectoryStep(
+        prompt_ids=_ints(output.prompt_ids),
+        response_ids=_ints(output.response_ids),
+        loss_mask=_ints(output.loss_mask),
+        reward=tuple(float(r) for r in reward) if isinstance(reward, list | tuple) else float(reward),
+        stop_reason=str(output.stop_reason),
+        logprobs=tuple(float(p) for p in logprobs) if logprobs is not None else None,
+    )
+
+
+def finished_record(rollout: RolloutRef, output: Any, *, env_class: str, elapsed: float) -> FinishedTrajectory:
+    """The record of a successful rollout from its ``TrajectoryOutput`` or ``StepWiseOutput``."""
+    steps = getattr(output, "step_outputs", None)
+    return FinishedTrajectory(
+        index=rollout.index,
+        trajectory_id=rollout.trajectory_id,
+        env_class=env_class,
+        attempts=rollout.attempt,
+        elapsed=elapsed,
+        steps=tuple(_step(step) for step in steps) if steps is not None else (_step(output),),
+        step_wise=steps is not None,
+    )
+
+
+def failed_record(
+    rollout: RolloutRef, error: str, *, env_class: str, elapsed: float, timed_out: bool, step_wise: bool
+) -> FinishedTrajectory:
+    """The record of a rollout that failed on its last attempt."""
+    return FinishedTrajectory(
+        index=rollout.index,
+        trajectory_id=rollout.trajectory_id,
+        env_class=env_class,
+        attempts=rollout.attempt,
+        elapsed=elapsed,
+        error=error,
+        timed_out=timed_out,
+        step_wise=step_wise,
+    )
+
+
+def batched_records(
+    output: Any, *, env_classes: Sequence[str], trajectory_ids: Sequence[Any] | None, elapsed: float
+) -> list[FinishedTrajectory]:
+    """One record per row of the batched path's ``GeneratorOutput`` (one engine call, no retries)."""
+    logprobs = output.get("rollout_logprobs")
+    records = []
+    for i, response in enumerate(output["response_ids"]):
+        reward = output["rewards"][i]
+        step = TrajectoryStep(
+            prompt_ids=_ints(output["prompt_token_ids"][i]),
+            response_ids=_ints(response),
+            loss_mask=_ints(output["loss_masks"][i]),
+            reward=tuple(float(r) for r in reward) if isinstance(reward, list | tuple) else float(reward),
+            stop_reason=str(output["stop_reasons"][i]),
+            logprobs=tuple(float(p) for p in logprobs[i]) if logprobs is not None else None,
+        )
+        records.append(
+            FinishedTrajectory(
+                index=i,
+                trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
+                env_class=str(env_classes[i]),
+                attempts=1,
+                elapsed=elapsed,
+                steps=(step,),
+            )
+        )
+    return records

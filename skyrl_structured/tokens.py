@@ -8,7 +8,9 @@ the generation-prompt suffix, the built-in Qwen3 templates), since token-for-tok
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .types import ConversationType
@@ -115,6 +117,63 @@ def load_custom_chat_template(chat_template_cfg: Any) -> str | None:
     raise ValueError(f"`{_FIELD}.source` must be 'name' or 'file', got {source!r}")
 
 
+#: Bounds of the rendered-ids memo: entries, and token ids held in all (about 36 bytes each).
+_MEMO_ENTRIES = 4096
+_MEMO_TOKENS = 1 << 18
+
+
+def _messages_key(messages: ConversationType) -> tuple[Any, ...]:
+    """An exact image of ``messages`` (keys in order, values as given); hashable unless a value is not."""
+    return tuple(tuple(m.items()) for m in messages)
+
+
+class _RenderMemo:
+    """A bounded LRU of rendered token ids, keyed on everything that decides them.
+
+    The key holds the template text itself (the tokenizer's, or the custom one), so assigning a new
+    ``tokenizer.chat_template`` or passing another template never returns stale ids. Entries are
+    bounded in number and in total tokens; ids are stored as tuples and handed out as fresh lists.
+    """
+
+    __slots__ = ("_entries", "_lock", "_tokens", "hits", "misses")
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[Hashable, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Hashable) -> list[int] | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return list(found)
+
+    def put(self, key: Hashable, ids: list[int]) -> None:
+        if len(ids) > _MEMO_TOKENS // 16:
+            return  # a long history: rarely rendered twice, and it would push out many short entries
+        value = tuple(ids)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._entries[key] = value
+            self._tokens += len(value)
+            while len(self._entries) > _MEMO_ENTRIES or self._tokens > _MEMO_TOKENS:
+                _, evicted = self._entries.popitem(last=False)
+                self._tokens -= len(evicted)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
+
+
 def _as_ids(rendered: Any) -> list[int]:
     # transformers 5 may return a BatchEncoding even with return_dict=False for some tokenizers.
     if isinstance(rendered, Mapping):
@@ -148,6 +207,9 @@ class ChatTokenizer:
             )
         self.eos_token_id: int = tokenizer.eos_token_id
         self.eos_token: str | None = tokenizer.eos_token
+        #: Rendered ids of recent (messages, add_generation_prompt, template) triples: observations and
+        #: prompts repeat (tool replies, the group's shared prompt), and a render costs ~100 us.
+        self.memo = _RenderMemo()
         self.generation_prompt_ids: list[int] | None = self._generation_prompt_ids() if multi_turn else None
         self.base_conversation: ConversationType = [dict(m) for m in self._BASE]
         base = self.render(self.base_conversation, add_generation_prompt=False)
@@ -165,8 +227,29 @@ class ChatTokenizer:
         add_generation_prompt: bool,
         chat_template: str | None = None,
     ) -> list[int]:
-        """Token ids of ``messages`` under the chat template (ours or a custom one)."""
-        return _as_ids(
+        """Token ids of ``messages`` under the chat template (ours or a custom one), memoized.
+
+        A repeat of the exact same messages, flag, template and ``chat_template_kwargs`` returns the
+        ids of the first render (a fresh list); anything unhashable in them is rendered every time.
+        """
+        key: Hashable | None
+        try:
+            template = chat_template if chat_template is not None else self.tokenizer.chat_template
+            key = (
+                id(self.tokenizer),
+                template,
+                add_generation_prompt,
+                tuple(self.kwargs.items()),
+                _messages_key(messages),
+            )
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None:
+            found = self.memo.get(key)
+            if found is not None:
+                return found
+        ids = _as_ids(
             self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
@@ -176,6 +259,9 @@ class ChatTokenizer:
                 **self.kwargs,
             )
         )
+        if key is not None:
+            self.memo.put(key, ids)
+        return ids
 
     def _generation_prompt_ids(self) -> list[int]:
         empty = [{"role": "user", "content": ""}]

@@ -4,7 +4,7 @@ trainer's contract for a finished batch (:func:`validate_generator_output`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import skyrl_gym
@@ -15,6 +15,7 @@ __all__ = [
     "GeneratorOutputError",
     "check_generator_config",
     "check_generator_input",
+    "missing_env_extras",
     "validate_generator_output",
 ]
 
@@ -95,6 +96,46 @@ def check_generator_config(
         minimum=0,
         fix="0 runs environment calls inline, on the event loop.",
     )
+
+
+#: What skyrl_gym's own environments read from a row's env extras when they are created (their
+#: ``__init__`` asserts or indexes these): per environment, each requirement is met by any one of
+#: its dotted keys.
+ENV_REQUIRED_EXTRAS: Mapping[str, tuple[tuple[str, ...], ...]] = {
+    "gsm8k": (("reward_spec.ground_truth",),),
+    "gsm8k_multi_turn": (("reward_spec.ground_truth",), ("max_turns", "extra_info")),
+    "aime": (("reward_model.ground_truth",),),
+    "lcb": (("reward_spec.ground_truth",),),
+    "search": (("reward_spec.ground_truth",),),
+    "searchcode": (("reward_spec.ground_truth",),),
+    "text2sql": (("db_id",), ("reward_spec.ground_truth",), ("data",)),
+}
+
+
+def _has(extras: Mapping[str, Any], dotted: str) -> bool:
+    value: Any = extras
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def missing_env_extras(env_class: str, extras: Mapping[str, Any]) -> list[str]:
+    """The env-extras fields a skyrl_gym environment needs that ``extras`` lacks (``"a or b"`` for alternatives).
+
+    Known for skyrl_gym's own environments (:data:`ENV_REQUIRED_EXTRAS`); empty for any other (or
+    for an id re-registered to another class), whose needs only its constructor knows.
+    """
+    spec = skyrl_gym.registry.get(env_class)
+    entry_point = getattr(spec, "entry_point", None)
+    if not isinstance(entry_point, str) or not entry_point.startswith("skyrl_gym.envs."):
+        return []
+    return [
+        " or ".join(f"`{key}`" for key in alternatives)
+        for alternatives in ENV_REQUIRED_EXTRAS.get(env_class, ())
+        if not any(_has(extras, key) for key in alternatives)
+    ]
 
 
 def _env_registered(env_class: str) -> bool:

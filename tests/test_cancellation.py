@@ -8,6 +8,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -59,14 +60,20 @@ async def wait_thread_calls_drained() -> None:
             await anyio.sleep(0.01)
 
 
-async def cancel_when(started: anyio.Event, gen, batch) -> bool:
-    """Run generate() in a cancel scope cancelled once ``started`` is set; True if it was cancelled."""
+async def cancel_when(started: anyio.Event, gen, batch, *, after_cancel: Callable[[], object] | None = None) -> bool:
+    """Run generate() in a cancel scope cancelled once ``started`` is set; True if it was cancelled.
+
+    ``after_cancel`` runs right after the cancellation is requested, before generate() can see it:
+    what it releases (a blocked step, a slow cleanup) is released strictly after the cancel landed.
+    """
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
 
             async def canceller() -> None:
                 await started.wait()
                 scope.cancel()
+                if after_cancel is not None:
+                    after_cancel()
 
             tg.start_soon(canceller)
             await gen.generate(batch, disable_tqdm=True)
@@ -113,14 +120,14 @@ async def test_cancel_while_a_worker_thread_runs_step_waits_for_it_before_close(
     async def watcher() -> None:
         await anyio.to_thread.run_sync(entered.wait, 10)
         started.set()
-        # Let the cancellation land while step is still blocked, then let step finish.
-        threading.Timer(0.2, release.set).start()
 
     gen = make_generator(tokenizer, workers=2, env_cleanup_timeout_s=10)
     batch = make_batch(1, ledger, extras={0: {"on_step": on_step}})
     async with anyio.create_task_group() as outer:
         outer.start_soon(watcher)
-        assert await cancel_when(started, gen, batch)
+        # The cancellation lands while step is blocked; only then may step finish.
+        assert await cancel_when(started, gen, batch, after_cancel=release.set)
+    assert release.is_set()
     ledger.assert_all_closed_once()  # includes: close never overlapped the running step
     assert ledger.steps[ledger.created[0]] == 1
     await wait_thread_calls_drained()
@@ -130,11 +137,12 @@ async def test_cancel_while_a_worker_thread_runs_step_waits_for_it_before_close(
 async def test_cancel_while_init_runs_in_a_thread(tokenizer, anyio_backend):
     ledger = EnvLedger()
     entered = threading.Event()
+    release = threading.Event()
     started = anyio.Event()
 
     def on_init() -> None:
         entered.set()
-        time.sleep(0.2)
+        release.wait(10)  # still initialising when the cancellation lands
 
     async def watcher() -> None:
         await anyio.to_thread.run_sync(entered.wait, 10)
@@ -143,7 +151,7 @@ async def test_cancel_while_init_runs_in_a_thread(tokenizer, anyio_backend):
     gen = make_generator(tokenizer, workers=2)
     async with anyio.create_task_group() as outer:
         outer.start_soon(watcher)
-        assert await cancel_when(started, gen, hooked_batch(2, ledger, on_init=on_init))
+        assert await cancel_when(started, gen, hooked_batch(2, ledger, on_init=on_init), after_cancel=release.set)
     ledger.assert_all_closed_once()
     await wait_thread_calls_drained()
 
@@ -152,17 +160,18 @@ async def test_cancel_while_init_runs_in_a_thread(tokenizer, anyio_backend):
 async def test_cleanup_finishes_sessions_even_when_cancelled_during_cleanup(tokenizer, anyio_backend):
     ledger = EnvLedger()
     finishing = anyio.Event()
+    cancelled = anyio.Event()
     finished = []
 
     class SlowFinish(ScriptedEngine):
         async def finish_session(self, session_id):
             finishing.set()
-            await anyio.sleep(0.1)  # shielded: the outer cancellation must not cut this short
+            await cancelled.wait()  # shielded: the outer cancellation must not cut this short
             finished.append(session_id)
 
     engine = SlowFinish(tokenizer, turn_replies("a #### 7", "b #### 8"))
     gen = make_generator(tokenizer, engine)
-    assert await cancel_when(finishing, gen, make_batch(2, ledger))
+    assert await cancel_when(finishing, gen, make_batch(2, ledger), after_cancel=cancelled.set)
     assert finished  # the session being finished when the cancel arrived completed its finish
     ledger.assert_all_closed_once()
 
@@ -288,8 +297,14 @@ async def test_asyncio_task_cancel_and_wait_for(tokenizer, anyio_backend):
         assert len(engine.finished_sessions) == len(set(engine.finished_sessions))
 
 
+def _trio_autojump() -> Any:
+    import trio.testing
+
+    return pytest.param(("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio-autojump")
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.parametrize("anyio_backend", [_trio_autojump()])
 async def test_trio_cancel_scope(tokenizer, anyio_backend):
     import trio
 
@@ -300,10 +315,13 @@ async def test_trio_cancel_scope(tokenizer, anyio_backend):
         await never.wait()
 
     engine = ScriptedEngine(tokenizer, handler)
-    gen = make_generator(tokenizer, engine)
-    with trio.move_on_after(0.1) as scope:
+    # Inline env calls: virtual time moves only once every rollout waits on the engine.
+    gen = make_generator(tokenizer, engine, workers=0)
+    started = trio.current_time()
+    with trio.move_on_after(600) as scope:
         await gen.generate(make_batch(3, ledger), disable_tqdm=True)
     assert scope.cancelled_caught
+    assert trio.current_time() - started == pytest.approx(600)
     ledger.assert_all_closed_once()
     assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1", "q1_0"]
     assert trio.lowlevel.current_task().child_nurseries == []

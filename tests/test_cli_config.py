@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+import skyrl_gym
 import yaml
+from skyrl_gym.envs.search.env import SearchEnvConfig
+from skyrl_gym.envs.sql.env import Text2SQLEnvConfig
 
 from skyrl_structured import GeneratorConfig, SamplingParams
 from skyrl_structured._cli.config import ConfigError, check_config, load_config
+from skyrl_structured._cli.data import load_dataset
 from skyrl_structured._cli.engine import chaos_policy
 from skyrl_structured._cli.help import keys_help
-from skyrl_structured._cli.schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, CLI_PRESET, SECTIONS, key_specs
+from skyrl_structured._cli.schema import (
+    CHAOS_ENGINE_STAGES,
+    CHAOS_ENV_STAGES,
+    CLI_PRESET,
+    ENV_SECTIONS,
+    SECTIONS,
+    CLISkyRLGymConfig,
+    key_specs,
+)
 from skyrl_structured.cli import main
+from skyrl_structured.envs import env_config_for
 
 
 def test_defaults_are_the_library_defaults_plus_the_preset():
@@ -23,8 +37,9 @@ def test_defaults_are_the_library_defaults_plus_the_preset():
     # SkyRL derives the eval defaults from the training length: greedy at the preset's length.
     assert cfg.generator.eval_sampling_params == SamplingParams(temperature=0.0, max_generate_length=48)
     for f in dataclasses.fields(GeneratorConfig):
-        if f.name not in ("n_samples_per_prompt", "sampling_params", "eval_sampling_params"):
+        if f.name not in ("n_samples_per_prompt", "sampling_params", "eval_sampling_params", "sampling_seed"):
             assert getattr(cfg.generator, f.name) == getattr(library, f.name), f.name
+    assert cfg.generator.sampling_seed == cfg.run.seed == 0  # the command seeds its requests from run.seed
     assert cfg.engine.kind == "transformers"
     assert cfg.engine.model is None
     assert cfg.run.backend == "asyncio"
@@ -229,3 +244,218 @@ def test_refusal_is_one_line_and_exit_status_2(capsys, tmp_path):
 def test_no_command_prints_usage(capsys):
     assert main([]) == 2
     assert "rollout" in capsys.readouterr().out
+
+
+# SkyRL's names: data.train_data / data.val_data, environment.skyrl_gym.<env>.<key>, ${oc.env:...},
+# and hints for SkyRL keys the command does not take.
+
+
+def _write_rows(path, answers):
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Say {a}"}], "reward_spec": {"method": "rule", "ground_truth": a}}
+        for a in answers
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_skyrls_train_data_list_is_read_in_order(tmp_path):
+    first = _write_rows(tmp_path / "a.jsonl", ["1", "2"])
+    second = _write_rows(tmp_path / "b.jsonl", ["3"])
+    cfg = load_config([f"data.train_data=[{first}, {second}]", f"data.val_data=[{second}]"])
+    check_config(cfg)
+    assert cfg.data.path == [first, second]
+    data = load_dataset(cfg.data.path, default_env_class="gsm8k", max_prompts=None)
+    assert [extras["reward_spec"]["ground_truth"] for extras in data.env_extras] == ["1", "2", "3"]
+    assert data.source == f"{first} + {second}"
+    # run.phase=eval reads val_data, as SkyRL's evaluation does.
+    evaluated = load_config([f"data.train_data=[{first}, {second}]", f"data.val_data=[{second}]", "run.phase=eval"])
+    assert evaluated.data.path == [second]
+    # One file for a list key is a list of one; data.path takes a list too.
+    assert load_config([f"data.train_data={first}"]).data.path == [first]
+    assert load_config([f"data.path=[{second}, {first}]"]).data.path == [second, first]
+
+
+def test_skyrls_data_keys_from_a_yaml_file(tmp_path):
+    first = _write_rows(tmp_path / "a.jsonl", ["1"])
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"data": {"train_data": [first], "val_data": [first]}}))
+    assert load_config([], str(path)).data.path == [first]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.train_data=[]"], r"`data.train_data` is an empty list: give at least one file, or null"),
+        (["data.path=x.jsonl", "data.train_data=[y.jsonl]"], r"`data.path` and `data.train_data` both name the"),
+        (["data.val_data=[y.jsonl]"], r"`data.val_data` is read with run.phase=eval; with run.phase=train set `data"),
+        (["data.train_data=[y.jsonl]", "run.phase=eval"], r"with run.phase=eval set `data.val_data`"),
+    ],
+)
+def test_skyrls_data_keys_refuse_ambiguity(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
+
+
+def test_a_missing_train_data_file_is_named_by_its_key(tmp_path):
+    first = _write_rows(tmp_path / "a.jsonl", ["1"])
+    with pytest.raises(ConfigError, match=r"^`data.train_data`: '.*missing.jsonl' does not exist$"):
+        check_config(load_config([f"data.train_data=[{first}, {tmp_path / 'missing.jsonl'}]"]))
+    with pytest.raises(ConfigError, match=r"`data.path` is an empty list"):
+        check_config(load_config(["data.path=[]"]))
+
+
+def test_per_environment_settings_use_skyrls_keys_and_reach_the_environment():
+    cfg = load_config(
+        [
+            "environment.skyrl_gym.search.search_url=http://10.0.0.7:8000/retrieve",
+            "environment.skyrl_gym.search.topk=5",
+            "environment.skyrl_gym.text2sql.db_path=/data/sql",
+            "environment.skyrl_gym.llm_as_a_judge={model: judge-1, base_url: 'http://judge:9000/v1'}",
+        ]
+    )
+    check_config(cfg)
+    gym = cfg.environment.skyrl_gym
+    assert isinstance(gym.search, SearchEnvConfig)
+    assert (gym.search.search_url, gym.search.topk, gym.search.timeout) == ("http://10.0.0.7:8000/retrieve", 5, 30)
+    assert isinstance(gym.text2sql, Text2SQLEnvConfig)
+    assert gym.text2sql.db_path == "/data/sql"
+    assert (gym.llm_as_a_judge.model, gym.llm_as_a_judge.base_url) == ("judge-1", "http://judge:9000/v1")
+    # The generator hands each environment its section, as SkyRL does: a real search env gets the URL.
+    env = skyrl_gym.make(
+        "search",
+        env_config=env_config_for(gym, "search"),
+        extras={"reward_spec": {"method": "rule", "ground_truth": "Paris"}},
+    )
+    try:
+        assert (env.tool_group.search_url, env.tool_group.topk) == ("http://10.0.0.7:8000/retrieve", 5)
+    finally:
+        env.close()
+    assert env_config_for(gym, "gsm8k") == {}
+
+
+def test_per_environment_sections_mirror_skyrls_config():
+    skyrl_config = pytest.importorskip("skyrl.train.config")
+    ours = {f.name: f for f in dataclasses.fields(CLISkyRLGymConfig)}
+    theirs = {f.name: f for f in dataclasses.fields(skyrl_config.SkyRLGymConfig)}
+    assert set(theirs) <= set(ours)
+    assert set(ENV_SECTIONS) == set(theirs) - {"max_env_workers"}
+    for name in ENV_SECTIONS:
+        assert dataclasses.asdict(getattr(CLISkyRLGymConfig(), name)) == dataclasses.asdict(
+            getattr(skyrl_config.SkyRLGymConfig(), name)
+        ), name
+
+
+def test_every_key_has_help_text():
+    assert [path for path, spec in key_specs().items() if not spec.help.strip()] == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["environment.skyrl_gym.env_configs={search: {topk: 2}}"], r"set SkyRL's keys instead, `environment.skyrl"),
+        (
+            ["generator.sampling_params.logprobs=5"],
+            r"^`generator.sampling_params.logprobs` must be null, 0 or 1 .*got 5$",
+        ),
+        (["generator.eval_sampling_params.logprobs=2"], r"`generator.eval_sampling_params.logprobs` must be null, 0"),
+        (["generator.sampling_params.logprobs=-1"], r"`generator.sampling_params.logprobs` must be null, 0 or 1"),
+    ],
+)
+def test_skyrl_settings_the_generator_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(load_config(overrides))
+
+
+@pytest.mark.parametrize("value", ["null", "0", "1"])
+def test_logprobs_accepts_null_0_and_1(value):
+    check_config(load_config([f"generator.sampling_params.logprobs={value}"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "trainer.policy.model.path=Qwen/Qwen2.5-0.5B",
+            r"^`trainer.policy.model.path` is SkyRL's key, not taken here: the model is `engine.model`",
+        ),
+        ("trainer.seed=3", r"the seed is `run.seed` here"),
+        # Not "did you mean `run.backend`": that is the event loop, not an inference engine.
+        (
+            "generator.inference_engine.backend=vllm",
+            r"chosen with `engine.kind` here .*`run.backend` is something else: the event loop",
+        ),
+        ("generator.inference_engine.model_dtype=bfloat16", r"the dtype is `engine.dtype` here"),
+        ("generator.inference_engine.external_server_urls=[http://h:1]", r"`engine.base_urls` with `engine.kind=http`"),
+        ("generator.inference_engine.tensor_parallel_size=2", r"`engine.engine_args=\{tensor_parallel_size: \.\.\.\}`"),
+        (
+            "generator.inference_engine.enable_return_routed_expert=true",
+            r"did you mean `generator.inference_engine.enable_return_routed_experts`",
+        ),
+        ("data.dataloader.num_workers=0", r"there is no dataloader to configure"),
+        ("environment.skyrl_gym.my_env.key=1", r"`environment.skyrl_gym.env_configs=\{my_env: \{key: value\}\}`"),
+        ("environment.skyrl_gym.serch.search_url=x", r"did you mean `environment.skyrl_gym.search.search_url`"),
+        ("environment.skyrl_gym.search.url=x", r"Keys under `environment.skyrl_gym.search`: log_requests, search_url"),
+    ],
+)
+def test_skyrl_keys_the_command_does_not_take_get_a_hint(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([override])
+
+
+def test_oc_env_interpolation_on_the_command_line(monkeypatch):
+    monkeypatch.setenv("H5_TURNS", "3")
+    monkeypatch.setenv("H5_URL", "http://10.0.0.9:8000/retrieve")
+    monkeypatch.setenv("H5_DIR", "2024")
+    monkeypatch.delenv("H5_UNSET", raising=False)
+    cfg = load_config(
+        [
+            "generator.max_turns=${oc.env:H5_TURNS}",  # text from the environment, typed by the field
+            "environment.skyrl_gym.search.search_url=${oc.env:H5_URL}",
+            "run.output_dir=out/${oc.env:H5_DIR}",
+            "generator.sampling_params.temperature=${oc.env:H5_UNSET,0.25}",
+            "generator.sampling_params.stop=['${oc.env:H5_DIR}', '####']",
+            "generator.eval_sampling_params.max_generate_length=${generator.sampling_params.max_generate_length}",
+            "chaos.seed=${run.seed}",
+            "run.seed=7",
+        ]
+    )
+    assert cfg.generator.max_turns == 3
+    assert cfg.environment.skyrl_gym.search.search_url == "http://10.0.0.9:8000/retrieve"
+    assert cfg.run.output_dir == "out/2024"
+    assert cfg.generator.sampling_params.temperature == 0.25
+    assert cfg.generator.sampling_params.stop == ["2024", "####"]
+    assert cfg.generator.eval_sampling_params is not None
+    assert cfg.generator.eval_sampling_params.max_generate_length == 48
+    assert cfg.chaos.seed == 7  # resolved after every layer is in
+    assert load_config(["run.output_dir=\\${literal}"]).run.output_dir == "${literal}"
+
+
+def test_oc_env_interpolation_in_the_yaml_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("H5_TURNS", "4")
+    monkeypatch.setenv("H5_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
+    path = tmp_path / "run.yaml"
+    path.write_text("generator:\n  max_turns: ${oc.env:H5_TURNS}\nengine:\n  model: ${oc.env:H5_MODEL}\n")
+    cfg = load_config([], str(path))
+    assert (cfg.generator.max_turns, cfg.engine.model) == (4, "Qwen/Qwen2.5-0.5B-Instruct")
+    # The command line still wins over the file.
+    assert load_config(["generator.max_turns=2"], str(path)).generator.max_turns == 2
+
+
+def test_bad_interpolations_are_refused_naming_the_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("H5_UNSET", raising=False)
+    monkeypatch.setenv("H5_WORD", "three")
+    with pytest.raises(
+        ConfigError, match=r"^`generator.max_turns`: cannot resolve '\$\{oc.env:H5_UNSET\}': .*'H5_UNSET' not found"
+    ):
+        load_config(["generator.max_turns=${oc.env:H5_UNSET}"])
+    with pytest.raises(ConfigError, match=r"^`generator.max_turns` takes int, got 'three' \(str\)"):
+        load_config(["generator.max_turns=${oc.env:H5_WORD}"])
+    with pytest.raises(ConfigError, match=r"^`run.output_dir`: cannot resolve .*not a well-formed"):
+        load_config(["run.output_dir=${oc.env:"])
+    with pytest.raises(ConfigError, match=r"`chaos.seed`: cannot resolve '\$\{nope.key\}': .*'nope.key' not found"):
+        load_config(["chaos.seed=${nope.key}"])
+    path = tmp_path / "run.yaml"
+    path.write_text("engine:\n  model: ${oc.env:H5_UNSET}\n")
+    with pytest.raises(ConfigError, match=rf"^`engine.model` \(in {path}\): cannot resolve"):
+        load_config([], str(path))

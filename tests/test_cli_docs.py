@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
-from skyrl_structured._cli.help import reference_markdown
+from skyrl_structured._cli.help import key_cell, reference_markdown
 from skyrl_structured._cli.schema import key_specs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +22,27 @@ def test_configuration_reference_lists_every_key():
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     for path, spec in key_specs().items():
         if spec.section is None:
-            assert f"| `{path}` |" in text, path
+            assert f"| {key_cell(path)} |" in text, path
+
+
+def test_reference_keys_wrap_only_after_their_dots():
+    # The theme breaks code at any letter (max_generate_length came out as max_gener/ate_length):
+    # each key offers <wbr> after its dots only, and the site's stylesheet forbids other breaks.
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    cells = re.findall(r'^\| <code class="config-key">([^<]*(?:<wbr>[^<]*)*)</code> \|', text, flags=re.MULTILINE)
+    leaves = [path for path, spec in key_specs().items() if spec.section is None]
+    assert len(cells) >= len(leaves)
+    for cell in cells:
+        segments = cell.split("<wbr>")
+        assert all(s.endswith(".") for s in segments[:-1]), cell
+        assert all(re.fullmatch(r"[a-z0-9_]+\.?", s) for s in segments), cell
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    (stylesheet,) = config["extra_css"]
+    css = (ROOT / "docs" / stylesheet).read_text(encoding="utf-8")
+    rule = re.search(r"\.md-typeset code\.config-key \{([^}]*)\}", css)
+    assert rule is not None
+    assert "word-break: normal;" in rule.group(1)
+    assert "overflow-wrap: normal;" in rule.group(1)
 
 
 def _nav_pages(entries):

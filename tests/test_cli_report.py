@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import cast
+import sys
+from typing import Any, cast
 
 import pytest
 
@@ -18,6 +19,7 @@ from skyrl_structured._cli.config import load_config
 from skyrl_structured._cli.data import build_batch, load_dataset
 from skyrl_structured._cli.report import format_summary, summarize, write_outputs
 from skyrl_structured._cli.run import RunResult, Tally
+from skyrl_structured._cli.trajectories import TrajectoryLog
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 
@@ -107,3 +109,107 @@ def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
     assert table.startswith("skyrl-structured rollout: interrupted\n")
     assert "  inference sessions  3 finished of 3 started\n" in table
     assert f"  output              {tmp_path}/ (summary.json)" in table
+
+
+def _skyrl_metrics() -> Any:
+    from tests._upstream import load_upstream_generator
+
+    load_upstream_generator()  # makes SkyRL's generator package importable without Ray
+    from skyrl.train.generators.utils import get_metrics_from_generator_output
+
+    return get_metrics_from_generator_output
+
+
+@pytest.mark.parametrize(
+    ("policy", "avg_raw_reward", "pass_at_2", "masked", "overrides"),
+    [
+        ("placeholder", 0.5, 1.0, {"placeholder": 3}, {}),
+        ("mask_group", 0.125, 0.25, {"placeholder": 3, "mask_group": 3}, {"mask_group": 3}),
+        ("fill_group_mean", 0.875, 1.0, {"placeholder": 3}, {"fill_group_mean": 3}),
+    ],
+)
+@pytest.mark.anyio
+async def test_the_summary_shows_what_skyrls_trainer_logs_for_each_policy(
+    anyio_backend, tokenizer, tmp_path, policy, avg_raw_reward, pass_at_2, masked, overrides
+):
+    # docs/failures.md's batch: 4 prompts x 2 samples; sample 0 answers right (reward 1); sample 1
+    # fails for prompts 0-2 and answers wrong for prompt 3.
+    dataset = load_dataset(None, default_env_class="gsm8k", max_prompts=4)
+    truths = [extras["reward_spec"]["ground_truth"] for extras in dataset.env_extras]
+
+    def answer(call: EngineCall) -> str:
+        prompt, sample = map(int, str(call.session_id).split("_"))
+        if sample == 1 and prompt < 3:
+            raise ConnectionError("sandbox lost")
+        return f"#### {truths[prompt] if sample == 0 else 'nothing'}"
+
+    gen_cfg = GeneratorConfig(
+        skip_failed_rollouts=True, failed_rollout_policy=policy, n_samples_per_prompt=2, max_turns=1
+    )
+    batch = build_batch(dataset, n_samples=2, params=gen_cfg.sampling_params, phase="train")
+    generator = StructuredGymGenerator(
+        gen_cfg, SkyRLGymConfig(max_env_workers=0), ScriptedEngine(tokenizer, answer), tokenizer
+    )
+    log = TrajectoryLog(tmp_path / "trajectories.jsonl")  # as the command records each rollout
+    generator.observers.append(log)
+    output = await generator.generate(batch, disable_tqdm=True)
+    log.close()
+    result = RunResult(
+        status="ok",
+        tally=Tally(),
+        output=output,
+        engine="scripted",
+        tokenizer=tokenizer,
+        trajectories=log,
+        env_classes=list(batch["env_classes"]),
+        trajectory_ids=batch["trajectory_ids"],
+    )
+    cfg = load_config([f"run.output_dir={tmp_path}", f"generator.failed_rollout_policy={policy}"])
+    summary = summarize(cfg, dataset.source, 4, 2, result, argv=["rollout"])
+
+    ids = batch.get("trajectory_ids")
+    assert ids is not None
+    skyrl = _skyrl_metrics()(output, [t.instance_id for t in ids])
+    assert summary["trainer_metrics"] == {
+        "reward/avg_raw_reward": pytest.approx(skyrl["avg_score"]),
+        "reward/avg_pass_at_2": skyrl["pass_at_n"],
+    }
+    assert (skyrl["avg_score"], skyrl["pass_at_n"]) == (pytest.approx(avg_raw_reward), pass_at_2)
+    assert summary["pass_at_k"] == pass_at_2
+    # The model's own accuracy, whatever the policy did to the rewards the trainer gets.
+    assert summary["mean_reward"] == pytest.approx(4 / 5)
+    assert summary["rollouts_rewarded"] == 4
+    assert summary["masked_rows"] == masked
+    assert summary["reward_overrides"] == overrides
+    assert summary["trainable_rows"] == 8 - sum(masked.values())
+    # Groups 0-2: one real sample. Their rewards tie under mask_group (0, 0) and fill_group_mean (1, 1).
+    zero_variance = {"placeholder": 0, "mask_group": 3, "fill_group_mean": 3}[policy]
+    assert summary["zero_variance_groups"] == zero_variance
+    assert summary["argv"] == ["rollout"]
+    assert summary["seed"] == {"run": 0, "chaos": 0}
+
+
+@pytest.mark.anyio
+async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path, monkeypatch):
+    dataset = load_dataset(None, default_env_class="gsm8k", max_prompts=1)
+    gen_cfg = GeneratorConfig(n_samples_per_prompt=2)
+    batch = build_batch(dataset, n_samples=2, params=gen_cfg.sampling_params, phase="train")
+    generator = StructuredGymGenerator(
+        gen_cfg, SkyRLGymConfig(max_env_workers=0), ScriptedEngine(tokenizer, _answer), tokenizer
+    )
+    output = await generator.generate(batch, disable_tqdm=True)
+    result = RunResult(status="ok", tally=Tally(), output=output, engine="scripted", tokenizer=tokenizer)
+    cfg = load_config([f"run.output_dir={tmp_path}"])
+    summary = summarize(cfg, dataset.source, 1, 2, result)
+    (tmp_path / "summary.png").write_bytes(b"an earlier run's picture")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    write_outputs(tmp_path, summary, cfg, batch, result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generator_output.json", "summary.json", "trajectories.jsonl"]
+    assert json.loads((tmp_path / "summary.json").read_text())["files"] == [
+        "generator_output.json",
+        "trajectories.jsonl",
+        "summary.json",
+    ]
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    write_outputs(tmp_path, summary, cfg, batch, result)
+    assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +154,11 @@ def test_all_rollouts_failing_fails_the_step_and_debug_shows_the_traceback(tmp_p
     assert summary["envs_opened"] == summary["envs_closed"] == ROLLOUTS
 
 
-class _StderrWatcher:
-    """Reads a child's stderr in a thread and signals when a pattern has appeared."""
+class _StderrReader:
+    """Reads a child's stderr in a thread (so the pipe never fills) and keeps the text."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], pattern: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.text = ""
-        self.seen = threading.Event()
-        self._pattern = re.compile(pattern)
         self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self._thread.start()
 
@@ -167,11 +166,22 @@ class _StderrWatcher:
         assert proc.stderr is not None
         while chunk := os.read(proc.stderr.fileno(), 4096):
             self.text += chunk.decode(errors="replace")
-            if self._pattern.search(self.text):
-                self.seen.set()
 
     def join(self) -> None:
         self._thread.join(timeout=30)
+
+
+def _wait_for_a_finished_rollout(trajectories: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """True once ``trajectories.jsonl`` holds a whole line: the CLI appends one per rollout as it finishes.
+
+    False if the child exits first or ``timeout_s`` passes (a bound for a broken run, not a pacing delay).
+    """
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if trajectories.exists() and b"\n" in trajectories.read_bytes():
+            return True
+        time.sleep(0.02)
+    return False
 
 
 @pytest.mark.parametrize(
@@ -179,7 +189,7 @@ class _StderrWatcher:
 )
 def test_signal_mid_run_cancels_rollouts_and_closes_every_environment(tmp_path, backend, signum, status):
     # Half the engine calls are held for a minute, so the run is mid-flight for certain once the
-    # progress bar shows finished rollouts (the bar refreshes after its 5 s minimum interval).
+    # first finished rollout lands in trajectories.jsonl.
     proc = subprocess.Popen(
         _command(
             f"run.output_dir={tmp_path / 'out'}",
@@ -192,8 +202,8 @@ def test_signal_mid_run_cancels_rollouts_and_closes_every_environment(tmp_path, 
         stderr=subprocess.PIPE,
     )
     try:
-        watcher = _StderrWatcher(proc, r"Generating Trajectories:\s+\d+%\|[^|]*\| [1-9]\d*/48")
-        assert watcher.seen.wait(timeout=240), watcher.text
+        watcher = _StderrReader(proc)
+        assert _wait_for_a_finished_rollout(tmp_path / "out" / "trajectories.jsonl", proc, 240), watcher.text
         proc.send_signal(signum)
         proc.wait(timeout=120)
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
 import anyio
 import pytest
@@ -66,6 +68,7 @@ def _refused(knob: str, requirement: str, got: str) -> str:
 
 TIMEOUT = r"a finite number of seconds > 0, or null for no deadline \(\.inf means the same\)"
 CLEANUP = r"a finite number of seconds > 0"
+FRACTION = r"within \[0, 1\]"
 
 
 @pytest.mark.parametrize(
@@ -110,28 +113,57 @@ CLEANUP = r"a finite number of seconds > 0"
             True,
             _refused("max_concurrent_rollouts", "an integer >= 1, or null for no limit", r"True \(bool\)"),
         ),
-        ("max_failed_rollout_fraction", 1.5, _refused("max_failed_rollout_fraction", r"within \[0, 1\]", "1.5")),
-        (
-            "max_failed_rollout_fraction",
-            float("nan"),
-            _refused("max_failed_rollout_fraction", r"within \[0, 1\]", "nan"),
-        ),
-        (
-            "max_failed_rollout_fraction",
-            True,
-            _refused("max_failed_rollout_fraction", r"within \[0, 1\]", r"True \(bool\)"),
-        ),
+        ("max_failed_rollout_fraction", 1.5, _refused("max_failed_rollout_fraction", FRACTION, "1.5")),
+        ("max_failed_rollout_fraction", float("nan"), _refused("max_failed_rollout_fraction", FRACTION, "nan")),
+        ("max_failed_rollout_fraction", True, _refused("max_failed_rollout_fraction", FRACTION, r"True \(bool\)")),
         ("failure_budget_action", "ignore", _refused("failure_budget_action", "one of raise, warn", "'ignore'")),
         (
             "failed_rollout_policy",
             "drop",
-            r"^`generator.failed_rollout_policy` must be one of placeholder, mask_group, fill_group_mean; got 'drop'$",
+            _refused("failed_rollout_policy", "one of placeholder, mask_group, fill_group_mean", "'drop'")
+            + r".*docs/failures\.md",
         ),
     ],
 )
 def test_bad_knob_values_are_refused_by_name(knob, value, message):
     with pytest.raises(ValueError, match=message):
         resolve_resilience({knob: value})
+
+
+#: Every kind of wrong value for each numeric knob: wrong type, out of range on either side, NaN, inf.
+WRONG_NUMBERS: dict[str, list[Any]] = {
+    "rollout_timeout_s": [0, 0.0, -5, -0.001, float("nan"), float("-inf"), "600", True, [600]],
+    "max_rollout_retries": [-1, -100, 1.5, 2.0, float("inf"), float("nan"), None, "3", False],
+    "rollout_retry_backoff_s": [-1, -0.5, float("inf"), float("nan"), None, "1", True],
+    "max_concurrent_rollouts": [0, -5, 1.5, 8.0, float("inf"), "8", True],
+    "env_cleanup_timeout_s": [0, -1, -30.0, float("inf"), float("nan"), None, "30", True],
+    "max_failed_rollout_fraction": [-0.1, 1.5, 2, float("inf"), float("nan"), None, "0.5", True],
+}
+
+
+@pytest.mark.parametrize("knob", sorted(WRONG_NUMBERS))
+def test_every_wrong_value_of_a_numeric_knob_gets_one_message(knob):
+    """0 and -5 (or a string, or NaN) are one mistake to the user: one rule, one range, one fix, whatever was got."""
+    messages = []
+    for value in WRONG_NUMBERS[knob]:
+        with pytest.raises(ValueError, match=f"^`generator.{knob}` must be ") as refused:
+            resolve_resilience({knob: value})
+        messages.append(str(refused.value))
+    prefix = f"`generator.{knob}` must be "
+    rules, fixes = set(), set()
+    for message in messages:
+        assert message.startswith(prefix), message
+        rule, _, rest = message.removeprefix(prefix).partition("; got ")
+        _got, _, fix = rest.partition(". ")
+        rules.add(rule)
+        fixes.add(fix)
+    assert len(rules) == 1, messages
+    assert len(fixes) == 1, messages
+    (rule,) = rules
+    (fix,) = fixes
+    assert re.search(r"(>|>=|within [\[(]) ?-?\d", rule), f"no accepted range in {rule!r}"
+    assert fix, f"no fix in {messages[0]!r}"
+    assert resolve_resilience({knob: getattr(ResilienceSettings(), knob)}) == ResilienceSettings()
 
 
 @pytest.mark.parametrize("value", [float("inf"), None])

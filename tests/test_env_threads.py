@@ -171,3 +171,19 @@ def test_a_call_finishing_after_its_event_loop_ended_is_harmless():
 def test_pool_needs_a_worker():
     with pytest.raises(ValueError, match="at least one worker"):
         EnvThreadPool(0)
+
+
+async def test_calls_that_need_each_other_run_together_across_idle_timeouts(anyio_backend):
+    # Threads timing out as idle while calls arrive must never leave a queued call with no thread
+    # coming: each round needs both calls running at once (a barrier of two) to finish.
+    pool = EnvThreadPool(2, idle_s=0.01)
+    for round_ in range(40):
+        barrier = threading.Barrier(2, timeout=10)
+        calls = [EnvCall(barrier.wait) for _ in range(2)]
+        for call in calls:
+            pool.submit(call)
+        for call in calls:
+            with anyio.fail_after(20):
+                await call.wait()
+            call.result()  # BrokenBarrierError if the other call never ran alongside
+        await anyio.sleep(0.005 * (round_ % 4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import anyio
 import pytest
@@ -147,7 +148,19 @@ async def test_failure_budget(tokenizer, anyio_backend):
     assert out["stop_reasons"].count(ROLLOUT_ERROR_STOP_REASON) == 1
 
 
-async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_backend):
+def _deadline_backends() -> list[Any]:
+    """asyncio on the wall clock, with a deadline that clears a loaded machine, and trio on virtual time."""
+    import trio.testing
+
+    autojump = ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return [
+        pytest.param(("asyncio", {"debug": True}), 3, id="asyncio"),
+        pytest.param(autojump, 600, id="trio-autojump"),
+    ]
+
+
+@pytest.mark.parametrize(("anyio_backend", "timeout_s"), _deadline_backends())
+async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_backend, timeout_s):
     ledger = EnvLedger()
     never = anyio.Event()
     replies = turn_replies("first #### 7", "second #### 8")
@@ -158,7 +171,8 @@ async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_
         return replies(call)
 
     engine = ScriptedEngine(tokenizer, handler)
-    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True, rollout_timeout_s=3)
+    # Inline env calls: on virtual time the clock moves only once every rollout waits.
+    gen = make_generator(tokenizer, engine, workers=0, skip_failed_rollouts=True, rollout_timeout_s=timeout_s)
     out = await gen.generate(make_batch(2, ledger), disable_tqdm=True)
     assert out["stop_reasons"] == ["stop", ROLLOUT_ERROR_STOP_REASON]
     metrics = out["rollout_metrics"]
@@ -168,8 +182,8 @@ async def test_timeout_turns_a_hung_rollout_into_timeout_error(tokenizer, anyio_
     ledger.assert_all_closed_once()
     assert sorted(engine.finished_sessions, key=str) == ["q0_0", "q0_1"]
 
-    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler), rollout_timeout_s=3)
-    with pytest.raises(TimeoutError, match=r"rollout 1 \(q0_1\) exceeded generator.rollout_timeout_s=3s"):
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler), workers=0, rollout_timeout_s=timeout_s)
+    with pytest.raises(TimeoutError, match=rf"rollout 1 \(q0_1\) exceeded generator.rollout_timeout_s={timeout_s}s"):
         await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
 
 
@@ -372,7 +386,7 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
     (bar,) = bars
     assert (bar.done, bar.failed) == (4, 2)
     assert bar._bar is not None
-    assert bar._bar.postfix == "failed=2"
+    assert bar._bar.postfix == "in_flight=0, failed=2"  # every attempt ended
     assert bar._bar.desc == "Generating Trajectories"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import platform
 import subprocess
 import sys
 import textwrap
@@ -60,8 +61,83 @@ def test_without_skyrl_the_module_says_what_to_install():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ImportError: skyrl_structured.integrations.skyrl needs SkyRL, which could not be ")
-    assert lines[0].endswith("install it with: pip install 'skyrl-structured[skyrl]'")
+    # SkyRL's trainer extra brings Ray, vLLM and the trainer; skyrl-structured[skyrl] brings none of them.
+    assert "install it with its trainer: pip install 'skyrl[fsdp]' (Python 3.12 or newer" in lines[0]
+    assert "skyrl-structured[skyrl]" not in proc.stdout
     assert lines[1] == "cause: ModuleNotFoundError"
+
+
+_HIDE = """
+import importlib.abc, runpy, sys
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == {hidden!r} or name.startswith({hidden!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+sys.argv = ["skyrl_structured.integrations.skyrl", *{args!r}]
+runpy.run_module("skyrl_structured.integrations.skyrl", run_name="__main__", alter_sys=True)
+"""
+
+
+def _run_entrypoint(*args: str, hidden: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m skyrl_structured.integrations.skyrl ARGS``, optionally with one package made unimportable."""
+    if hidden is None:
+        command = [sys.executable, "-m", "skyrl_structured.integrations.skyrl", *args]
+    else:
+        command = [sys.executable, "-c", _HIDE.format(hidden=hidden, args=list(args))]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+
+
+def test_entrypoint_help_lists_the_settings_it_adds():
+    proc = _run_entrypoint("--help")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    text = proc.stdout
+    assert text.startswith("usage: python -m skyrl_structured.integrations.skyrl [KEY=VALUE ...]\n")
+    assert "trainer.override_entrypoint=skyrl_structured.integrations.skyrl" in text
+    defaults = integration.StructuredGeneratorConfig()
+    for name in integration.STRUCTURED_KNOBS:
+        value = getattr(defaults, name)
+        shown = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
+        assert f"\n  generator.{name}={shown}\n" in text, name
+    assert "synchronous" in text
+    assert "pip install 'skyrl[fsdp]'" in text
+    assert text == integration.usage() + "\n"
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="SkyRL's config fails to import on Python 3.11 only")
+def test_entrypoint_on_python_311_says_which_python_works():
+    # Real, not simulated: SkyRLTrainConfig imports skyrl.backends, whose pydantic models use
+    # typing.TypedDict, which pydantic refuses before Python 3.12.
+    proc = _run_entrypoint("generator.max_turns=2")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: SkyRL cannot build its configuration on Python {platform.python_version()}: ")
+    assert "typing.TypedDict" in line
+    assert "Run SkyRL's trainer on Python 3.12 or newer" in line
+    assert "uv pip install 'skyrl[fsdp]' skyrl-structured" in line
+
+
+def test_entrypoint_without_skyrls_trainer_says_what_to_install():
+    proc = _run_entrypoint("generator.max_turns=2", hidden="skyrl.backends")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: SkyRL's trainer cannot start: ModuleNotFoundError: No module named 'skyrl.backends")
+    assert line.endswith(f"install SkyRL with its trainer: {integration.INSTALL_HINT}")
+
+
+def test_entrypoint_without_skyrl_prints_one_line():
+    proc = _run_entrypoint("generator.max_turns=2", hidden="skyrl")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: skyrl_structured.integrations.skyrl needs SkyRL, which could not be imported")
+    assert line.endswith(f"install it with its trainer: {integration.INSTALL_HINT}")
 
 
 def _added_fields(cls: type, base: type) -> dict[str, dataclasses.Field[Any]]:
@@ -131,22 +207,48 @@ def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parse
         skyrl_cli_parser(["generator.skip_failed_rollout=true"])
 
 
-def test_main_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_parser):
+def test_parse_config_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_parser):
     with pytest.raises(ValueError, match=r"`generator.skip_failed_rollouts` does not work with `generator.batched"):
-        integration.main(["generator.skip_failed_rollouts=true", "generator.batched=true"])
+        integration.parse_config(["generator.skip_failed_rollouts=true", "generator.batched=true"])
     with pytest.raises(ValueError, match=r"`generator.max_failed_rollout_fraction` must be within \[0, 1\]"):
-        integration.main(["generator.max_failed_rollout_fraction=2.0"])
+        integration.parse_config(["generator.max_failed_rollout_fraction=2.0"])
     with pytest.raises(ValueError, match=r"vision_language_generator=true` is not supported"):
-        integration.main(["generator.vision_language_generator=true"])
+        integration.parse_config(["generator.vision_language_generator=true"])
+    cfg = integration.parse_config(
+        ["trainer.override_entrypoint=skyrl_structured.integrations.skyrl", "generator.rollout_timeout_s=45"]
+    )
+    assert cfg.generator.rollout_timeout_s == 45
+
+
+def test_main_prints_one_line_and_exits_2_on_a_bad_configuration(skyrl_cli_parser, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        integration.main(["generator.skip_failed_rollouts=true", "generator.batched=true"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: `generator.skip_failed_rollouts` does not work with `generator.batched")
+
+
+def test_main_refuses_fully_async_and_points_at_the_three_line_edit(skyrl_cli_parser, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        integration.main(["trainer.fully_async.enabled=true"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: `trainer.fully_async.enabled=true`: this entrypoint (and trainer.override_entry")
+    assert "drives SkyRL's synchronous trainer" in line
+    assert "three-line edit" in line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="ray is installed: the experiment imports")
-def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser):
+def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser, capsys):
     with pytest.raises(ImportError, match=r"running SkyRL's trainer needs SkyRL with its training dependencies"):
         integration.StructuredPPOExp  # noqa: B018 - the attribute access is the import
     # main() parses and checks first (SkyRL's override_entrypoint key is its routing, not a field).
-    with pytest.raises(ImportError, match=r"pip install 'skyrl-structured\[skyrl\]'"):
+    with pytest.raises(SystemExit) as exit_info:
         integration.main(["trainer.override_entrypoint=skyrl_structured.integrations.skyrl"])
+    assert exit_info.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: running SkyRL's trainer needs SkyRL with its training dependencies")
+    assert "pip install 'skyrl[fsdp]'" in line
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         integration.nope  # noqa: B018
 

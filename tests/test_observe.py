@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Collection
 from typing import Any
@@ -10,6 +11,7 @@ import anyio
 import pytest
 
 from skyrl_structured import RolloutObserver, RolloutRef
+from skyrl_structured.progress import Progress
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
@@ -167,3 +169,86 @@ async def test_an_observer_that_raises_is_skipped_and_changes_nothing(tokenizer,
     assert Broken.calls == 1
     assert len([r for r in caplog.records if "observer" in r.getMessage()]) == 1
     assert len([e for e in recorder.events if e[0] == "attempt_started"]) == 3
+
+
+async def test_the_trajectory_comes_before_the_outcome_and_an_aborted_batch_says_so(tokenizer, anyio_backend):
+    events: list[tuple[str, int, Any]] = []
+
+    class Ends(RolloutObserver):
+        def trajectory_finished(self, rollout, trajectory):
+            events.append(("trajectory_finished", rollout.index, trajectory.failed))
+
+        def rollout_finished(self, rollout, *, failed):
+            events.append(("rollout_finished", rollout.index, failed))
+
+        def batch_finished(self, size, failed):
+            events.append(("batch_finished", size, failed))
+
+        def batch_aborted(self, size, error):
+            events.append(("batch_aborted", size, type(error).__name__))
+
+    engine = _engine(tokenizer, fail_first={"q0_1"})
+    gen = make_generator(tokenizer, engine, skip_failed_rollouts=True)
+    gen.observers.append(Ends())
+    await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
+    assert sorted(events[:4]) == [
+        ("rollout_finished", 0, False),
+        ("rollout_finished", 1, True),
+        ("trajectory_finished", 0, False),
+        ("trajectory_finished", 1, True),
+    ]
+    for index in (0, 1):
+        mine = [e[0] for e in events if e[1] == index and e[0] != "batch_finished"]
+        assert mine == ["trajectory_finished", "rollout_finished"]
+    assert events[-1] == ("batch_finished", 2, 1)
+
+    events.clear()
+    strict = make_generator(tokenizer, _engine(tokenizer, fail_first={"q0_0"}))
+    strict.observers.append(Ends())
+    with pytest.raises(ConnectionError):
+        await strict.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
+    aborted = [e for e in events if e[0] == "batch_aborted"]
+    assert aborted == [("batch_aborted", 2, "ConnectionError")]
+    assert not any(e[0] == "batch_finished" for e in events)
+
+
+async def test_the_progress_bar_shows_the_attempts_in_flight(tokenizer, anyio_backend):
+    all_started = anyio.Event()
+    seen: list[int] = []
+    text = io.StringIO()
+    progress = Progress(3, disable=False, file=text)
+
+    async def handler(call):
+        seen.append(progress.in_flight)
+        if len(seen) == 3:
+            all_started.set()
+        await all_started.wait()
+        return "an answer #### 7"
+
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler))
+    gen.observers.append(progress)
+    await gen.generate(make_batch(3, EnvLedger()), disable_tqdm=True)
+    assert progress.postfix() == "in_flight=0"
+    assert max(seen) == 3  # all three attempts were running at once
+    progress.close()
+    assert "3/3" in text.getvalue()
+    assert "in_flight=0" in text.getvalue()
+
+
+async def test_an_attempt_cancelled_before_its_slot_is_never_in_flight(tokenizer, anyio_backend):
+    started = anyio.Event()
+
+    async def hang(call):
+        started.set()
+        await anyio.sleep_forever()
+
+    progress = Progress(3, disable=True)
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, hang), max_concurrent_rollouts=1)
+    gen.observers.append(progress)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen.generate, make_batch(3, EnvLedger()), True)
+            await started.wait()
+            assert progress.in_flight == 1
+            scope.cancel()
+    assert progress.in_flight == 0

@@ -10,6 +10,7 @@ EXPECTED = {
     "ChatTemplateConfig",
     "ConversationType",
     "FailedRollout",
+    "FinishedTrajectory",
     "GeneratorConfig",
     "GeneratorInput",
     "GeneratorOutput",
@@ -31,6 +32,8 @@ EXPECTED = {
     "StructuredGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
+    "TrajectoryStep",
+    "TrajectoryStream",
     "open_env",
     "validate_generator_output",
 }

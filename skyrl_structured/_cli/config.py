@@ -2,8 +2,11 @@
 
 Values are read as YAML literals (``true``, ``null``, ``0.7``, ``[a, b]``, ``{k: v}``) and then
 typed by the dataclass field they land in. Layers, lowest first: the command's preset, the YAML
-file, the command line. Everything here runs before any model is loaded or rollout started, and
-every refusal is a :class:`ConfigError` naming the key, what it accepts, and close matches.
+file, the command line. A value holding ``${...}`` is an OmegaConf interpolation, as in SkyRL's
+configs (``${oc.env:VAR}``, ``${oc.env:VAR,default}``, ``${generator.max_turns}``): it is resolved
+once every layer is in, then typed like a command-line value. Everything here runs before any model
+is loaded or rollout started, and every refusal is a :class:`ConfigError` naming the key, what it
+accepts, and close matches; SkyRL keys the command does not take get a hint toward its own.
 """
 
 from __future__ import annotations
@@ -12,23 +15,63 @@ import dataclasses
 import difflib
 import importlib
 import math
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 
 from ..config import resolve_resilience
 from ..tokens import load_custom_chat_template
 from ..validate import check_generator_config
-from .schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs, strip_optional
+from .schema import (
+    CLI_PRESET,
+    ENV_SECTIONS,
+    SECTIONS,
+    KeySpec,
+    RolloutConfig,
+    default_config,
+    describe_type,
+    key_specs,
+    strip_optional,
+)
 
 __all__ = ["ConfigError", "check_config", "format_value", "load_config", "parse_value"]
 
 #: Sections of SkyRL's config that a rollout never reads, with what to do instead.
 _FOREIGN_SECTIONS = {
     "trainer": "trainer.* configures SkyRL's trainer; `skyrl-structured rollout` runs one generation step only",
+}
+
+_ENGINE_ARGS_HINT = (
+    "SkyRL's inference-engine settings are not read here; with `engine.kind=vllm` pass vLLM engine "
+    "arguments as `engine.engine_args={{{name}: ...}}`"
+)
+
+#: SkyRL keys the command does not take, by exact key or by prefix (ending in "."), with where the
+#: setting lives here. Looked up before close-match suggestions, which would point at a look-alike.
+_SKYRL_HINTS: dict[str, str] = {
+    "trainer.policy.model.path": "the model is `engine.model` here (a Hugging Face name or local path; with "
+    "engine.kind=http the name the servers serve)",
+    "trainer.seed": "the seed is `run.seed` here",
+    "generator.inference_engine.backend": "SkyRL's inference backend (vllm) is chosen with `engine.kind` here "
+    "(transformers, http or vllm); `run.backend` is something else: the event loop (asyncio or trio)",
+    "generator.inference_engine.model_dtype": "the dtype is `engine.dtype` here (transformers engine)",
+    "generator.inference_engine.external_server_urls": "servers already running are `engine.base_urls` with "
+    "`engine.kind=http` here",
+    "generator.inference_engine.external_proxy_url": "servers already running are `engine.base_urls` with "
+    "`engine.kind=http` here",
+    "generator.inference_engine.served_model_name": "with `engine.kind=http`, `engine.model` is the served name",
+    "generator.inference_engine.engine_init_kwargs": "vLLM engine arguments are `engine.engine_args` here",
+    "generator.inference_engine.": _ENGINE_ARGS_HINT,
+    "data.dataloader.": "the command reads the data files itself; there is no dataloader to configure",
+    "environment.skyrl_gym.": "SkyRL's per-environment sections are "
+    + ", ".join(f"`environment.skyrl_gym.{name}.*`" for name in ENV_SECTIONS)
+    + "; your own environment's settings go in `environment.skyrl_gym.env_configs={{{name}: {{key: value}}}}`",
 }
 
 
@@ -81,6 +124,13 @@ def _coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
             raise ConfigError(f"`{spec.path}`{where} must be one of {', '.join(spec.choices)}; got {text!r}{hint}")
         return text
     origin = typing.get_origin(base)
+    if origin in (typing.Union, types.UnionType):  # e.g. `data.path`: one file or a list of them
+        for member in typing.get_args(base):
+            try:
+                return _coerce(dataclasses.replace(spec, annotation=member), value, raw, where)
+            except ConfigError:
+                continue
+        raise _fail_type(spec, value, where)
     if base is bool:
         if isinstance(value, bool):
             return value
@@ -113,7 +163,22 @@ def _coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
     return value
 
 
+def _skyrl_hint(key: str, *, exact: bool) -> str | None:
+    if exact:
+        return _SKYRL_HINTS.get(key)
+    prefixes = sorted((p for p in _SKYRL_HINTS if p.endswith(".") and key.startswith(p)), key=len, reverse=True)
+    if not prefixes:
+        return None
+    name = key[len(prefixes[0]) :].partition(".")[0]
+    if f"{prefixes[0]}{name}" in key_specs():  # a section we do take: its key listing helps more
+        return None
+    return _SKYRL_HINTS[prefixes[0]].format(name=name)
+
+
 def _unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigError:
+    hint_text = _skyrl_hint(key, exact=True)
+    if hint_text is not None:
+        return ConfigError(f"`{key}`{where} is SkyRL's key, not taken here: {hint_text}")
     head, _, _ = key.partition(".")
     if head not in SECTIONS:
         foreign = _FOREIGN_SECTIONS.get(head)
@@ -131,9 +196,11 @@ def _unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigEr
     if not close:  # maybe the right name under another section
         leaves = [p for p, s in specs.items() if s.section is None]
         name = key.rpartition(".")[2]
-        close = [p for p in leaves if p.rpartition(".")[2] == name][:2] or difflib.get_close_matches(
-            key, leaves, n=2, cutoff=0.8
-        )
+        close = [p for p in leaves if p.rpartition(".")[2] == name][:2]
+        hint_text = None if close else _skyrl_hint(key, exact=False)
+        if hint_text is not None:
+            return ConfigError(f"unknown key `{key}`{where}: {hint_text}")
+        close = close or difflib.get_close_matches(key, leaves, n=2, cutoff=0.8)
     hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
     listing = f" Keys under `{parent}`: {', '.join(siblings)}" if parent in specs else ""
     return ConfigError(f"unknown key `{key}`{where}{hint}{listing}")
@@ -150,14 +217,41 @@ def _place(tree: dict[str, Any], path: str, value: Any) -> None:
     node[name] = value
 
 
+#: Interpolated values waiting for every layer: key -> (spec, value as given, where it came from).
+_Pending = dict[str, tuple[KeySpec, Any, str]]
+
+
+def _interpolated(value: Any) -> bool:
+    """Whether ``value`` (or a string inside it) holds an OmegaConf interpolation, ``${...}``."""
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, Mapping):
+        return any(_interpolated(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_interpolated(v) for v in value)
+    return False
+
+
 def _assign(
-    tree: dict[str, Any], specs: Mapping[str, KeySpec], key: str, value: Any, raw: str | None, where: str
+    tree: dict[str, Any],
+    specs: Mapping[str, KeySpec],
+    pending: _Pending,
+    key: str,
+    value: Any,
+    raw: str | None,
+    where: str,
 ) -> None:
     spec = specs.get(key)
     if spec is None:
         raise _unknown_key(key, specs, where)
+    for stale in [p for p in pending if p == key or p.startswith(f"{key}.")]:
+        del pending[stale]  # a later layer replaces it
     if spec.section is None:
-        _place(tree, key, _coerce(spec, value, raw, where))
+        if _interpolated(value):
+            pending[key] = (spec, value, where)
+            _place(tree, key, value)  # as written, so that other interpolations can refer to it
+        else:
+            _place(tree, key, _coerce(spec, value, raw, where))
         return
     if value is None:
         if not spec.optional:
@@ -170,7 +264,51 @@ def _assign(
             f"(`{key}={{name: value}}`); got {format_value(value)!r}"
         )
     for name, sub_value in value.items():
-        _assign(tree, specs, f"{key}.{name}", sub_value, None, where)
+        _assign(tree, specs, pending, f"{key}.{name}", sub_value, None, where)
+
+
+def _merged(base: Any, top: Any) -> Any:
+    if isinstance(base, dict) and isinstance(top, dict):
+        return {**base, **{k: _merged(base.get(k), v) for k, v in top.items()}}
+    return top
+
+
+def _resolve_interpolations(tree: dict[str, Any], pending: _Pending) -> None:
+    """Resolve every ``${...}`` value against the configuration (defaults under the layers), then type it."""
+    if not pending:
+        return
+    root = _merged(dataclasses.asdict(default_config()), tree)
+    try:
+        conf = OmegaConf.create(root)
+    except OmegaConfBaseException as exc:  # a malformed ${...}
+        raise _interpolation_error(exc, pending) from None
+    for key, (spec, value, where) in pending.items():
+        try:
+            node = OmegaConf.select(conf, key, throw_on_missing=True)
+            resolved = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        except OmegaConfBaseException as exc:
+            raise _interpolation_error(exc, pending, key) from None
+        if isinstance(value, str) and isinstance(resolved, str):
+            # `${oc.env:N}` gives text: read it as the command line reads a value.
+            _place(tree, key, _coerce(spec, parse_value(resolved), resolved, where))
+        else:
+            _place(tree, key, _coerce(spec, resolved, None, where))
+
+
+def _interpolation_error(exc: OmegaConfBaseException, pending: _Pending, key: str | None = None) -> ConfigError:
+    key = key or str(getattr(exc, "full_key", "") or "")
+    if isinstance(exc, GrammarParseError):  # its own text lists parser tokens
+        reason = "it is not a well-formed ${...} interpolation"
+    else:
+        reason = str(getattr(exc, "msg", "") or exc).splitlines()[0]
+    entry = pending.get(key)
+    if entry is None:
+        return ConfigError(f"cannot resolve an interpolation: {reason}")
+    _, value, where = entry
+    return ConfigError(
+        f"`{key}`{where}: cannot resolve {format_value(value)!r}: {reason} (interpolations: ${{oc.env:VAR}}, "
+        "${oc.env:VAR,default}, ${section.key}; write \\${ for a literal ${)"
+    )
 
 
 def _build(cls: type, tree: Mapping[str, Any]) -> Any:
@@ -215,12 +353,13 @@ def load_config(overrides: Sequence[str], config_file: str | None = None) -> Rol
     """
     specs = key_specs()
     tree: dict[str, Any] = {}
+    pending: _Pending = {}
     for key, value in CLI_PRESET.items():
-        _assign(tree, specs, key, value, None, "")
+        _assign(tree, specs, pending, key, value, None, "")
     if config_file is not None:
         where = f" (in {config_file})"
         for key, value in _read_yaml(Path(config_file)).items():
-            _assign(tree, specs, str(key), value, None, where)
+            _assign(tree, specs, pending, str(key), value, None, where)
     for text in overrides:
         key, sep, raw = text.partition("=")
         key = key.strip()
@@ -228,12 +367,36 @@ def load_config(overrides: Sequence[str], config_file: str | None = None) -> Rol
             raise ConfigError(f"expected KEY=VALUE, got {text!r}; `skyrl-structured rollout --help` lists the keys")
         if key.startswith("+"):
             raise ConfigError(f"`{key}`: the '+' prefix is not supported; every key already exists (see --help)")
-        _assign(tree, specs, key, parse_value(raw), raw, "")
+        # A `${...}` value stays text until it is resolved, then it is read like any other value.
+        _assign(tree, specs, pending, key, raw if "${" in raw else parse_value(raw), raw, "")
+    _resolve_interpolations(tree, pending)
     try:
         cfg: RolloutConfig = _build(RolloutConfig, tree)
     except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refusing a combination
         raise ConfigError(str(exc)) from None
+    _resolve_data(cfg)
+    if cfg.generator.sampling_seed is None:  # run.seed makes a run reproducible, whatever the thread timing
+        cfg.generator.sampling_seed = cfg.run.seed
     return cfg
+
+
+def _resolve_data(cfg: RolloutConfig) -> None:
+    """SkyRL's ``data.train_data`` / ``data.val_data``: the run's phase picks one, which becomes ``data.path``."""
+    data = cfg.data
+    train = cfg.run.phase == "train"
+    key, files = ("data.train_data", data.train_data) if train else ("data.val_data", data.val_data)
+    other_key, other = ("data.val_data", data.val_data) if train else ("data.train_data", data.train_data)
+    if files is not None:
+        if not files:
+            raise ConfigError(f"`{key}` is an empty list: give at least one file, or null")
+        if data.path is not None:
+            raise ConfigError(f"`data.path` and `{key}` both name the prompts of run.phase={cfg.run.phase}; set one")
+        data.path = list(files)
+    elif other is not None and data.path is None:
+        phase = "eval" if train else "train"
+        raise ConfigError(
+            f"`{other_key}` is read with run.phase={phase}; with run.phase={cfg.run.phase} set `{key}` (or `data.path`)"
+        )
 
 
 def _at_least(path: str, value: Any, minimum: float, *, allow_none: bool = False) -> None:
@@ -277,8 +440,28 @@ def check_config(cfg: RolloutConfig) -> None:
         _at_least(f"generator.{name}.temperature", params.temperature, 0.0)
         if not 0.0 < params.top_p <= 1.0:
             raise ConfigError(f"`generator.{name}.top_p` must be within (0, 1], got {format_value(params.top_p)}")
-        _at_least(f"generator.{name}.logprobs", params.logprobs, 0, allow_none=True)
+        if params.logprobs not in (None, 0, 1) or isinstance(params.logprobs, bool):
+            raise ConfigError(
+                f"`generator.{name}.logprobs` must be null, 0 or 1 (the chosen token's logprob; SkyRL reads no "
+                f"top-k logprobs), got {format_value(params.logprobs)}"
+            )
     _at_least("data.max_prompts", cfg.data.max_prompts, 1, allow_none=True)
+    if cfg.data.path == []:
+        raise ConfigError("`data.path` is an empty list: give at least one file, or null")
+    key = "data.train_data" if cfg.run.phase == "train" else "data.val_data"
+    for file in (cfg.data.train_data if cfg.run.phase == "train" else cfg.data.val_data) or []:
+        found = Path(file).expanduser()
+        if not found.is_file():
+            raise ConfigError(
+                f"`{key}`: {file!r} {'is a directory, not a file' if found.is_dir() else 'does not exist'}"
+            )
+    env_configs = cfg.environment.skyrl_gym.env_configs
+    for name in ENV_SECTIONS:
+        if name in env_configs:
+            raise ConfigError(
+                f"`environment.skyrl_gym.env_configs` has {name!r}, which the {name} environment never reads: "
+                f"set SkyRL's keys instead, `environment.skyrl_gym.{name}.<key>=...`"
+            )
     _check_engine(cfg)
     if cfg.run.backend == "trio":
         try:

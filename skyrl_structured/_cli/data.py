@@ -9,7 +9,9 @@ embedded arithmetic word problems (``skyrl_structured/data/arithmetic.jsonl``) a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
+import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,8 +21,10 @@ from typing import Any
 
 import skyrl_gym
 
+from .._rollout import engine_sampling_params as _engine_params
 from ..config import SamplingParams
 from ..types import BatchMetadata, GeneratorInput, TrajectoryID
+from ..validate import missing_env_extras
 from .config import ConfigError
 
 __all__ = ["EMBEDDED_DATASET", "Dataset", "build_batch", "engine_sampling_params", "load_dataset"]
@@ -111,18 +115,65 @@ def _check_prompt(prompt: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _registered(env_class: str) -> bool:
-    # "package.module:EnvClass" is imported by skyrl_gym.make itself.
-    return ":" in env_class or env_class in skyrl_gym.registry
+    return env_class in skyrl_gym.registry
 
 
-def load_dataset(path: str | None, *, default_env_class: str, max_prompts: int | None) -> Dataset:
-    """Read and check the rows; every problem is reported before a model is loaded.
+def _register_entry_point(env_class: str, source: str) -> None:
+    """Register ``"package.module:EnvClass"`` under that very id (skyrl_gym.make only looks ids up).
 
     Raises:
-        ConfigError: a missing or unreadable file, a malformed row (naming it), or an environment
-            class ``skyrl_gym`` does not know (listing the registered ones).
+        ConfigError: the module cannot be imported or has no such class.
     """
-    rows, source = _read_rows(path)
+    module_name, _, attribute = env_class.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module: anything it raises on import
+        raise ConfigError(
+            f"{source}: environment class {env_class!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from None
+    if not callable(getattr(module, attribute, None)):
+        raise ConfigError(f"{source}: environment class {env_class!r}: {module_name!r} has no class {attribute!r}")
+    if env_class not in skyrl_gym.registry:
+        skyrl_gym.register(id=env_class, entry_point=env_class)
+
+
+def _check_extras(source: str, env_classes: list[str], env_extras: list[dict[str, Any]]) -> None:
+    """Refuse rows lacking what their environment reads at creation (``reward_spec.ground_truth``, ...).
+
+    One message for every row lacking the same field, instead of one failed rollout per row.
+    """
+    lacking: dict[tuple[str, str], list[int]] = {}
+    for number, (env_class, extras) in enumerate(zip(env_classes, env_extras, strict=True)):
+        for field in missing_env_extras(env_class, extras):
+            lacking.setdefault((env_class, field), []).append(number)
+    if not lacking:
+        return
+    (env_class, field), rows = next(iter(lacking.items()))
+    shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    rest = list(lacking.items())[1:]
+    others = "".join(f"; {len(r)} rows lack {f} too ({c!r})" for (c, f), r in rest)
+    example = ", e.g. reward_spec: {method: rule, ground_truth: '42'}" if "reward_spec" in field else ""
+    raise ConfigError(
+        f"{source}: {len(rows)} of {len(env_classes)} rows lack {field}, which environment {env_class!r} "
+        f"reads when it is created ({'row' if len(rows) == 1 else 'rows'} {shown}){others}; add "
+        f"{'them' if rest else 'it'} to every row{example}"
+    )
+
+
+def load_dataset(path: str | Sequence[str] | None, *, default_env_class: str, max_prompts: int | None) -> Dataset:
+    """Read and check the rows (of several files, in order); every problem is reported before a model is loaded.
+
+    Raises:
+        ConfigError: a missing or unreadable file, a malformed row (naming it), an environment
+            class ``skyrl_gym`` does not know (listing the registered ones), or rows lacking an
+            env-extras field their skyrl_gym environment needs (``reward_spec.ground_truth``, ...).
+    """
+    if path is None or isinstance(path, str):
+        rows, source = _read_rows(path)
+    else:  # SkyRL's data.train_data / data.val_data: files concatenated in order
+        parts = [_read_rows(one) for one in path]
+        rows = [row for part_rows, _ in parts for row in part_rows]
+        source = " + ".join(part_source for _, part_source in parts)
     if max_prompts is not None:
         rows = rows[:max_prompts]
     if not rows:
@@ -144,6 +195,8 @@ def load_dataset(path: str | None, *, default_env_class: str, max_prompts: int |
             raise ConfigError(f"{where}: `env_class` must be a string, got {env_class!r}")
         env_classes.append(env_class)
         env_extras.append({k: v for k, v in row.items() if k not in ("prompt", "env_class")})
+    for env_class in sorted({c for c in env_classes if ":" in c and not _registered(c)}):
+        _register_entry_point(env_class, source)
     unknown = sorted({c for c in env_classes if not _registered(c)})
     if unknown:
         known = sorted(skyrl_gym.registry)
@@ -154,27 +207,13 @@ def load_dataset(path: str | None, *, default_env_class: str, max_prompts: int |
             f"{', '.join(known)}. Use `environment.env_class` for rows without one, or "
             "'package.module:EnvClass' for your own environment."
         )
+    _check_extras(source, env_classes, env_extras)
     return Dataset(source=source, prompts=prompts, env_classes=env_classes, env_extras=env_extras)
 
 
 def engine_sampling_params(params: SamplingParams) -> dict[str, Any]:
     """The per-request sampling parameters, in the engine's (vLLM's) names, as SkyRL's trainer sends them."""
-    out: dict[str, Any] = {
-        "min_tokens": 1,
-        "skip_special_tokens": True,
-        "include_stop_str_in_output": True,
-        "max_tokens": params.max_generate_length,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "logprobs": params.logprobs,
-        "stop": list(params.stop) if params.stop is not None else None,
-    }
-    for key, value in (params.additional_kwargs or {}).items():
-        out.setdefault(key, value)
-    return out
+    return _engine_params(dataclasses.asdict(params))
 
 
 def build_batch(dataset: Dataset, *, n_samples: int, params: SamplingParams, phase: str) -> GeneratorInput:

@@ -3,19 +3,28 @@
 Engines and the chaos wrappers live in optional parts of the package (``engines``, torch, httpx,
 vLLM, ``testing.chaos``); they are imported here, on use, so ``--help`` and configuration checks
 work without any of them.
+
+:func:`preflight` checks, before any weights load or rollout starts, what would otherwise fail once
+per rollout or only after a long load: the torch device, local model and tokenizer paths, and that
+every vLLM server is up and serves ``engine.model``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import anyio
 
 from .config import ConfigError
 from .schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, RolloutConfig
 
-__all__ = ["EngineSetup", "chaos_active", "chaos_policy", "load_engine", "wrap_env_classes"]
+__all__ = ["EngineSetup", "chaos_active", "chaos_policy", "load_engine", "preflight", "wrap_env_classes"]
 
 
 @dataclass
@@ -110,6 +119,7 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
             engine = TransformersEngine(
                 build_tiny_model(tokenizer, seed=cfg.run.seed),
                 tokenizer,
+                device=e.device,
                 seed=cfg.run.seed,
                 default_sampling_params=defaults,
             )
@@ -141,3 +151,118 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
     if policy is not None and cfg.chaos.stage in (*CHAOS_ENGINE_STAGES, "any"):
         setup.client = _chaos_module().ChaosEngine(setup.engine, policy)
     return setup
+
+
+# A Hugging Face Hub id: "name" or "owner/name", of letters, digits, "-", "_" and ".".
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _path_problem(key: str, name: str) -> str | None:
+    """A problem when ``name`` is meant as a local directory (it is not a Hub id) that is not a model's."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"`{key}` {name!r} is a file; give the model's directory (the one with config.json)"
+        return None
+    if _HUB_ID.match(name) and not name.startswith("."):
+        return None  # a Hub id: resolved (and reported) by transformers when loading
+    relative = "" if path.is_absolute() else f" (relative to {str(Path.cwd())!r})"
+    return (
+        f"`{key}` {name!r} looks like a local path but does not exist{relative}; give an existing model "
+        "directory or a Hugging Face Hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+    )
+
+
+def _device_problem(device: str) -> str | None:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return "`engine.kind=transformers` needs torch: pip install 'skyrl-structured[local]'"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"`engine.device` {device!r} is not a torch device; use cpu, cuda, cuda:N or null"
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            return (
+                f"`engine.device={device}` but torch finds no CUDA device (torch {torch.__version__}, {build}); "
+                "use engine.device=cpu (or null), or run where a GPU is visible"
+            )
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            return f"`engine.device={device}` but torch sees {count} CUDA device(s): use cuda:0 to cuda:{count - 1}"
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        return f"`engine.device={device}` but torch finds no MPS device; use engine.device=cpu"
+    return None
+
+
+def _local_problems(cfg: RolloutConfig) -> list[str]:
+    e = cfg.engine
+    problems: list[str] = []
+    if e.kind == "transformers" and e.device is not None:
+        problems.append(_device_problem(e.device) or "")
+    if e.kind in ("transformers", "vllm") and e.model is not None:
+        problems.append(_path_problem("engine.model", e.model) or "")
+    if e.kind in ("http", "vllm") and e.tokenizer is not None:
+        problems.append(_path_problem("engine.tokenizer", e.tokenizer) or "")
+    elif e.kind == "http" and e.model is not None:
+        problem = _path_problem("engine.model", e.model)
+        if problem is not None:
+            problems.append(f"{problem} (it is the tokenizer too, unless `engine.tokenizer` is set)")
+    return [p for p in problems if p]
+
+
+def _port(url: str) -> str:
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:
+        port = None
+    return str(port) if port is not None else "PORT"
+
+
+def _server_problems(cfg: RolloutConfig) -> list[str]:
+    e = cfg.engine
+    assert e.model is not None  # checked by check_config
+    try:
+        from ..engines import HTTPEngine
+    except ImportError as exc:
+        return [f"`engine.kind=http` needs httpx: pip install 'skyrl-structured[http]' ({exc})"]
+    engine = HTTPEngine(list(e.base_urls), e.model, timeout_s=e.timeout_s, connect_timeout_s=min(10.0, e.timeout_s))
+
+    async def probe() -> list[Any]:
+        async with engine:
+            return await engine.server_status()
+
+    problems = []
+    for i, status in enumerate(anyio.run(probe, backend=cfg.run.backend)):
+        where = f"{status.url} (engine.base_urls[{i}])"
+        if status.problem == "unreachable":
+            problems.append(
+                f"no vLLM server answers at {where}: {status.detail}. Start it "
+                f"(vllm serve {e.model} --port {_port(status.url)}) or fix engine.base_urls"
+            )
+        elif status.problem == "unhealthy":
+            problems.append(
+                f"the vLLM server at {where} is not ready: {status.detail}. Wait until it has loaded the model, "
+                "or check its log"
+            )
+        elif status.problem == "model_not_served":
+            problems.append(
+                f"the vLLM server at {where} does not serve engine.model={e.model!r}: engine.model must be one "
+                f"of {list(status.models)}"
+            )
+    return problems
+
+
+def preflight(cfg: RolloutConfig) -> list[str]:
+    """What would stop the engine from loading or serving, found before any weights load or rollout starts.
+
+    One line per failed check (empty: all passed), each naming the key and the fix: the torch
+    device exists (``transformers``), local model and tokenizer paths exist, and every server in
+    ``engine.base_urls`` is up and serves ``engine.model`` (``http``).
+    """
+    problems = _local_problems(cfg)
+    if cfg.engine.kind == "http":
+        problems += _server_problems(cfg)
+    return problems

@@ -12,7 +12,7 @@ import textwrap
 from .config import format_value
 from .schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs
 
-__all__ = ["keys_help", "reference_markdown"]
+__all__ = ["key_cell", "keys_help", "reference_markdown"]
 
 
 def _section_help() -> dict[str, str]:
@@ -49,6 +49,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def key_cell(path: str) -> str:
+    """A key as the reference table shows it: wrapped only after its dots, never inside a name.
+
+    ``<wbr>`` marks the only break opportunities; docs/stylesheets/extra.css keeps ``config-key``
+    code from breaking anywhere else (the theme's code style breaks long words at any letter).
+    """
+    return f'<code class="config-key">{path.replace(".", ".<wbr>")}</code>'
+
+
 def reference_markdown() -> str:
     """``docs/configuration.md``: one table per section, every key, its type, default and meaning."""
     out = [
@@ -60,10 +69,19 @@ def reference_markdown() -> str:
         "`--config` YAML file. Values are YAML literals (`true`, `null`, `0.7`, `[a, b]`, `{k: v}`) typed by",
         "the field they set; an unknown key or a bad value is refused before anything starts.",
         "",
+        "A value can be an OmegaConf interpolation, as in SkyRL's configs: `${oc.env:VAR}`,",
+        "`${oc.env:VAR,default}`, or another key such as `${run.seed}`. It is resolved once the file and the",
+        "command line are both read, then typed like a command-line value; write `\\${` for a literal `${`.",
+        "SkyRL keys the command does not read are refused with a pointer to the key that does that job here",
+        "(`trainer.policy.model.path` is `engine.model`; `generator.inference_engine.backend` is `engine.kind`,",
+        "while `run.backend` is the event loop).",
+        "",
         "`generator.*` and `environment.skyrl_gym.*` are `skyrl_structured.GeneratorConfig` and",
         "`skyrl_structured.SkyRLGymConfig`: SkyRL's names and defaults, plus the structured-concurrency knobs",
         "(`skip_failed_rollouts` to `failed_rollout_policy`), which the SkyRL integration adds to SkyRL's own",
-        "config under the same names. Where the command's default differs from the library's, both are given:",
+        "config under the same names. `environment.skyrl_gym` also has SkyRL's per-environment sections",
+        "(`text2sql`, `llm_as_a_judge`, `search`): each environment gets its own as `env_config`, as in SkyRL.",
+        "Where the command's default differs from the library's, both are given:",
         "the command's defaults keep the offline default run to seconds on a CPU.",
     ]
     titles = _section_help()
@@ -78,5 +96,5 @@ def reference_markdown() -> str:
         default = f"`{default}`" if default else "see its keys"
         if spec.path in CLI_PRESET:
             default += f" (library: `{format_value(spec.library_default)}`)"
-        out.append(f"| `{spec.path}` | {_cell(describe_type(spec))} | {_cell(default)} | {_cell(spec.help)} |")
+        out.append(f"| {key_cell(spec.path)} | {_cell(describe_type(spec))} | {_cell(default)} | {_cell(spec.help)} |")
     return "\n".join(out) + "\n"

@@ -4,6 +4,9 @@ The step runs inside a cancel scope; a signal receiver (``anyio.open_signal_rece
 and trio alike) cancels that scope on the first SIGINT or SIGTERM, so ``generate()`` unwinds the
 way any cancellation does: every rollout stops, every environment is closed, every inference
 session finished. A second signal exits at once, without waiting for cleanup.
+
+Each rollout is appended to ``trajectories.jsonl`` in ``run.output_dir`` as it finishes (see
+:mod:`~skyrl_structured._cli.trajectories`), so an interrupted or failed step keeps what finished.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -23,6 +28,7 @@ from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import GeneratorInput, GeneratorOutput
 from .engine import EngineSetup, load_engine
 from .schema import RolloutConfig
+from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
 __all__ = ["RunResult", "Tally", "run_step"]
 
@@ -40,27 +46,33 @@ class Tally(RolloutObserver):
     sessions_finished: int = 0
     envs_opened: int = 0
     envs_closed: int = 0
+    #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
+    running: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     @property
     def in_flight(self) -> int:
-        return self.attempts_started - self.attempts_finished - self.attempts_failed - self.attempts_cancelled
+        return len(self.running)
 
     def attempt_started(self, rollout: RolloutRef) -> None:
         self.attempts_started += 1
+        self.running.add((rollout.index, rollout.attempt))
 
     def env_opened(self, rollout: RolloutRef) -> None:
         self.envs_opened += 1
 
     def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
         self.attempts_finished += 1
+        self.running.discard((rollout.index, rollout.attempt))
 
     def attempt_failed(
         self, rollout: RolloutRef, error: BaseException, elapsed: float, *, timed_out: bool, will_retry: bool
     ) -> None:
         self.attempts_failed += 1
+        self.running.discard((rollout.index, rollout.attempt))
 
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         self.attempts_cancelled += 1
+        self.running.discard((rollout.index, rollout.attempt))
 
     def cleanup_finished(
         self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
@@ -86,6 +98,13 @@ class RunResult:
     started_generating: bool = False
     #: The tokenizer the generator used (to decode the output), once the engine has loaded.
     tokenizer: Any = None
+    #: ``trajectories.jsonl`` as the step appended to it (None when it could not be opened).
+    trajectories: TrajectoryLog | None = None
+    #: The batch's environment classes and trajectory ids, one per rollout.
+    env_classes: list[str] = field(default_factory=list)
+    trajectory_ids: list[Any] | None = None
+    #: When the step started (UTC, ISO 8601).
+    started_at: str = ""
 
 
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
@@ -121,17 +140,27 @@ async def run_step(
     ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
     """
     tally = Tally()
-    result = RunResult(status="ok", tally=tally)
+    result = RunResult(
+        status="ok",
+        tally=tally,
+        env_classes=list(batch["env_classes"]),
+        trajectory_ids=batch.get("trajectory_ids"),
+        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
     work = anyio.CancelScope()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as watchers:
             watchers.start_soon(_watch_signals, signals, work, result, say)
             with work:
                 try:
+                    result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
                     await _load_and_generate(cfg, batch, policy, result, on_engine)
                 except Exception as exc:
                     result.status = "failed"
                     result.error = exc
+                finally:
+                    if result.trajectories is not None:
+                        result.trajectories.close()
             watchers.cancel_scope.cancel()
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
@@ -157,6 +186,9 @@ async def _load_and_generate(
             cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
         )
         generator.observers.append(result.tally)
+        if result.trajectories is not None:
+            result.trajectories.tokenizer = setup.tokenizer
+            generator.observers.append(result.trajectories)
         result.tokenizer = setup.tokenizer
         result.started_generating = True
         started = time.monotonic()

@@ -16,16 +16,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from skyrl_gym.envs.search.env import SearchEnvConfig
+from skyrl_gym.envs.sql.env import Text2SQLEnvConfig
+
 from ..config import FAILED_ROLLOUT_POLICIES, GeneratorConfig, SkyRLGymConfig
 
 __all__ = [
     "CLI_PRESET",
+    "ENV_SECTIONS",
     "SECTIONS",
+    "CLISkyRLGymConfig",
     "ChaosSection",
     "DataSection",
     "EngineSection",
     "EnvironmentSection",
     "KeySpec",
+    "LLMJudgeEnvConfig",
     "RolloutConfig",
     "RunSection",
     "default_config",
@@ -48,21 +54,55 @@ def _section(text: str, factory: Any) -> Any:
 
 
 @dataclass
+class LLMJudgeEnvConfig:
+    """SkyRL's ``environment.skyrl_gym.llm_as_a_judge`` section (its example judge environment)."""
+
+    model: str = _opt("llm_as_a_judge: the judge model's name.", "gpt-4o-mini")
+    base_url: str | None = _opt("llm_as_a_judge: the judge's OpenAI-compatible base URL; null uses OpenAI's.", None)
+
+
+@dataclass
+class CLISkyRLGymConfig(SkyRLGymConfig):
+    """``environment.skyrl_gym`` with SkyRL's per-environment sections, spelled and typed as SkyRL does.
+
+    The environment receives its section as ``env_config``, the way SkyRL's generator passes it
+    (``getattr(skyrl_gym_cfg, env_class)``): ``search`` and ``text2sql`` are skyrl_gym's own
+    config classes.
+    """
+
+    text2sql: Text2SQLEnvConfig = _section("The text2sql environment's settings.", Text2SQLEnvConfig)
+    llm_as_a_judge: LLMJudgeEnvConfig = _section("The llm_as_a_judge environment's settings.", LLMJudgeEnvConfig)
+    search: SearchEnvConfig = _section("The search environment's settings.", SearchEnvConfig)
+
+
+#: SkyRL's per-environment sections (attributes of ``environment.skyrl_gym``).
+ENV_SECTIONS: tuple[str, ...] = ("text2sql", "llm_as_a_judge", "search")
+
+
+@dataclass
 class EnvironmentSection:
     """SkyRL's ``environment`` section."""
 
     env_class: str = _opt("Environment for dataset rows that have no env_class column.", "gsm8k")
-    skyrl_gym: SkyRLGymConfig = _section("skyrl_gym settings (worker threads, per-environment config).", SkyRLGymConfig)
+    skyrl_gym: CLISkyRLGymConfig = _section(
+        "skyrl_gym settings (worker threads, per-environment config).", CLISkyRLGymConfig
+    )
 
 
 @dataclass
 class DataSection:
     """Where the prompts come from."""
 
-    path: str | None = _opt(
+    path: str | list[str] | None = _opt(
         "Dataset in SkyRL's format (.jsonl, .json or .parquet; rows with prompt, env_class, reward_spec, "
-        "extra_info). null runs the embedded arithmetic word problems.",
+        "extra_info), or a list of them read in order. null runs the embedded arithmetic word problems.",
         None,
+    )
+    train_data: list[str] | None = _opt(
+        "SkyRL's name: the files read with run.phase=train, in order (instead of data.path).", None
+    )
+    val_data: list[str] | None = _opt(
+        "SkyRL's name: the files read with run.phase=eval, in order (instead of data.path).", None
     )
     max_prompts: int | None = _opt("Use only the first N prompts of the dataset; null uses all of them.", None)
 
@@ -100,7 +140,8 @@ class RunSection:
 
     backend: Literal["asyncio", "trio"] = _opt("Event loop the generator runs on.", "asyncio")
     seed: int = _opt(
-        "Seed of the transformers engine's sampling (and the tiny model's weights), retry jitter and chaos draws.",
+        "Seed of every request's sampling (generator.sampling_seed, unless set), the engine, the tiny model's "
+        "weights and the chaos draws.",
         0,
     )
     output_dir: str = _opt(
@@ -166,6 +207,16 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Help for the keys of skyrl_gym's own config classes, which carry none.
+_FOREIGN_HELP: dict[str, str] = {
+    "environment.skyrl_gym.text2sql.db_path": "text2sql: directory holding the SQL databases (SynSQL, spider, bird).",
+    "environment.skyrl_gym.search.log_requests": "search: log every retrieval request.",
+    "environment.skyrl_gym.search.search_url": "search: URL of the retrieval server the search tool queries.",
+    "environment.skyrl_gym.search.topk": "search: passages the retrieval server returns per query.",
+    "environment.skyrl_gym.search.timeout": "search: seconds to wait for one retrieval answer.",
+}
+
+
 @dataclass(frozen=True)
 class KeySpec:
     """One settable dotted key."""
@@ -200,7 +251,7 @@ def _walk(cls: type, instance: Any, library: Any, prefix: str) -> Iterator[KeySp
         annotation, optional = strip_optional(hints[f.name])
         value = getattr(instance, f.name) if instance is not None else None
         lib_value = getattr(library, f.name) if library is not None else None
-        text = str(f.metadata.get("help", ""))
+        text = str(f.metadata.get("help", "")) or _FOREIGN_HELP.get(path, "")
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             yield KeySpec(path, annotation, value, text, section=annotation, optional=optional)
             sub = value if value is not None else annotation()
@@ -248,14 +299,19 @@ def describe_type(spec: KeySpec) -> str:
     if spec.choices is not None:
         return " | ".join(spec.choices)
     annotation, optional = strip_optional(spec.annotation)
+    text = _type_name(annotation)
+    return f"{text} or null" if optional else text
+
+
+def _type_name(annotation: Any) -> str:
     names = {bool: "bool", int: "int", float: "float", str: "str"}
     origin = typing.get_origin(annotation)
     if annotation in names:
-        text = names[annotation]
-    elif origin is list:
-        text = "list"
-    elif origin is dict or annotation is dict:
-        text = "mapping"
-    else:
-        text = "value"
-    return f"{text} or null" if optional else text
+        return names[annotation]
+    if origin is list:
+        return "list"
+    if origin is dict or annotation is dict:
+        return "mapping"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    return "value"

@@ -11,13 +11,20 @@ has no side effects on the server, so retrying it elsewhere is safe.
 
 Cancelling the caller closes the request's connection; vLLM aborts a request whose client
 disconnected.
+
+:meth:`HTTPEngine.check_ready` asks every server, before any work, whether it is up
+(``GET /health``) and serves the model (``GET /v1/models``), so a wrong URL or model name is one
+clear error instead of a failure per request.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any, Literal, Self
 
 from anyio.lowlevel import RunVar
 
@@ -30,7 +37,7 @@ from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 from .routing import StickyRouter
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
-__all__ = ["HTTPEngine"]
+__all__ = ["HTTPEngine", "ServerStatus"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,43 @@ def _normalise_url(url: str) -> str:
     url = url.rstrip("/")
     # Accept the OpenAI-client style ".../v1" too: the engine adds the path itself.
     return url.removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What :meth:`HTTPEngine.server_status` found at one base URL.
+
+    ``problem`` is None when the server is up and serves the model; otherwise ``"unreachable"`` (no
+    answer: not started, wrong host or port), ``"unhealthy"`` (it answered ``/health`` or
+    ``/v1/models`` with an error or an unusable body) or ``"model_not_served"`` (``models`` lists
+    what it serves instead). ``detail`` says what was seen.
+    """
+
+    url: str
+    problem: Literal["unreachable", "unhealthy", "model_not_served"] | None
+    detail: str = ""
+    models: tuple[str, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        return self.problem is None
+
+    def describe(self, model: str) -> str:
+        """One line naming the URL, what is wrong and the fix (empty when ready)."""
+        if self.problem == "unreachable":
+            return (
+                f"no vLLM server answers at {self.url} ({self.detail}): start it (vllm serve <model> --port ...) "
+                "or fix the URL"
+            )
+        if self.problem == "unhealthy":
+            return f"the server at {self.url} is not ready ({self.detail}): wait until it has loaded, or see its log"
+        if self.problem == "model_not_served":
+            served = ", ".join(map(repr, self.models)) or "nothing"
+            return (
+                f"the server at {self.url} does not serve model {model!r}; it serves {served} "
+                "(the model name must be one of them: vllm serve --served-model-name sets it)"
+            )
+        return ""
 
 
 class HTTPEngine(AsyncResource):
@@ -138,6 +182,53 @@ class HTTPEngine(AsyncResource):
         """Release the session's server binding."""
         self.router.release(session_id)
 
+    # ------------------------------------------------------------------ readiness
+
+    async def server_status(self) -> list[ServerStatus]:
+        """Ask every server, concurrently, whether it is up and serves ``model``; one status per URL, in order.
+
+        ``GET /health`` must answer 2xx (a server without that route, 404, is judged by the next
+        check alone) and ``GET /v1/models`` must list ``model``. Each request waits at most
+        ``connect_timeout_s``. Server problems are reported in the statuses, never raised.
+        """
+        client = self._get_client()
+        return await gather_in_order([functools.partial(self._status, client, url) for url in self.base_urls])
+
+    async def check_ready(self) -> None:
+        """Fail fast when a server is down or does not serve ``model``, before any request is sent.
+
+        Raises:
+            EngineConnectionError: some server is not ready; ``failures`` maps each such URL to one
+                line naming what is wrong and the fix.
+        """
+        failures = {s.url: s.describe(self.model) for s in await self.server_status() if not s.ready}
+        if failures:
+            raise EngineConnectionError("; ".join(failures.values()), failures=failures)
+
+    async def _get(self, client: Any, url: str) -> tuple[int, bytes]:
+        response = await client.get(url, timeout=self.connect_timeout_s)
+        return int(response.status_code), bytes(response.content)
+
+    async def _status(self, client: Any, url: str) -> ServerStatus:
+        httpx = self._httpx
+        try:
+            health, body = await self._get(client, f"{url}/health")
+            if not 200 <= health < 300 and health != 404:
+                return ServerStatus(url, "unhealthy", f"GET /health answered HTTP {health}: {error_message(body)}")
+            status, body = await self._get(client, f"{url}/v1/models")
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            return ServerStatus(url, "unreachable", f"{type(exc).__name__}: {exc}")
+        except httpx.HTTPError as exc:  # a read timeout, a bad URL, a proxy error, ...
+            return ServerStatus(url, "unhealthy", f"{type(exc).__name__}: {exc}")
+        if not 200 <= status < 300:
+            return ServerStatus(url, "unhealthy", f"GET /v1/models answered HTTP {status}: {error_message(body)}")
+        models = _served_models(body)
+        if models is None:
+            return ServerStatus(url, "unhealthy", "GET /v1/models answered something other than a model list")
+        if self.model not in models:
+            return ServerStatus(url, "model_not_served", f"it serves {list(models)}", models)
+        return ServerStatus(url, None, "", models)
+
     # ------------------------------------------------------------------ generation
 
     def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
@@ -231,3 +322,15 @@ class HTTPEngine(AsyncResource):
             "no vLLM server could be reached: " + "; ".join(f"{u}: {why}" for u, why in unreachable.items()),
             failures=unreachable,
         )
+
+
+def _served_models(raw: bytes) -> tuple[str, ...] | None:
+    """The ids in an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``); None if it is not one."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(cards, list):
+        return None
+    return tuple(str(card["id"]) for card in cards if isinstance(card, dict) and "id" in card)

@@ -37,6 +37,7 @@ from anyio.lowlevel import RunVar
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
@@ -67,8 +68,11 @@ class TransformersEngine(AsyncResource):
             ``SamplingParams`` defaults. Build it from the generator's config, e.g.
             ``dataclasses.asdict(cfg.sampling_params)``.
         max_workers: requests generated at once, each in its own worker thread.
-        seed: seeds the per-request seeds drawn for requests that carry none, so a run is
-            reproducible; None draws them from the OS. A request's own ``seed`` always wins.
+        seed: seeds the generator of the seeds drawn for requests that carry none; None draws them
+            from the OS. They are drawn in the order requests arrive, so the same requests arriving
+            in another order (concurrent rollouts, env worker threads) get other samples: for a
+            reproducible run, seed each request (``generator.sampling_seed`` does). A request's own
+            ``seed`` always wins and, as in vLLM, applies to each of its prompts.
         logprobs_mode: ``"raw"`` (vLLM's default) or ``"processed"``; see the module docstring.
 
     Raises:
@@ -176,18 +180,6 @@ class TransformersEngine(AsyncResource):
             self._limiter.set(limiter)
             return limiter
 
-    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
-        ids = input_batch.get("prompt_token_ids")
-        if ids is not None:
-            return [list(p) for p in ids]
-        prompts = input_batch.get("prompts")
-        if prompts is None:
-            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
-        return [
-            list(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for p in prompts
-        ]
-
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         """Generate one completion per prompt (``model`` is ignored: one model is loaded).
 
@@ -201,10 +193,11 @@ class TransformersEngine(AsyncResource):
                 f"TransformersEngine does not support sampling_params {sorted(spec.extra)}; remove them or use "
                 "HTTPEngine/VLLMEngine, which pass extra vLLM parameters through"
             )
-        prompts = self._prompt_ids(input_batch)
+        prompts = request_prompt_ids(input_batch, self.tokenizer, engine="TransformersEngine")
         for prompt in prompts:
             self._check_prompt(prompt)
-        # Seeds are drawn here, in request order, so a seeded engine is reproducible.
+        # A request's seed wins; else one drawn here, in arrival order: reproducible only when that
+        # order is (one caller at a time). generator.sampling_seed seeds every request it sends.
         seeds = [spec.seed if spec.seed is not None else self._seeds.getrandbits(63) for _ in prompts]
 
         def call(i: int) -> Any:

@@ -35,6 +35,7 @@ import anyio.to_thread
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .bridge import AsyncioLoopThread, wait_future
 from .completions import Completion
@@ -291,24 +292,6 @@ class VLLMEngine(AsyncResource):
 
     # ------------------------------------------------------------------ generation
 
-    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
-        ids = input_batch.get("prompt_token_ids")
-        if ids is not None:
-            return [list(p) for p in ids]
-        prompts = input_batch.get("prompts")
-        if prompts is None:
-            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise ValueError(
-                "input_batch has chat prompts but no prompt_token_ids, and this engine has no tokenizer to apply the "
-                "chat template with; pass tokenizer= to VLLMEngine, or send token ids"
-            )
-        return [
-            list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for p in prompts
-        ]
-
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         """One completion per prompt (``model`` is ignored: one model is loaded).
 
@@ -320,7 +303,7 @@ class VLLMEngine(AsyncResource):
             Exception: whatever vLLM raises (``EngineDeadError``, ``EngineGenerateError``, ...).
         """
         spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
-        prompts = self._prompt_ids(input_batch)
+        prompts = request_prompt_ids(input_batch, self.tokenizer, engine="VLLMEngine")
         params = self._params_factory(vllm_sampling_kwargs(spec))
         cache_salt = input_batch.get("cache_salt")
         want_logprobs = spec.logprobs is not None

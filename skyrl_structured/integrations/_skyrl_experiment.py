@@ -17,8 +17,8 @@ try:
 except ImportError as exc:
     raise ImportError(
         f"running SkyRL's trainer needs SkyRL with its training dependencies, which could not be imported "
-        f"({exc}); install them with: pip install 'skyrl-structured[skyrl]' (see SkyRL's install guide for "
-        "the GPU stack)"
+        f"({exc}); install them with: pip install 'skyrl[fsdp]' (Ray, vLLM and the FSDP trainer; Python 3.12 "
+        "or newer; see SkyRL's install guide for the GPU stack)"
     ) from exc
 
 from ..generator import StructuredGymGenerator

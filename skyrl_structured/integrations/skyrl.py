@@ -10,46 +10,63 @@ structured-concurrency knobs and provides the experiment and entrypoint that use
   :class:`skyrl_structured.GeneratorConfig`);
 - :class:`StructuredTrainConfig`: SkyRL's ``SkyRLTrainConfig`` with that generator section;
 - ``StructuredPPOExp``: SkyRL's ``BasePPOExp`` whose ``get_generator`` returns the structured one;
-- :func:`main`: SkyRL's ``main``, parsing :class:`StructuredTrainConfig`.
+- :func:`parse_config`: the checked :class:`StructuredTrainConfig` from ``key=value`` overrides;
+- :func:`main`: the command, SkyRL's ``main`` for :class:`StructuredTrainConfig`.
 
 Run it as ``python -m skyrl_structured.integrations.skyrl generator.skip_failed_rollouts=true ...``,
 or keep SkyRL's entrypoint and add ``trainer.override_entrypoint=skyrl_structured.integrations.skyrl``.
-``StructuredPPOExp`` and ``main`` need SkyRL's training dependencies (ray, ...); the config classes
-need only ``skyrl`` itself. Without ``skyrl`` importing this module raises ``ImportError`` saying
-what to install.
+Either drives SkyRL's synchronous trainer; fully-async training keeps its own entrypoint with the
+three-line edit of docs/swap.md. ``StructuredPPOExp`` and ``main`` need SkyRL's training stack
+(``pip install 'skyrl[fsdp]'``: Ray, vLLM, the FSDP trainer); the config classes need only
+``skyrl`` itself. Without ``skyrl`` importing this module raises ``ImportError`` saying what to
+install (run as a command, it prints that and exits 1).
 """
 
 # No `from __future__ import annotations` here: SkyRL's config parser reads `dataclasses.fields(...).type`
 # to find nested sections, and needs real classes there, not strings.
 import dataclasses
+import importlib
+import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-try:
-    from skyrl.train.config import GeneratorConfig as _SkyRLGeneratorConfig
-    from skyrl.train.config import SkyRLTrainConfig as _SkyRLTrainConfig
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess that hides skyrl
-    raise ImportError(
-        f"skyrl_structured.integrations.skyrl needs SkyRL, which could not be imported ({exc}); "
-        "install it with: pip install 'skyrl-structured[skyrl]'"
-    ) from exc
 
 from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, resolve_resilience
 from ..tokens import load_custom_chat_template
 from ..validate import check_generator_config
 
+#: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
+INSTALL_HINT = "pip install 'skyrl[fsdp]' (Python 3.12 or newer; see SkyRL's install guide for the GPU stack)"
+
+try:
+    from skyrl.train.config import GeneratorConfig as _SkyRLGeneratorConfig
+    from skyrl.train.config import SkyRLTrainConfig as _SkyRLTrainConfig
+except ImportError as _exc:  # exercised in a subprocess that hides skyrl
+    _message = (
+        f"skyrl_structured.integrations.skyrl needs SkyRL, which could not be imported ({_exc}); "
+        f"install it with its trainer: {INSTALL_HINT}"
+    )
+    if __name__ == "__main__":  # run as a command: one line, no traceback
+        print(f"error: {_message}", file=sys.stderr)
+        raise SystemExit(1) from None
+    raise ImportError(_message) from _exc
+
 if TYPE_CHECKING:
     from ._skyrl_experiment import StructuredPPOExp
 
 __all__ = [
+    "INSTALL_HINT",
     "STRUCTURED_KNOBS",
+    "SkyRLUnavailableError",
     "StructuredGeneratorConfig",
     "StructuredPPOExp",
     "StructuredTrainConfig",
     "check_structured_config",
     "main",
+    "parse_config",
+    "usage",
 ]
 
 #: The fields this integration adds to SkyRL's generator config.
@@ -76,6 +93,8 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     max_failed_rollout_fraction: float = _knob("max_failed_rollout_fraction")
     failure_budget_action: FailureBudgetAction = _knob("failure_budget_action")
     failed_rollout_policy: str = _knob("failed_rollout_policy")
+    sampling_seed: int | None = _knob("sampling_seed")
+    gc_tuning: bool = _knob("gc_tuning")
 
 
 @dataclass
@@ -102,21 +121,138 @@ def check_structured_config(cfg: Any) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """SkyRL's training entrypoint, parsing :class:`StructuredTrainConfig` from ``key=value`` overrides.
+class SkyRLUnavailableError(ImportError):
+    """SkyRL is installed but cannot build its configuration or trainer here; the message says how to fix it."""
 
-    Raises:
-        ImportError: SkyRL's training dependencies (ray, ...) are not installed.
-        ValueError: an unknown key, or a configuration the generator refuses.
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
+
+#: The module ``SkyRLTrainConfig.__post_init__`` imports; it pulls in ``skyrl.backends`` (torch, pydantic models).
+_SKYRL_CONFIG_NEEDS = "skyrl.backends.skyrl_train.inference_servers.utils"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _require_skyrl_runtime() -> None:
+    """Import what SkyRL's config needs, turning a failure into one message that says what to do."""
+    try:
+        importlib.import_module(_SKYRL_CONFIG_NEEDS)
+    except ImportError as exc:
+        raise SkyRLUnavailableError(
+            f"SkyRL's trainer cannot start: {_first_line(exc)}; install SkyRL with its trainer: {INSTALL_HINT}"
+        ) from exc
+    except Exception as exc:  # SkyRL's own modules failing to import on this Python
+        python = platform.python_version()
+        if sys.version_info < (3, 12) and "TypedDict" in str(exc):
+            # SkyRL's tinker types use typing.TypedDict, which pydantic accepts only from Python 3.12.
+            raise SkyRLUnavailableError(
+                f"SkyRL cannot build its configuration on Python {python}: importing skyrl.backends fails "
+                f"({_first_line(exc)}). Run SkyRL's trainer on Python 3.12 or newer, e.g. "
+                "`uv venv --python 3.12 && uv pip install 'skyrl[fsdp]' skyrl-structured`"
+            ) from exc
+        raise SkyRLUnavailableError(
+            f"SkyRL cannot build its configuration on Python {python}: importing {_SKYRL_CONFIG_NEEDS} fails "
+            f"({_first_line(exc)}); check that SkyRL and its trainer are installed for this Python: {INSTALL_HINT}"
+        ) from exc
+
+
+def _strip_routing(args: Sequence[str]) -> list[str]:
     # SkyRL's own main dispatches here on `trainer.override_entrypoint=<this module>`; that key is
     # its routing, not a config field, so it is dropped before the strict parse.
-    args = [a for a in args if not a.startswith("trainer.override_entrypoint=")]
-    cfg = StructuredTrainConfig.from_cli_overrides(args)
-    check_structured_config(cfg)
-    from ._skyrl_experiment import run
+    return [a for a in args if not a.startswith("trainer.override_entrypoint=")]
 
+
+def parse_config(argv: Sequence[str]) -> StructuredTrainConfig:
+    """:class:`StructuredTrainConfig` from SkyRL-style ``key=value`` overrides, checked before Ray starts.
+
+    Raises:
+        SkyRLUnavailableError: SkyRL cannot build its configuration on this Python or install
+            (the message names the fix).
+        ValueError: an unknown key, or a configuration the generator refuses.
+    """
+    _require_skyrl_runtime()
+    cfg: StructuredTrainConfig = StructuredTrainConfig.from_cli_overrides(_strip_routing(argv))
+    check_structured_config(cfg)
+    return cfg
+
+
+def _format_default(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def usage(width: int = 100) -> str:
+    """What ``--help`` prints: how to run the entrypoint and every setting it adds to SkyRL's."""
+    fields = {f.name: f for f in dataclasses.fields(StructuredGeneratorConfig)}
+    defaults = StructuredGeneratorConfig()
+    lines = [
+        "usage: python -m skyrl_structured.integrations.skyrl [KEY=VALUE ...]",
+        "   or: python -m skyrl.train.entrypoints.main_base "
+        "trainer.override_entrypoint=skyrl_structured.integrations.skyrl [KEY=VALUE ...]",
+        "",
+        *textwrap.wrap(
+            "SkyRL's synchronous PPO trainer with StructuredGymGenerator as the generator. Takes every key of "
+            "SkyRL's configuration (SkyRLTrainConfig, SkyRL's names and defaults) plus the generator settings "
+            "below; a bad key or value is refused (exit 2) before Ray starts, and a Python or install SkyRL "
+            "cannot run on is reported with the fix (exit 1).",
+            width,
+            break_on_hyphens=False,
+        ),
+        "",
+        "generator settings added to SkyRL's:",
+    ]
+    for name in STRUCTURED_KNOBS:
+        lines.append(f"  generator.{name}={_format_default(getattr(defaults, name))}")
+        text = str(fields[name].metadata.get("help", ""))
+        lines.extend(textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    lines += [
+        "",
+        *textwrap.wrap(
+            "Fully-async training (trainer.fully_async.enabled=true) is not driven from here: keep SkyRL's "
+            "fully-async entrypoint and make the three-line edit (import StructuredPPOExp and "
+            "StructuredTrainConfig, subclass StructuredPPOExp, parse StructuredTrainConfig); see docs/swap.md. "
+            f"SkyRL's trainer needs: {INSTALL_HINT}.",
+            width,
+            break_on_hyphens=False,
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _refuse_fully_async(cfg: Any) -> None:
+    if getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False):
+        raise ValueError(
+            "`trainer.fully_async.enabled=true`: this entrypoint (and trainer.override_entrypoint) drives SkyRL's "
+            "synchronous trainer; for fully-async training keep your fully-async entrypoint and make the "
+            "three-line edit (StructuredPPOExp, StructuredTrainConfig) described in docs/swap.md"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command: SkyRL's training entrypoint, parsing :class:`StructuredTrainConfig` from ``key=value``.
+
+    ``--help`` prints :func:`usage`. A refused configuration prints one line and exits 2; SkyRL or its
+    trainer not runnable here (missing packages, an unsupported Python) prints the fix and exits 1.
+    Errors raised while training propagate as SkyRL's do.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(usage())
+        return
+    try:
+        cfg = parse_config(args)
+        _refuse_fully_async(cfg)
+        from ._skyrl_experiment import run
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     run(cfg)
 
 

@@ -117,17 +117,52 @@ class ConcurrencyReport:
         return not self.failures
 
     def summary(self) -> str:
-        """One line for the whole run, then each failing case with its problems."""
+        """One line for the whole run, then each distinct problem once: how often, and in which cases.
+
+        A leak in every rollout of every case is one entry with its count, not a line per rollout
+        per case; ``failures`` keeps every case's own list.
+        """
+        grouped = _group_problems(self.failures)
         lines = [
             f"check_structured_concurrency({self.env_class!r}): {len(self.cases)} cases, {len(self.failures)} failed"
+            + (f", {len(grouped)} distinct problems" if len(grouped) > 1 else "")
         ]
-        for case in self.failures:
-            lines.append(f"- [{case.backend}] {case.name}:")
-            lines.extend(f"    {problem}" for problem in case.problems)
+        for problem, seen in grouped.items():
+            lines.append(f"- {problem}")
+            lines.append(f"    {_where(seen)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+#: How many cases a summary names for one problem before it only counts the rest.
+_CASES_SHOWN = 3
+
+
+def _label(case: CaseResult) -> str:
+    return f"[{case.backend}] {case.name}"
+
+
+def _group_problems(cases: Sequence[CaseResult]) -> dict[str, dict[str, int]]:
+    """Each distinct problem (in order of first appearance) -> the cases it occurs in -> how often."""
+    grouped: dict[str, dict[str, int]] = {}
+    for case in cases:
+        for problem in case.problems:
+            seen = grouped.setdefault(problem, {})
+            seen[_label(case)] = seen.get(_label(case), 0) + 1
+    return grouped
+
+
+def _where(seen: Mapping[str, int]) -> str:
+    """``"in [asyncio] baseline (...)"``, or ``"12 times in 4 cases: ... and 1 more"``."""
+    total = sum(seen.values())
+    named = [label + (f" (x{count})" if count > 1 else "") for label, count in list(seen.items())[:_CASES_SHOWN]]
+    more = f" and {len(seen) - _CASES_SHOWN} more" if len(seen) > _CASES_SHOWN else ""
+    if total == 1:
+        return f"in {named[0]}"
+    cases = "1 case" if len(seen) == 1 else f"{len(seen)} cases"
+    return f"{total} times in {cases}: {'; '.join(named)}{more}"
 
 
 _tokenizer_lock = threading.Lock()
@@ -259,6 +294,47 @@ def _check_arguments(
     return per_rollout
 
 
+def _build_setup(
+    env_class: str,
+    prompts: Sequence[Any],
+    per_rollout: list[Mapping[str, Any]],
+    tokenizer: Any,
+    replies: Sequence[Reply | str],
+    max_turns: int,
+    env_config: Any,
+    generator_overrides: Mapping[str, Any] | None,
+    generator_class: type[StructuredGymGenerator],
+    case_timeout_s: float,
+    leak_grace_s: float,
+) -> Setup:
+    """What every case shares; the generator overrides are checked against ``GeneratorConfig`` here."""
+    overrides = {**(generator_overrides or {}), "max_turns": max_turns}
+    try:
+        GeneratorConfig(**overrides)
+    except TypeError as exc:
+        raise ValueError(f"`generator_overrides` names a field GeneratorConfig does not have: {exc}") from exc
+    return Setup(
+        env_class=env_class,
+        prompts=list(prompts),
+        extras=per_rollout,
+        tokenizer=tokenizer if tokenizer is not None else _tiny_tokenizer(),
+        replies=list(replies),
+        generator_class=generator_class,
+        generator_overrides=overrides,
+        env_config=env_config,
+        case_timeout_s=case_timeout_s,
+        leak_grace_s=leak_grace_s,
+        target=1 if len(prompts) > 1 else 0,
+    )
+
+
+def _run_all(setup: Setup, backends: Sequence[str], cases: Sequence[Case]) -> ConcurrencyReport:
+    report = ConcurrencyReport(setup.env_class)
+    for backend in backends:
+        report.cases.extend(_run_isolated(backend, case, setup) for case in cases)
+    return report
+
+
 def check_structured_concurrency(
     env_class: str,
     *,
@@ -284,26 +360,22 @@ def check_structured_concurrency(
 
     Args:
         env_class: a registered ``skyrl_gym`` environment id.
-        env_extras: the env extras of every rollout (one dict), or one dict per prompt. Copied
-            shallowly per rollout.
+        env_extras: every rollout's env extras (one dict, copied shallowly), or one dict per prompt.
         prompts: one rollout per conversation; the second rollout is the one faults target.
         tokenizer: a Hugging Face tokenizer with a chat template; default: the offline tiny ChatML one.
         engine_replies: the scripted engine's answer to each session's 1st, 2nd, ... request.
-        backends: event loops to run every case on.
-        max_env_workers: worker-thread counts to run every case with (0: env calls inline).
+        backends, max_env_workers: event loops, and worker-thread counts (0: env calls inline), to
+            run every case with.
         stages: restrict every matrix to these stages.
-        matrices: any of ``"fault"``, ``"cancel"`` and ``"attack"`` (the baseline always runs); an
-            attack kind (``"interrupt"``, ``"self_cancel"``, ``"malformed"``, ``"hang"``) selects
-            just those attack cases.
-        max_turns: ``generator.max_turns``.
-        env_config: the environment's config (as SkyRL's ``environment.skyrl_gym.<env>`` holds it).
-        generator_overrides: other ``GeneratorConfig`` fields, e.g. ``{"use_conversation_multi_turn": False}``.
-            The check sets ``skip_failed_rollouts``, retries, timeouts and cleanup bounds itself (and
-            lifts ``max_concurrent_rollouts`` in a hang case).
+        matrices: any of ``"fault"``, ``"cancel"`` and ``"attack"`` (the baseline always runs), or
+            an attack kind (``"interrupt"``, ``"self_cancel"``, ``"malformed"``, ``"hang"``) alone.
+        max_turns, env_config: ``generator.max_turns``, and the environment's config (as SkyRL's
+            ``environment.skyrl_gym.<env>`` holds it).
+        generator_overrides: other ``GeneratorConfig`` fields; the check sets ``skip_failed_rollouts``,
+            retries, timeouts and cleanup bounds itself.
         generator_class: a ``StructuredGymGenerator`` subclass to check instead (your hooks run).
-        case_timeout_s: the most one case may take (its cleanups are bounded by a quarter of it,
-            and by 0.025 s in a hang case); a case still running well past it
-            (``1.5 * case_timeout_s + leak_grace_s + 2``) is hung.
+        case_timeout_s: the most one case may take (cleanups get a quarter of it, 0.025 s in a hang
+            case); a case still running at ``1.5 * case_timeout_s + leak_grace_s + 2`` is hung.
         leak_grace_s: how long a case waits for worker threads to go idle before calling them leaks.
         raise_on_failure: raise one AssertionError summarising every failing case.
 
@@ -316,39 +388,14 @@ def check_structured_concurrency(
         ImportError: ``"trio"`` requested but trio is not installed.
     """
     per_rollout = _check_arguments(
-        env_class,
-        prompts,
-        env_extras,
-        backends,
-        stages,
-        matrices,
-        max_env_workers,
-        engine_replies,
-        case_timeout_s,
+        env_class, prompts, env_extras, backends, stages, matrices, max_env_workers, engine_replies, case_timeout_s,
         leak_grace_s,
-    )
-    overrides = {**(generator_overrides or {}), "max_turns": max_turns}
-    try:
-        GeneratorConfig(**overrides)
-    except TypeError as exc:
-        raise ValueError(f"`generator_overrides` names a field GeneratorConfig does not have: {exc}") from exc
-    setup = Setup(
-        env_class=env_class,
-        prompts=list(prompts),
-        extras=per_rollout,
-        tokenizer=tokenizer if tokenizer is not None else _tiny_tokenizer(),
-        replies=list(engine_replies),
-        generator_class=generator_class,
-        generator_overrides=overrides,
-        env_config=env_config,
-        case_timeout_s=case_timeout_s,
-        leak_grace_s=leak_grace_s,
-        target=1 if len(prompts) > 1 else 0,
-    )
-    report = ConcurrencyReport(env_class)
-    for backend in backends:
-        for case in _cases(stages, matrices, max_env_workers):
-            report.cases.append(_run_isolated(backend, case, setup))
+    )  # fmt: skip
+    setup = _build_setup(
+        env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config, generator_overrides,
+        generator_class, case_timeout_s, leak_grace_s,
+    )  # fmt: skip
+    report = _run_all(setup, backends, _cases(stages, matrices, max_env_workers))
     if raise_on_failure and not report.ok:
         raise AssertionError(report.summary())
     return report

@@ -18,7 +18,14 @@ import pytest
 import trio
 import trio_asyncio
 
-from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    InferenceEngineInput,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+)
 from skyrl_structured.engines import AsyncioBridge, BridgedCallCancelled, VLLMEngine, asyncio_loop
 from skyrl_structured.engines.bridge import bridged_client, run_asyncio
 from skyrl_structured.testing import Reply, ScriptedEngine
@@ -26,6 +33,8 @@ from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from skyrl_structured.testing.vllm_server import serve_vllm
 
 from .fake_vllm import FakeAsyncLLM, params_factory
+
+ONE_TOKEN: InferenceEngineInput = {"prompt_token_ids": [[1]]}
 
 
 class AsyncioStreamsClient:
@@ -115,7 +124,7 @@ async def test_trio_cancellation_cancels_the_asyncio_call_and_closes_its_connect
             with trio.fail_after(30):
                 with trio.CancelScope() as scope:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(bridged.generate, {"prompt_token_ids": [[1]]})
+                        nursery.start_soon(bridged.generate, ONE_TOKEN)
                         await started.wait()
                         scope.cancel()
                 await server.completions()[0].finished.wait()
@@ -127,7 +136,9 @@ async def test_trio_cancellation_cancels_the_asyncio_call_and_closes_its_connect
 @pytest.mark.trio
 async def test_asyncio_side_cancellation_reaches_trio_as_an_engine_error():
     async def cancelled_by_asyncio():
-        asyncio.current_task().cancel()
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
         await asyncio.sleep(1)
 
     async with asyncio_loop():
@@ -156,7 +167,7 @@ async def generate_through_asyncio_client(tokenizer, *, bridge_by_hand: bool) ->
     ledger = EnvLedger()
     script = [{"observation": "<observation>more</observation>", "reward": 0.5}, {"reward": 1.0, "done": True}]
     cfg = GeneratorConfig(max_turns=2, sampling_params=SamplingParams(max_generate_length=8, logprobs=None))
-    batch = {
+    batch: GeneratorInput = {
         "prompts": [[{"role": "user", "content": f"Q{i}?"}] for i in range(3)],
         "env_classes": [SCRIPTED_ENV] * 3,
         "env_extras": [{"script": script, "ledger": ledger} for _ in range(3)],
@@ -229,7 +240,7 @@ async def test_vllm_engine_under_trio_aborts_a_cancelled_request():
         with trio.fail_after(30):
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(engine.generate, {"prompt_token_ids": [[1]]})
+                    nursery.start_soon(engine.generate, ONE_TOKEN)
                     assert await trio.to_thread.run_sync(started.wait, 30.0)
                     scope.cancel()
         assert scope.cancelled_caught

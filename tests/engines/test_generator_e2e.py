@@ -9,6 +9,8 @@ import pytest
 
 from skyrl_structured import (
     GeneratorConfig,
+    GeneratorInput,
+    GeneratorOutput,
     SamplingParams,
     SkyRLGymConfig,
     StructuredGymGenerator,
@@ -18,6 +20,8 @@ from skyrl_structured import (
 from skyrl_structured.engines import HTTPEngine, TransformersEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from skyrl_structured.testing.vllm_server import RawResponse, serve_vllm
+
+from ..helpers import not_none, token_rewards
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +42,7 @@ def engine_for(cfg: GeneratorConfig, tiny_model, tokenizer) -> TransformersEngin
     )
 
 
-def gsm8k_batch(n: int = 4):
+def gsm8k_batch(n: int = 4) -> GeneratorInput:
     return {
         "prompts": [[{"role": "user", "content": f"Tom has {i} apples and buys 5 more. How many?"}] for i in range(n)],
         "env_classes": ["gsm8k_multi_turn"] * n,
@@ -48,10 +52,10 @@ def gsm8k_batch(n: int = 4):
     }
 
 
-def check_output(output, n: int, tokenizer) -> None:
+def check_output(output: GeneratorOutput, n: int, tokenizer) -> None:
     validate_generator_output(n, output)
     for ids, mask, logprobs in zip(
-        output["response_ids"], output["loss_masks"], output["rollout_logprobs"], strict=True
+        output["response_ids"], output["loss_masks"], not_none(output["rollout_logprobs"]), strict=True
     ):
         assert len(logprobs) == len(ids) == len(mask)
         # Generated tokens carry real logprobs; observation tokens carry 0.0 and no loss.
@@ -67,19 +71,19 @@ async def test_multi_turn_gsm8k_with_the_tiny_transformers_engine(anyio_backend,
         output = await generator.generate(gsm8k_batch(), disable_tqdm=True)
     check_output(output, 4, tokenizer)
     # The random model never answers correctly, so every rollout used all three turns.
-    assert [m["steps"] for m in output["env_metrics"]] == [3, 3, 3, 3]
+    assert [m["steps"] for m in not_none(output["env_metrics"])] == [3, 3, 3, 3]
     for ids, mask in zip(output["response_ids"], output["loss_masks"], strict=True):
         assert tokenizer.decode(ids).count(OBSERVATION) == 1  # the first observation, then the final one
         assert 0 in mask
         assert 1 in mask
-    assert set(output["stop_reasons"]) <= {"stop", "length"}
+    assert set(not_none(output["stop_reasons"])) <= {"stop", "length"}
 
 
 async def test_scripted_env_closes_every_env_once_with_the_transformers_engine(anyio_backend, tiny_model, tokenizer):
     cfg = config()
     ledger = EnvLedger()
     script = [{"observation": "<observation>keep going</observation>", "reward": 0.5}, {"reward": 1.0, "done": True}]
-    batch = {
+    batch: GeneratorInput = {
         "prompts": [[{"role": "user", "content": f"Question {i}?"}] for i in range(3)],
         "env_classes": [SCRIPTED_ENV] * 3,
         "env_extras": [{"script": script, "ledger": ledger} for _ in range(3)],
@@ -92,7 +96,7 @@ async def test_scripted_env_closes_every_env_once_with_the_transformers_engine(a
     ledger.assert_all_closed_once()
     assert ledger.opened == 3
     assert all(len(actions) == 2 for actions in ledger.actions.values())
-    assert all(sum(r) == 1.5 for r in output["rewards"])
+    assert all(sum(r) == 1.5 for r in token_rewards(output))
 
 
 async def test_step_wise_trajectories_with_the_transformers_engine(anyio_backend, tiny_model, tokenizer):
@@ -145,10 +149,11 @@ async def test_server_errors_become_placeholders_under_skip_failed_rollouts(anyi
         output = await generator.generate(gsm8k_batch(), disable_tqdm=True)
     validate_generator_output(4, output)
     pad = tokenizer.pad_token_id
-    assert output["stop_reasons"][1] == output["stop_reasons"][3] == "rollout_error"
+    stop_reasons = not_none(output["stop_reasons"])
+    assert stop_reasons[1] == stop_reasons[3] == "rollout_error"
     assert output["response_ids"][1] == output["response_ids"][3] == [pad]
-    assert output["rollout_logprobs"][1] == [0.0]
-    assert output["stop_reasons"][0] != "rollout_error" != output["stop_reasons"][2]
-    metrics = output["rollout_metrics"]
+    assert not_none(output["rollout_logprobs"])[1] == [0.0]
+    assert stop_reasons[0] != "rollout_error" != stop_reasons[2]
+    metrics = not_none(output["rollout_metrics"])
     assert metrics["generate/num_failed_rollouts"] == 2
     assert metrics["generate/failures/EngineHTTPError"] == 2

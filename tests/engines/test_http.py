@@ -8,6 +8,7 @@ import socket
 import anyio
 import pytest
 
+from skyrl_structured import InferenceEngineInput
 from skyrl_structured.engines import (
     EngineConnectionError,
     EngineHTTPError,
@@ -19,6 +20,8 @@ from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, serve_vllm
 
 pytestmark = pytest.mark.anyio
+
+ONE_TOKEN: InferenceEngineInput = {"prompt_token_ids": [[1]]}
 
 
 def closed_port_url() -> str:
@@ -34,7 +37,7 @@ def echo_engine(tokenizer, label: str = "ok") -> ScriptedEngine:
 
 
 async def test_token_exact_round_trip_through_a_server_backed_by_transformers(anyio_backend, tiny_engine, prompt_ids):
-    batch = {
+    batch: InferenceEngineInput = {
         "prompt_token_ids": [prompt_ids, prompt_ids[:-3]],
         "sampling_params": {"temperature": 0.8, "top_k": 50, "max_tokens": 10, "logprobs": 1, "seed": 7},
         "session_ids": ["q0_0", "q0_1"],
@@ -44,7 +47,7 @@ async def test_token_exact_round_trip_through_a_server_backed_by_transformers(an
         over_http = await engine.generate(batch)
     assert over_http == direct  # ids, text, stop reasons and logprobs, exactly
     bodies = [r.body for r in server.completions()]
-    assert sorted(b["prompt"] for b in bodies) == sorted(batch["prompt_token_ids"])
+    assert sorted(b["prompt"] for b in bodies) == sorted([prompt_ids, prompt_ids[:-3]])
     assert all(b["return_token_ids"] is True and b["logprobs"] == 1 and b["model"] == "tiny" for b in bodies)
     assert sorted(r.headers["x-session-id"] for r in server.completions()) == ["q0_0", "q0_1"]
 
@@ -56,7 +59,9 @@ async def test_defaults_and_model_override(anyio_backend, tokenizer):
             out = await engine.generate({"prompt_token_ids": [[1, 2, 3]], "sampling_params": None}, model="lora-7")
     assert out["responses"] == ["ok 3"]
     assert out["response_ids"][0][-1] == tokenizer.eos_token_id
-    assert len(out["response_logprobs"][0]) == len(out["response_ids"][0])  # SkyRL's default: logprobs=1
+    logprobs = out["response_logprobs"]
+    assert logprobs is not None
+    assert len(logprobs[0]) == len(out["response_ids"][0])  # SkyRL's default: logprobs=1
     body = server.completions()[0].body
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("lora-7", 9, 1.0)
 
@@ -178,7 +183,7 @@ async def test_cancelling_the_caller_closes_the_request_and_the_server_aborts_ge
         with anyio.fail_after(30):
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as group:
-                    group.start_soon(engine.generate, {"prompt_token_ids": [[1]]})
+                    group.start_soon(engine.generate, ONE_TOKEN)
                     await started.wait()
                     scope.cancel()
             await aborted.wait()

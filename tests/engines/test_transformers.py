@@ -10,6 +10,7 @@ import anyio.to_thread
 import pytest
 import torch
 
+from skyrl_structured import InferenceEngineInput
 from skyrl_structured.engines import TransformersEngine
 from skyrl_structured.engines._hf_sampling import ResponseText
 
@@ -242,7 +243,7 @@ async def test_seeds(anyio_backend, tiny_model, tokenizer, prompt_ids):
     c, *_ = await generate(engine, prompt_ids, {"max_tokens": 10, "seed": 124})
     assert a == b != c
     # Without a request seed, each request draws its own from the engine's seed: varied, reproducible.
-    batch = {"prompt_token_ids": [prompt_ids] * 3, "sampling_params": {"max_tokens": 10}}
+    batch: InferenceEngineInput = {"prompt_token_ids": [prompt_ids] * 3, "sampling_params": {"max_tokens": 10}}
     first = (await engine.generate(batch))["response_ids"]
     again = (await TransformersEngine(tiny_model, tokenizer, seed=0).generate(batch))["response_ids"]
     assert len({tuple(r) for r in first}) == 3

@@ -12,6 +12,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
+from skyrl_structured import InferenceEngineInput
 from skyrl_structured.engines import EngineError, EngineResponseError, VLLMEngine
 from skyrl_structured.engines.sampling import SamplingSpec
 from skyrl_structured.engines.vllm import (
@@ -22,6 +23,8 @@ from skyrl_structured.engines.vllm import (
 )
 
 from .fake_vllm import FakeAsyncLLM, FlatLogprobs, Logprob, completion_output, params_factory
+
+ONE_TOKEN: InferenceEngineInput = {"prompt_token_ids": [[1]]}
 
 LOGPROBS = [
     {5: Logprob(-0.5, 1), 9: Logprob(-3.0, 2)},
@@ -174,7 +177,7 @@ async def test_a_cancelled_request_is_cancelled_and_aborted_on_the_engine_loop(a
         with anyio.fail_after(30):
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as group:
-                    group.start_soon(engine.generate, {"prompt_token_ids": [[1]]})
+                    group.start_soon(engine.generate, ONE_TOKEN)
                     await wait_until(started)
                     scope.cancel()
             assert scope.cancelled_caught
@@ -217,7 +220,7 @@ def test_one_engine_serves_asyncio_and_trio_runs_in_turn():
     engine = VLLMEngine(fake, sampling_params_factory=params_factory)
     try:
         for backend in ("asyncio", "trio", "asyncio"):
-            out = anyio.run(engine.generate, {"prompt_token_ids": [[1]]}, backend=backend)
+            out = anyio.run(engine.generate, ONE_TOKEN, backend=backend)
             assert out["response_ids"] == [[11, 12, 2]]
     finally:
         engine.close()

@@ -1,0 +1,257 @@
+"""Pre-flight: what would fail every rollout, or fail only after a long load, is refused first.
+
+`skyrl-structured rollout` runs as a user runs it (a subprocess) against real HTTP servers on
+127.0.0.1 (the test kit's vLLM-protocol server, run in a thread of this process), a closed port,
+a torch without CUDA, missing paths and malformed dataset files. A refusal is exit status 2 with
+exactly one line per failed check, before any engine loads or any rollout starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from skyrl_structured.engines import EngineConnectionError, HTTPEngine
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.vllm_server import RawResponse, VLLMServer, serve_vllm
+
+REPLY = "Let me add them. #### 4"
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@contextmanager
+def _server_thread(tokenizer: Any, model: str = "tiny") -> Iterator[VLLMServer]:
+    """A vLLM-protocol server on 127.0.0.1, on its own event loop in a thread, for a CLI subprocess to call."""
+    started = threading.Event()
+    stop = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def serve() -> None:
+        try:
+            async with serve_vllm(ScriptedEngine.from_replies(tokenizer, REPLY), model=model) as server:
+                box["server"] = server
+                started.set()
+                await anyio.to_thread.run_sync(stop.wait)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=anyio.run, args=(serve,), name="vllm-protocol test server")
+    thread.start()
+    try:
+        started.wait(60)
+        assert "server" in box, "the test server did not start"
+        yield box["server"]
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def _rollout(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "skyrl_structured", "rollout", f"run.output_dir={tmp_path / 'out'}", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _refused(proc: subprocess.CompletedProcess[str], lines: int = 1) -> list[str]:
+    """The error lines of a pre-flight refusal, after checking it is one: exit 2, nothing started."""
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    errors = proc.stderr.splitlines()
+    assert len(errors) == lines, proc.stderr
+    assert all(line.startswith("skyrl-structured: error: ") for line in errors), proc.stderr
+    return [line.removeprefix("skyrl-structured: error: ") for line in errors]
+
+
+def _http(*urls: str, model: str = "tiny") -> list[str]:
+    return ["engine.kind=http", f"engine.model={model}", f"engine.base_urls=[{','.join(urls)}]"]
+
+
+# ---------------------------------------------------------------------- HTTP engines, from the command
+
+
+@pytest.mark.slow
+def test_no_server_is_one_line_naming_the_url_and_the_fix(tmp_path):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    [error] = _refused(_rollout(tmp_path, *_http(url)))
+    assert error.startswith(f"no vLLM server answers at {url} (engine.base_urls[0]): ConnectError")
+    assert error.endswith(f"Start it (vllm serve tiny --port {url.rsplit(':', 1)[1]}) or fix engine.base_urls")
+    assert "skip_failed_rollouts" not in error
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_wrong_model_name_lists_the_served_ones_and_sends_no_completion(tmp_path, tokenizer):
+    with _server_thread(tokenizer, model="tiny") as server:
+        [error] = _refused(_rollout(tmp_path, *_http(server.url, model="Qwen/Qwen2.5-0.5B")))
+        seen = [(r.method, r.path) for r in server.requests]
+    assert error == (
+        f"the vLLM server at {server.url} (engine.base_urls[0]) does not serve engine.model='Qwen/Qwen2.5-0.5B': "
+        "engine.model must be one of ['tiny']"
+    )
+    assert seen == [("GET", "/health"), ("GET", "/v1/models")]  # asked, and no rollout started
+
+
+@pytest.mark.slow
+def test_each_server_that_is_down_gets_its_own_line_and_a_good_one_none(tmp_path, tokenizer):
+    down = [f"http://127.0.0.1:{_closed_port()}", f"http://127.0.0.1:{_closed_port()}"]
+    with _server_thread(tokenizer) as server:
+        errors = _refused(_rollout(tmp_path, *_http(down[0], server.url, down[1])), lines=2)
+        assert server.completions() == []
+    assert errors[0].startswith(f"no vLLM server answers at {down[0]} (engine.base_urls[0])")
+    assert errors[1].startswith(f"no vLLM server answers at {down[1]} (engine.base_urls[2])")
+
+
+@pytest.mark.slow
+def test_a_ready_server_passes_pre_flight_and_the_run_goes_ahead(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    with _server_thread(tokenizer) as server:
+        proc = _rollout(
+            tmp_path,
+            *_http(server.url),
+            f"engine.tokenizer={tmp_path / 'tokenizer'}",
+            "data.max_prompts=2",
+            "generator.n_samples_per_prompt=2",
+            "run.progress=false",
+        )
+        completions = len(server.completions())
+    assert proc.returncode == 0, proc.stderr
+    assert completions == 4
+    assert re.search(r"^  rollouts ok\s+4$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+# ---------------------------------------------------------------------- HTTPEngine.check_ready itself
+
+
+@pytest.mark.anyio
+async def test_check_ready_passes_for_a_server_serving_the_model(anyio_backend, tokenizer):
+    async with (
+        serve_vllm(ScriptedEngine.from_replies(tokenizer, REPLY), model="tiny") as server,
+        HTTPEngine(server.url + "/v1", "tiny") as engine,
+    ):
+        await engine.check_ready()
+        [status] = await engine.server_status()
+        assert (status.url, status.problem, status.models, status.ready) == (server.url, None, ("tiny",), True)
+        assert server.completions() == []
+
+
+@pytest.mark.anyio
+async def test_check_ready_names_every_server_that_is_not_ready(anyio_backend, tokenizer):
+    def warming_up(request: Any) -> RawResponse | None:
+        if request.path == "/health":
+            return RawResponse.vllm_error(503, "the engine is still loading")
+        return None
+
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    async with (
+        serve_vllm(ScriptedEngine.from_replies(tokenizer, REPLY), model="tiny") as good,
+        serve_vllm(ScriptedEngine.from_replies(tokenizer, REPLY), model="tiny", intercept=warming_up) as loading,
+        serve_vllm(ScriptedEngine.from_replies(tokenizer, REPLY), model="other") as elsewhere,
+        HTTPEngine([good.url, closed, loading.url, elsewhere.url], "tiny") as engine,
+    ):
+        with pytest.raises(EngineConnectionError) as caught:
+            await engine.check_ready()
+    failures = caught.value.failures
+    assert list(failures) == [closed, loading.url, elsewhere.url]  # the good server is not named
+    assert failures[closed].startswith(f"no vLLM server answers at {closed} (ConnectError")
+    assert failures[loading.url] == (
+        f"the server at {loading.url} is not ready (GET /health answered HTTP 503: the engine is still loading): "
+        "wait until it has loaded, or see its log"
+    )
+    assert failures[elsewhere.url] == (
+        f"the server at {elsewhere.url} does not serve model 'tiny'; it serves 'other' (the model name must be one "
+        "of them: vllm serve --served-model-name sets it)"
+    )
+    assert str(caught.value) == "; ".join(failures.values())
+
+
+# ---------------------------------------------------------------------- the local engine
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that finds no CUDA device")
+def test_device_cuda_without_cuda_is_refused_before_the_model_loads(tmp_path):
+    [error] = _refused(_rollout(tmp_path, "engine.device=cuda"))
+    assert error.startswith("`engine.device=cuda` but torch finds no CUDA device (torch ")
+    assert error.endswith("use engine.device=cpu (or null), or run where a GPU is visible")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["relative", "absolute"])
+def test_a_missing_local_model_path_says_so(tmp_path, kind):
+    name = "./checkpoints/step_100" if kind == "relative" else str(tmp_path / "checkpoints" / "step_100")
+    [error] = _refused(_rollout(tmp_path, f"engine.model={name}"))
+    where = f" (relative to {str(tmp_path)!r})" if kind == "relative" else ""
+    assert error == (
+        f"`engine.model` {name!r} looks like a local path but does not exist{where}; give an existing model "
+        "directory or a Hugging Face Hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+    )
+
+
+@pytest.mark.slow
+def test_a_file_given_as_the_model_directory_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    [error] = _refused(_rollout(tmp_path, "engine.model=model.safetensors"))
+    assert (
+        error == "`engine.model` 'model.safetensors' is a file; give the model's directory (the one with config.json)"
+    )
+
+
+# ---------------------------------------------------------------------- dataset rows
+
+
+def _gsm8k_row(i: int, **extra: Any) -> dict[str, Any]:
+    return {"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "env_class": "gsm8k", **extra}
+
+
+@pytest.mark.slow
+def test_rows_without_the_reward_spec_their_env_needs_are_refused_before_the_engine_loads(tmp_path):
+    rows = [_gsm8k_row(i, reward_spec={"method": "rule", "ground_truth": str(i + 1)}) for i in range(8)]
+    for i in (2, 5):
+        rows[i].pop("reward_spec")
+    rows[6]["reward_spec"] = {"method": "rule"}  # present, but without the ground truth the env reads
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    [error] = _refused(_rollout(tmp_path, "data.path=rows.jsonl"))
+    assert error == (
+        "rows.jsonl: 3 of 8 rows lack `reward_spec.ground_truth`, which environment 'gsm8k' reads when it is "
+        "created (rows 2, 5, 6); add it to every row, e.g. reward_spec: {method: rule, ground_truth: '42'}"
+    )
+
+
+@pytest.mark.slow
+def test_parquet_rows_are_checked_the_same_way(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    rows = [
+        _gsm8k_row(0, reward_spec={"method": "rule", "ground_truth": "1"}),
+        _gsm8k_row(1, env_class="text2sql", reward_spec={"method": "rule", "ground_truth": "SELECT 1"}),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    [error] = _refused(_rollout(tmp_path, "data.path=rows.parquet"))
+    assert error.startswith(
+        "rows.parquet: 1 of 2 rows lack `db_id`, which environment 'text2sql' reads when it is created (row 1); "
+        "1 rows lack `data` too ('text2sql'); add them to every row"
+    )

@@ -1,0 +1,52 @@
+"""ConcurrencyReport.summary: each distinct problem once, with how often and where, not a line per rollout per case."""
+
+from __future__ import annotations
+
+from skyrl_structured.testing import ConcurrencyReport
+from skyrl_structured.testing.check import CaseResult
+
+LEAK = "thread left running: daemon thread 'heartbeat' at /src/sandbox.py:41 in SandboxEnv.init.<locals>.beat"
+
+
+def _case(name: str, backend: str, problems: list[str]) -> CaseResult:
+    return CaseResult(
+        name=name,
+        backend=backend,
+        kind="fault",
+        stage="step",
+        skip_failed_rollouts=True,
+        max_env_workers=4,
+        problems=problems,
+        seconds=0.1,
+    )
+
+
+def test_identical_problems_across_cases_are_one_entry_with_their_count():
+    report = ConcurrencyReport("sandbox_env")
+    report.cases = [
+        _case("baseline", "asyncio", [LEAK] * 4),
+        _case("fault at step", "asyncio", [LEAK] * 3 + ["generate() returned a batch instead of raising"]),
+        _case("cancel at init", "asyncio", []),
+        *[_case(f"case {i}", "trio", [LEAK] * 4) for i in range(40)],
+    ]
+    summary = report.summary()
+    assert summary.splitlines() == [
+        "check_structured_concurrency('sandbox_env'): 43 cases, 42 failed, 2 distinct problems",
+        f"- {LEAK}",
+        "    167 times in 42 cases: [asyncio] baseline (x4); [asyncio] fault at step (x3); [trio] case 0 (x4) "
+        "and 39 more",
+        "- generate() returned a batch instead of raising",
+        "    in [asyncio] fault at step",
+    ]
+    assert len(summary) < 600  # one leak in every rollout of every case no longer reads as 170 lines
+    assert [len(case.problems) for case in report.failures][:2] == [4, 4]  # every case keeps its own list
+
+
+def test_a_problem_repeated_in_one_case_counts_that_case_once():
+    report = ConcurrencyReport("env")
+    report.cases = [_case("baseline", "trio", ["2 inference sessions were never finished"] * 2)]
+    assert report.summary() == (
+        "check_structured_concurrency('env'): 1 cases, 1 failed\n"
+        "- 2 inference sessions were never finished\n"
+        "    2 times in 1 case: [trio] baseline (x2)"
+    )
