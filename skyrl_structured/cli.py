@@ -212,7 +212,7 @@ def _rollout(args: argparse.Namespace) -> int:
         _status(line)
     if isinstance(result, int):
         return result
-    summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result)
+    summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result, argv=args.argv)
     try:
         write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result)
     except OSError as exc:
@@ -239,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_CONFIG
+    args.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
     handlers: dict[str, Any] = {"rollout": _rollout}
     status: int = handlers[args.command](args)
     return status

@@ -71,6 +71,13 @@ async def test_step_wise_multi_turn_run_is_reported_row_by_row(anyio_backend, to
     write_outputs(tmp_path, summary, cfg, batch, result)
     written = json.loads((tmp_path / "generator_output.json").read_text())
     validate_generator_output(4, written, step_wise=True)
+    # Wall-clock fields live in timings.json, so that generator_output.json is reproducible.
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert "trajectory_generation_times" not in written
+    assert not any(k.startswith("generate/trajectory_time_") for k in written["rollout_metrics"])
+    assert len(timings["trajectory_generation_times"]) == len(output["response_ids"])
+    assert timings["rollout_metrics"]
+    assert all(k.startswith("generate/trajectory_time_") for k in timings["rollout_metrics"])
     rows = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     # Rollouts 0_0 and 0_1 took two turns each; 1_0 one; 1_1 is a one-step placeholder.
     assert [r["trajectory_id"]["instance_id"] + "_" + str(r["trajectory_id"]["repetition_id"]) for r in rows] == [
@@ -204,10 +211,16 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
     (tmp_path / "summary.png").write_bytes(b"an earlier run's picture")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     write_outputs(tmp_path, summary, cfg, batch, result)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["generator_output.json", "summary.json", "trajectories.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "generator_output.json",
+        "summary.json",
+        "timings.json",
+        "trajectories.jsonl",
+    ]
     assert json.loads((tmp_path / "summary.json").read_text())["files"] == [
         "generator_output.json",
         "trajectories.jsonl",
+        "timings.json",
         "summary.json",
     ]
     monkeypatch.delitem(sys.modules, "matplotlib")

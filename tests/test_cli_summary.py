@@ -151,7 +151,13 @@ def test_mask_group_run_counts_every_masked_row_and_says_why(tmp_path):
     assert re.search(rf"^  pass@{SAMPLES}\s+\d\.\d{{3}} \(\d+ of {PROMPTS} prompts\); ", stdout, re.MULTILINE)
     png = tmp_path / "out" / "summary.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert summary["files"] == ["generator_output.json", "trajectories.jsonl", "summary.png", "summary.json"]
+    assert summary["files"] == [
+        "generator_output.json",
+        "trajectories.jsonl",
+        "timings.json",
+        "summary.png",
+        "summary.json",
+    ]
 
 
 def test_overlong_filter_zero_reward_and_fill_group_mean_are_counted_apart(tmp_path):

@@ -1,6 +1,8 @@
 """What ``skyrl-structured rollout`` reports: the summary table and the files in ``run.output_dir``.
 
-``generator_output.json`` is the ``GeneratorOutput`` as JSON (trajectory ids as mappings);
+``generator_output.json`` is the ``GeneratorOutput`` as JSON (trajectory ids as mappings), less its
+wall-clock timings, which go to ``timings.json`` so that a seeded run's output file is reproducible
+byte for byte;
 ``trajectories.jsonl`` is appended per finished rollout while the step runs and, once it completes,
 holds one row per output row with decoded text, token ids, reward and stop reason;
 ``summary.json`` has the table's figures (what is trainable, what the failure policy masked,
@@ -31,7 +33,10 @@ from .trajectories import TRAJECTORIES_FILE, jsonable
 
 __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
 
-OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "summary.json")
+OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
+#: The ``GeneratorOutput`` fields, and the prefix of the rollout metrics, that hold wall-clock times.
+_TIMING_FIELDS = ("trajectory_generation_times", "trajectory_time_splits")
+_TIMING_METRIC_PREFIX = "generate/trajectory_time_"
 PLOT_FILE = "summary.png"
 _FAILURE_PREFIX = "generate/failures/"
 #: Why a row is fully loss-masked, in the order the pipeline decides it (the first that applies counts).
@@ -473,6 +478,17 @@ def _plot_data(summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
     return {"prompt_rewards": prompt_rewards, "turns": turns, "response_lengths": lengths, "failures": failures}
 
 
+def _split_timings(output: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The output without its wall-clock fields, and those fields (metrics under ``rollout_metrics``)."""
+    timings = {key: output.pop(key) for key in _TIMING_FIELDS if key in output}
+    metrics = output.get("rollout_metrics")
+    if isinstance(metrics, dict):
+        timed = {k: v for k, v in metrics.items() if k.startswith(_TIMING_METRIC_PREFIX)}
+        output["rollout_metrics"] = {k: v for k, v in metrics.items() if k not in timed}
+        timings["rollout_metrics"] = timed
+    return output, timings
+
+
 def write_outputs(
     output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig, batch: GeneratorInput, result: RunResult
 ) -> None:
@@ -489,18 +505,22 @@ def write_outputs(
     files: list[str] = []
     trajectories = output_dir / TRAJECTORIES_FILE
     if result.output is not None:
+        output, timings = _split_timings(jsonable(result.output))
         with (output_dir / "generator_output.json").open("w", encoding="utf-8") as f:
-            json.dump(jsonable(result.output), f)
+            json.dump(output, f)
+        with (output_dir / "timings.json").open("w", encoding="utf-8") as f:
+            json.dump(timings, f)
         records = result.trajectories.records if result.trajectories is not None else {}
         partial = trajectories.with_name(TRAJECTORIES_FILE + ".partial")
         with partial.open("w", encoding="utf-8") as f:
             for row in _trajectory_rows(batch, result.output, result.tokenizer, records):
                 f.write(json.dumps(row) + "\n")
         os.replace(partial, trajectories)  # a kill now leaves the appended rows or these, never half of each
-        files += OUTPUT_FILES[:2]
+        files += OUTPUT_FILES[:3]
     else:
         # Leave no output of an earlier run behind to be mistaken for this one's.
         (output_dir / "generator_output.json").unlink(missing_ok=True)
+        (output_dir / "timings.json").unlink(missing_ok=True)
         if result.trajectories is None:
             trajectories.unlink(missing_ok=True)
         else:

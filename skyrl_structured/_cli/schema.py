@@ -127,7 +127,9 @@ class EngineSection:
         lambda: ["http://127.0.0.1:8000"],
     )
     timeout_s: float = _opt("http: seconds to wait for one server answer.", 600.0)
-    device: str | None = _opt("transformers: torch device (cpu, cuda, cuda:1); null picks CUDA when available.", None)
+    device: str | None = _opt(
+        "transformers: torch device (cpu, cuda, cuda:1); null leaves the model where it loads (the CPU).", None
+    )
     dtype: str | None = _opt("transformers: float32, float16 or bfloat16; null keeps the model's default.", None)
     engine_args: dict[str, Any] = _section(
         "vllm: extra engine arguments, e.g. {gpu_memory_utilization: 0.8, max_model_len: 4096}.", dict

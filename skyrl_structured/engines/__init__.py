@@ -20,6 +20,7 @@ from .errors import EngineHTTPError as EngineHTTPError
 from .errors import EngineResponseError as EngineResponseError
 from .errors import EngineTimeoutError as EngineTimeoutError
 from .http import HTTPEngine as HTTPEngine
+from .http import ServerStatus as ServerStatus
 from .sampling import SamplingSpec as SamplingSpec
 from .transformers import TransformersEngine as TransformersEngine
 from .vllm import VLLMEngine as VLLMEngine
@@ -34,6 +35,7 @@ __all__ = (
     "EngineTimeoutError",
     "HTTPEngine",
     "SamplingSpec",
+    "ServerStatus",
     "TransformersEngine",
     "VLLMEngine",
     "asyncio_loop",

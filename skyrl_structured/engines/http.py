@@ -31,6 +31,7 @@ from anyio.lowlevel import RunVar
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
+from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .completions import Completion, completion_request, error_message, parse_completion, session_header
 from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
@@ -231,23 +232,6 @@ class HTTPEngine(AsyncResource):
 
     # ------------------------------------------------------------------ generation
 
-    def _prompt_ids(self, input_batch: InferenceEngineInput) -> list[list[int]]:
-        ids = input_batch.get("prompt_token_ids")
-        if ids is not None:
-            return [list(p) for p in ids]
-        prompts = input_batch.get("prompts")
-        if prompts is None:
-            raise ValueError("input_batch needs prompt_token_ids (or prompts as chat messages); it has neither")
-        if self.tokenizer is None:
-            raise ValueError(
-                "input_batch has chat prompts but no prompt_token_ids; pass tokenizer= to HTTPEngine so it can "
-                "apply the chat template, or send token ids"
-            )
-        return [
-            list(self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for p in prompts
-        ]
-
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         """One completion per prompt, requested concurrently.
 
@@ -259,7 +243,7 @@ class HTTPEngine(AsyncResource):
             ValueError: bad sampling parameters (named).
         """
         spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
-        prompts = self._prompt_ids(input_batch)
+        prompts = request_prompt_ids(input_batch, self.tokenizer, engine="HTTPEngine")
         session_ids = input_batch.get("session_ids") or [None] * len(prompts)
         if len(session_ids) != len(prompts):
             raise ValueError(f"input_batch has {len(prompts)} prompts but {len(session_ids)} session_ids")

@@ -23,6 +23,7 @@ def test_public_names_are_pinned_and_sorted():
         "EngineTimeoutError",
         "HTTPEngine",
         "SamplingSpec",
+        "ServerStatus",
         "TransformersEngine",
         "VLLMEngine",
         "asyncio_loop",
