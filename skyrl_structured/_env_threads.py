@@ -139,7 +139,9 @@ class EnvCall(Generic[T]):
 
     __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_value", "_waker", "skippable")
 
-    def __init__(self, fn: Callable[..., T], *args: Any, skippable: bool = True) -> None:
+    def __init__(
+        self, fn: Callable[..., T], *args: Any, skippable: bool = True, waker: _Waker | None = None
+    ) -> None:
         self._fn = fn
         self._args = args
         #: False for a close: once submitted it always runs.
@@ -150,7 +152,13 @@ class EnvCall(Generic[T]):
         self._error: BaseException | None = None
         self._callbacks: list[tuple[Scheduler, Callable[[], None]]] = []
         self._then: EnvCall[Any] | None = None
-        self._waker = _current_waker()
+        #: The loop's waker; a caller that already has it (from an earlier call) skips the lookup.
+        self._waker = waker if waker is not None else _current_waker()
+
+    @property
+    def waker(self) -> _Waker:
+        """The event loop this call reports back to (pass it to the next call of the same task)."""
+        return self._waker
 
     @property
     def done(self) -> bool:

@@ -26,8 +26,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv
 
-from ._env_threads import EnvCall, EnvThreadPool, active_env_thread_calls
+from ._env_threads import EnvCall, EnvThreadPool, _Waker, active_env_thread_calls
 from .observe import CleanupOutcome
 from .types import ConversationType
 
@@ -104,6 +105,55 @@ class EnvCallRunner:
         return call.result()
 
 
+def _trivial_bodies() -> tuple[tuple[bytes, tuple[Any, ...]], ...]:
+    """(bytecode, constants after the docstring) of ``def f(self)`` whose body does nothing."""
+
+    def documented(self: Any) -> None:
+        """Only a docstring."""
+
+    def bare(self: Any) -> None:
+        pass
+
+    return tuple((f.__code__.co_code, f.__code__.co_consts[1:]) for f in (documented, bare))
+
+
+def _noop_base_closes() -> frozenset[Any]:
+    """skyrl_gym's base-class ``close`` functions, kept only if their body is seen to do nothing.
+
+    Checked on the bytecode, not assumed: a skyrl_gym whose base ``close`` does some work drops
+    out of the set, and its environments' closes go to a worker thread like any other.
+    """
+    trivial = _trivial_bodies()
+    found = set()
+    for cls in (skyrl_gym.Env, BaseTextEnv):
+        close = cls.__dict__.get("close")
+        code = getattr(close, "__code__", None)
+        if code is not None and not code.co_names and (code.co_code, code.co_consts[1:]) in trivial:
+            found.add(close)
+    return frozenset(found)
+
+
+_NOOP_BASE_CLOSES = _noop_base_closes()
+
+
+def has_noop_close(env: Any) -> bool:
+    """True when ``env.close`` is exactly skyrl_gym's inherited do-nothing ``close``.
+
+    Looked up as Python would: an instance attribute, or a ``close`` defined by any class of the
+    MRO before the base one (a user override, even one that only calls ``super().close()``), or a
+    custom ``__getattribute__`` makes it False. Such a close cannot block, so it need not go to a
+    worker thread.
+    """
+    cls = type(env)
+    if cls.__getattribute__ is not object.__getattribute__ or "close" in getattr(env, "__dict__", ()):
+        return False
+    for klass in cls.__mro__:
+        found = klass.__dict__.get("close")
+        if found is not None:
+            return found in _NOOP_BASE_CLOSES
+    return False
+
+
 class SyncEnvAdapter:
     """A synchronous ``skyrl_gym`` environment behind the async protocol."""
 
@@ -111,11 +161,24 @@ class SyncEnvAdapter:
         self.env = env
         self._runner = runner
         self._in_flight: EnvCall[Any] | None = None
+        #: The event loop's waker, looked up by the first thread call and reused by the next ones.
+        self._waker: _Waker | None = None
         #: A close handed to a thread that cleanup stopped waiting for; it still runs.
         self.abandoned_close: EnvCall[None] | None = None
 
     async def __aenter__(self) -> SyncEnvAdapter:
         return self
+
+    def closes_at_once(self) -> bool:
+        """True when :meth:`__aexit__` will not suspend: it closes inline and has nothing to wait for.
+
+        That is with inline env calls (``max_env_workers=0``), or when the close is skyrl_gym's
+        inherited no-op and no call of this env is still pending or running in a worker thread.
+        """
+        if self._runner.pool is None:
+            return True
+        call = self._in_flight
+        return (call is None or call.done) and has_noop_close(self.env)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -124,8 +187,13 @@ class SyncEnvAdapter:
         if pool is None:
             self.env.close()
             return
-        close: EnvCall[None] = EnvCall(self._close, skippable=False)
         call = self._in_flight
+        noop_close = has_noop_close(self.env)
+        if noop_close and (call is None or call.skip() or call.done):
+            # Nothing runs in a thread and the close does nothing: no thread round-trip for it.
+            self.env.close()
+            return
+        close: EnvCall[None] = EnvCall(self._close, skippable=False, waker=self._waker)
         if call is not None and not call.skip() and not call.done:
             # The rollout was cancelled while a worker thread was inside init/step: let that call
             # finish before closing, so close never runs concurrently with it.
@@ -172,7 +240,8 @@ class SyncEnvAdapter:
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._runner.inline:
             return fn(*args)
-        call = EnvCall(fn, *args)
+        call = EnvCall(fn, *args, waker=self._waker)
+        self._waker = call.waker
         self._in_flight = call
         result = await self._runner.run(call)
         self._in_flight = None

@@ -323,7 +323,7 @@ class _FastRender:
             or not _plain_messages(messages)
         ):
             return None
-        if kwargs and any(type(v) not in _PLAIN_SCALARS for k, v in kwargs.items()):
+        if kwargs and any(k in self._reserved or type(v) not in _PLAIN_SCALARS for k, v in kwargs.items()):
             return None
         key = (template, tuple(kwargs.items()))
         compiled = self._verdicts.get(key)

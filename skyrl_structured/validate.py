@@ -139,8 +139,7 @@ def missing_env_extras(env_class: str, extras: Mapping[str, Any]) -> list[str]:
 
 
 def _env_registered(env_class: str) -> bool:
-    if ":" in env_class:  # "module:EnvName" is imported by skyrl_gym.make itself
-        return True
+    # skyrl_gym.make only looks ids up: a "module:EnvName" id is not imported for you.
     return env_class in skyrl_gym.registry
 
 
@@ -190,7 +189,8 @@ def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str) -> 
             raise ValueError(
                 f"`input_batch['env_classes']` names environments skyrl_gym does not know: {unknown}. "
                 f"Registered: {sorted(skyrl_gym.registry)}. Register yours with skyrl_gym.register(id=..., "
-                "entry_point=...) before generating."
+                "entry_point='package.module:EnvClass') before generating (skyrl_gym.make does not import a "
+                "'module:Class' id by itself)."
             )
 
 

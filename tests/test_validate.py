@@ -96,6 +96,11 @@ def test_step_wise_contiguity_and_boundaries():
             {},
             r"names environments skyrl_gym does not know: \['no_such_env'\]",
         ),
+        (  # skyrl_gym.make would fail on it in every rollout: it does not import "module:Class" ids
+            lambda b: b.update(env_classes=["tests.helpers:ScriptedEnv"] * 2),
+            {},
+            r"does not know: \['tests.helpers:ScriptedEnv'\].*does not import a 'module:Class' id",
+        ),
         (
             lambda b: b.pop("trajectory_ids"),
             {"step_wise_trajectories": True},
