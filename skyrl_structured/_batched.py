@@ -9,7 +9,7 @@ from typing import Any
 
 from ._collector import overlong_filtered
 from .envs import CleanupStats, env_config_for, open_env
-from .metrics import rollout_metrics
+from ._metrics import rollout_metrics
 from .types import ConversationType, GeneratorOutput, InferenceEngineOutput
 
 __all__ = ["generate_batched"]

@@ -17,7 +17,7 @@ from typing import Any
 from .config import FailureBudgetAction, ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded, failure_summary
-from .metrics import failure_metrics, rollout_metrics
+from ._metrics import failure_metrics, rollout_metrics
 from .types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, StepWiseOutput, TrajectoryOutput
 
 __all__ = [

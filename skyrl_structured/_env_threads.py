@@ -139,9 +139,7 @@ class EnvCall(Generic[T]):
 
     __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_value", "_waker", "skippable")
 
-    def __init__(
-        self, fn: Callable[..., T], *args: Any, skippable: bool = True, waker: _Waker | None = None
-    ) -> None:
+    def __init__(self, fn: Callable[..., T], *args: Any, skippable: bool = True, waker: _Waker | None = None) -> None:
         self._fn = fn
         self._args = args
         #: False for a close: once submitted it always runs.

@@ -144,14 +144,16 @@ def has_noop_close(env: Any) -> bool:
     custom ``__getattribute__`` makes it False. Such a close cannot block, so it need not go to a
     worker thread.
     """
-    cls = type(env)
-    if cls.__getattribute__ is not object.__getattribute__ or "close" in getattr(env, "__dict__", ()):
+    if "close" in getattr(env, "__dict__", ()):
         return False
-    for klass in cls.__mro__:
-        found = klass.__dict__.get("close")
-        if found is not None:
-            return found in _NOOP_BASE_CLOSES
-    return False
+    close = None
+    for klass in type(env).__mro__:
+        namespace = klass.__dict__
+        if "__getattribute__" in namespace and klass is not object:
+            return False
+        if close is None:
+            close = namespace.get("close")
+    return close in _NOOP_BASE_CLOSES
 
 
 class SyncEnvAdapter:
@@ -248,6 +250,10 @@ class SyncEnvAdapter:
         return result
 
 
+#: The close that :meth:`_OpenEnv.__aexit__` knows will not suspend when ``closes_at_once()`` says so.
+_SYNC_ADAPTER_AEXIT = SyncEnvAdapter.__aexit__
+
+
 class _AwaitingEnvAdapter:
     """An environment with async ``init``/``step`` but no async context manager of its own.
 
@@ -320,6 +326,19 @@ def _wrap(env: Any, runner: EnvCallRunner) -> Any:
     return SyncEnvAdapter(env, runner)
 
 
+def _cleanup_failed(
+    what: str,
+    cleanup_exc: BaseException,
+    error: BaseException | None,
+    on_outcome: Callable[[CleanupOutcome, BaseException | None], None],
+) -> None:
+    """Log a failed cleanup, note it on the rollout's own ``error`` (if any) and report it."""
+    logger.warning("%s failed with %s: %s", what, type(cleanup_exc).__name__, cleanup_exc)
+    if error is not None and error is not cleanup_exc:
+        error.add_note(f"while cleaning up, {what} also failed: {type(cleanup_exc).__name__}: {cleanup_exc}")
+    on_outcome("error", cleanup_exc)
+
+
 async def shielded_cleanup(
     what: str,
     cleanup: Callable[[], Any],
@@ -337,21 +356,15 @@ async def shielded_cleanup(
     then propagates. Returns False when the cleanup was abandoned.
     """
 
-    def report(cleanup_exc: BaseException) -> None:
-        logger.warning("%s failed with %s: %s", what, type(cleanup_exc).__name__, cleanup_exc)
-        if error is not None and error is not cleanup_exc:
-            error.add_note(f"while cleaning up, {what} also failed: {type(cleanup_exc).__name__}: {cleanup_exc}")
-        on_outcome("error", cleanup_exc)
-
     # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline.
     with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit_s) as scope:
         try:
             await cleanup()
         except (Exception, GeneratorExit) as cleanup_exc:
-            report(cleanup_exc)
+            _cleanup_failed(what, cleanup_exc, error, on_outcome)
             return True
         except (KeyboardInterrupt, SystemExit) as interrupt:
-            report(interrupt)
+            _cleanup_failed(what, interrupt, error, on_outcome)
             raise
     if scope.cancelled_caught:
         logger.warning("%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", what, limit_s)
@@ -408,14 +421,28 @@ class _OpenEnv:
             if self._observe is not None:
                 self._observe("cleanup_finished", "env_close", outcome, error)
 
+        env = self._env
+        if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
+            # A close that runs inline and waits for nothing cannot be cancelled or overrun its
+            # bound (no await suspends it), so it needs no shielded scope with a deadline.
+            try:
+                await env.__aexit__(exc_type, exc, tb)
+            except (Exception, GeneratorExit) as cleanup_exc:
+                _cleanup_failed(f"closing environment {self._env_class!r}", cleanup_exc, exc, report)
+            except (KeyboardInterrupt, SystemExit) as interrupt:
+                _cleanup_failed(f"closing environment {self._env_class!r}", interrupt, exc, report)
+                raise
+            else:
+                report("ok", None)
+            return
         finished = await shielded_cleanup(
             f"closing environment {self._env_class!r}",
-            lambda: self._env.__aexit__(exc_type, exc, tb),
+            lambda: env.__aexit__(exc_type, exc, tb),
             limit_s=self._cleanup_timeout,
             error=exc,
             on_outcome=report,
         )
-        late = getattr(self._env, "abandoned_close", None)
+        late = getattr(env, "abandoned_close", None)
         if not finished and late is not None and self._abandoned is not None:
             self._abandoned.append(late)
 

@@ -344,7 +344,7 @@ class _FastRender:
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **{**tok.special_tokens_map, **kwargs},
+            **kwargs,
         )
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
         if len(ids) > tok.model_max_length:

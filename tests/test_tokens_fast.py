@@ -18,13 +18,20 @@ from skyrl_structured.tokens import BUILTIN_CHAT_TEMPLATES, ChatTokenizer, _Fast
 from skyrl_structured.types import ConversationType
 from tests.test_tokens_memo import CUSTOM_TEMPLATE
 
+# A Llama-style template that reads the tokenizer's special tokens from the template variables.
+SPECIALS_TEMPLATE = (
+    "{{- pad_token -}}{%- for m in messages -%}{{- '[' ~ m['role'] ~ '] ' ~ m['content'] ~ eos_token -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '[assistant] ' -}}{%- endif -%}"
+)
+
 # Every template we ship or support: the tokenizer's own (None), the built-ins, the benchmarks' Qwen2.5-shaped
-# one (a default system message, tool replies wrapped), and a custom one unlike ChatML.
+# one (a default system message, tool replies wrapped), and custom ones unlike ChatML.
 TEMPLATES: dict[str, str | None] = {
     "tokenizer's own": None,
     **BUILTIN_CHAT_TEMPLATES,
     "qwen2.5 (benchmarks)": QWEN_CHAT_TEMPLATE,
     "custom": CUSTOM_TEMPLATE,
+    "special-token variables": SPECIALS_TEMPLATE,
 }
 
 # Text that stresses the encode: the tokenizer's special tokens written as text, think tags, whitespace runs,
