@@ -344,7 +344,7 @@ class _FastRender:
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **kwargs,
+            **{**tok.special_tokens_map, **kwargs},
         )
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
         if len(ids) > tok.model_max_length:
@@ -463,6 +463,8 @@ class ChatTokenizer:
 
         A repeat of the exact same messages, flag, template and ``chat_template_kwargs`` returns the
         ids of the first render (a fresh list); anything unhashable in them is rendered every time.
+        A render goes through the self-checked fast path (``_FastRender``) where it applies, else
+        through ``apply_chat_template``; both give the same ids.
         """
         key: Hashable | None
         template = chat_template if chat_template is not None else self.tokenizer.chat_template
