@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+import types
+from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -326,6 +327,45 @@ def _wrap(env: Any, runner: EnvCallRunner) -> Any:
     return SyncEnvAdapter(env, runner)
 
 
+@types.coroutine
+def _bounded_once_suspended(
+    awaitable: Awaitable[Any], scope: anyio.CancelScope, limit_s: float
+) -> Generator[Any, Any, Any]:
+    """Await ``awaitable`` as ``yield from`` would; at its first suspension, give ``scope`` its deadline.
+
+    A cleanup that completes without suspending (a session's bookkeeping, a close with nothing to
+    wait for) is never cancelled nor late, so it need not arm a timer: on a cancelled batch that
+    is one timer less per cleanup. Values, exceptions and ``close()`` are forwarded unchanged.
+    """
+    step: Any = awaitable.__await__()
+    try:
+        yielded = step.send(None)
+    except StopIteration as finished:
+        return finished.value
+    scope.deadline = anyio.current_time() + limit_s
+    while True:
+        thrown: BaseException | None = None
+        sent: Any = None
+        try:
+            sent = yield yielded
+        except BaseException as exc:  # outside this block, forwarding it chains no __context__
+            thrown = exc
+        try:
+            if thrown is None:
+                yielded = step.send(sent)
+            elif isinstance(thrown, GeneratorExit) or not hasattr(step, "throw"):
+                close = getattr(step, "close", None)
+                if close is not None and isinstance(thrown, GeneratorExit):
+                    close()
+                raise thrown
+            else:
+                yielded = step.throw(thrown)
+        except StopIteration as finished:
+            return finished.value
+        finally:
+            del thrown
+
+
 def _cleanup_failed(
     what: str,
     cleanup_exc: BaseException,
@@ -356,10 +396,11 @@ async def shielded_cleanup(
     then propagates. Returns False when the cleanup was abandoned.
     """
 
-    # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline.
-    with anyio.CancelScope(shield=True, deadline=anyio.current_time() + limit_s) as scope:
+    # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline,
+    # which is set only if the cleanup suspends (one that does not cannot be cancelled or overrun).
+    with anyio.CancelScope(shield=True) as scope:
         try:
-            await cleanup()
+            await _bounded_once_suspended(cleanup(), scope, limit_s)
         except (Exception, GeneratorExit) as cleanup_exc:
             _cleanup_failed(what, cleanup_exc, error, on_outcome)
             return True

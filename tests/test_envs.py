@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -175,3 +175,88 @@ async def test_a_call_still_queued_for_a_worker_never_starts_after_cancellation(
     assert scope.cancelled_caught
     ledger.assert_all_closed_once()
     assert inits == []
+
+
+# ---------------------------------------------------------------------- skyrl_gym's no-op close
+
+
+class NoopCloseEnv(BaseTextEnv):
+    """Keeps BaseTextEnv's do-nothing close."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+
+    def step(self, action):
+        return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+
+
+class OverridingCloseEnv(NoopCloseEnv):
+    """Its own close, even one that only defers to the base: blocking work to a worker thread."""
+
+    closes: ClassVar[list[str]] = []
+
+    def close(self):
+        OverridingCloseEnv.closes.append(threading.current_thread().name)
+        super().close()
+
+
+class InheritedOverrideEnv(OverridingCloseEnv):
+    """Inherits the override."""
+
+
+def test_only_the_inherited_noop_close_is_recognised():
+    from skyrl_structured.envs import has_noop_close
+
+    assert has_noop_close(NoopCloseEnv())
+    assert not has_noop_close(OverridingCloseEnv())
+    assert not has_noop_close(InheritedOverrideEnv())
+    patched = NoopCloseEnv()
+    patched.close = lambda: None  # an instance attribute shadows the class's close
+    assert not has_noop_close(patched)
+
+
+@pytest.mark.parametrize("env_class", [OverridingCloseEnv, InheritedOverrideEnv])
+async def test_an_overridden_close_still_runs_in_a_worker_thread_exactly_once(anyio_backend, env_class):
+    for name, cls in (("tests_noop_close_env", NoopCloseEnv), ("tests_override_close_env", env_class)):
+        skyrl_gym.registry.pop(name, None)
+        skyrl_gym.register(id=name, entry_point=cls)
+    OverridingCloseEnv.closes.clear()
+    for name in ("tests_noop_close_env", "tests_override_close_env"):
+        pool, stats = EnvThreadPool(2), CleanupStats()
+        with anyio.CancelScope() as scope:
+            async with open_env(
+                name, env_config={}, extras={}, runner=EnvCallRunner(pool), cleanup_timeout=5, stats=stats
+            ):
+                scope.cancel()  # closed on the cancellation path
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught
+        assert (stats.envs_opened, stats.envs_closed, stats.env_close_errors) == (1, 1, 0)
+        # The no-op close is not worth a thread: none was ever started for that environment.
+        assert pool.threads == (0 if name == "tests_noop_close_env" else 1), name
+    assert len(OverridingCloseEnv.closes) == 1
+    assert OverridingCloseEnv.closes[0] != threading.current_thread().name
+    assert OverridingCloseEnv.closes[0].startswith("skyrl-structured-env")
+
+
+async def test_shielded_cleanup_bounds_one_that_suspends_and_spares_one_that_does_not(anyio_backend):
+    from skyrl_structured.envs import shielded_cleanup
+
+    outcomes: list[str] = []
+
+    async def instant() -> None:
+        return None
+
+    async def short() -> None:
+        await anyio.sleep(0.01)
+
+    async def hung() -> None:
+        await anyio.sleep_forever()
+
+    with anyio.CancelScope() as scope:
+        scope.cancel()  # every cleanup below runs on the cancellation path, shielded from it
+        for cleanup in (instant, short, hung):
+            finished = await shielded_cleanup(
+                cleanup.__name__, cleanup, limit_s=0.2, error=None, on_outcome=lambda o, e: outcomes.append(o)
+            )
+            assert finished == (cleanup is not hung)
+    assert outcomes == ["ok", "ok", "timeout"]
