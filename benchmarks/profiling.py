@@ -2,9 +2,9 @@
 
 Two views of the overhead case (instant engine, trivial env, inline env calls):
 
-1. An unprofiled split: ``tokenizer.apply_chat_template`` is wrapped with a timer in both the
-   generator run and the bare loop, so the per-rollout time divides into "chat template +
-   tokenizer" and "everything else" with almost no distortion.
+1. An unprofiled split: chat templating is wrapped with a timer (``ChatTokenizer.render`` in the
+   generator run, ``tokenizer.apply_chat_template`` in the bare loop), so the per-rollout time
+   divides into "chat template + tokenizer" and "everything else" with almost no distortion.
 2. ``cProfile`` of one run of each: the top entries by cumulative and by own time, and own time
    grouped by package, per rollout. cProfile inflates Python-heavy code more than C code, so its
    absolute numbers are larger than the unprofiled ones; the ranking is what it is good for.
@@ -20,6 +20,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from skyrl_structured.tokens import ChatTokenizer
+
 from .bare import BareWork
 from .harness import Context, median, settle, write_json
 from .overhead import TURNS, run_bare, run_generator
@@ -34,30 +36,47 @@ def _sizes(ctx: Context) -> tuple[int, int, int]:
 
 
 class _TemplateTimer:
-    """Wraps ``tokenizer.apply_chat_template`` (an instance attribute shadowing the method)."""
+    """Times chat templating: ``ChatTokenizer.render`` in the generator, ``apply_chat_template`` in the bare loop.
+
+    The generator's templating is timed at its own entry point so that its memo and fast render
+    path are measured as they run (patching ``apply_chat_template`` on the tokenizer would switch
+    the fast path off); the bare loop calls ``apply_chat_template`` directly.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.total = 0.0
         self.calls = 0
-        original = tokenizer.apply_chat_template
+        self._which = "bare"
+        self._render = ChatTokenizer.render
+        self._apply = tokenizer.apply_chat_template
 
+    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
                 self.total += time.perf_counter() - started
                 self.calls += 1
 
-        self._timed = timed
+        return timed
+
+    def timing(self, which: str) -> _TemplateTimer:
+        """Time the templating of ``which`` ("generator" or "bare") from now on."""
+        self.__exit__()
+        if which == "generator":
+            ChatTokenizer.render = self._timed(self._render)  # type: ignore[method-assign]
+        else:
+            self.tokenizer.apply_chat_template = self._timed(self._apply)
+        return self
 
     def __enter__(self) -> _TemplateTimer:
-        self.tokenizer.apply_chat_template = self._timed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.tokenizer.apply_chat_template
+        ChatTokenizer.render = self._render  # type: ignore[method-assign]
+        self.tokenizer.__dict__.pop("apply_chat_template", None)
 
     def reset(self) -> None:
         self.total = 0.0
@@ -75,7 +94,7 @@ def _split(ctx: Context, pool: ReplyPool, backend: str, n: int, repeats: int) ->
             for which in order:
                 batch = make_batch(n)
                 settle()
-                timer.reset()
+                timer.timing(which).reset()
                 if which == "generator":
                     elapsed, out = run_generator(gen, batch, backend)
                 else:
@@ -90,7 +109,7 @@ def _split(ctx: Context, pool: ReplyPool, backend: str, n: int, repeats: int) ->
             "per_rollout_us": total / n * 1e6,
             "template_and_tokenizer_us": template / n * 1e6,
             "template_calls_per_rollout": values[0][2] / n,
-            "per_template_call_us": template / values[0][2] * 1e6,
+            "per_template_call_us": template / max(values[0][2], 1) * 1e6,
             "everything_else_us": (total - template) / n * 1e6,
         }
     return result
