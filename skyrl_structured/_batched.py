@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._collector import overlong_filtered
-from .envs import CleanupStats, env_config_for, open_env
 from ._metrics import rollout_metrics
+from .envs import CleanupStats, env_config_for, open_env
 from .types import ConversationType, GeneratorOutput, InferenceEngineOutput
 
 __all__ = ["generate_batched"]

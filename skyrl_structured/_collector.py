@@ -14,10 +14,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from ._metrics import failure_metrics, rollout_metrics
 from .config import FailureBudgetAction, ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded, failure_summary
-from ._metrics import failure_metrics, rollout_metrics
 from .types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, StepWiseOutput, TrajectoryOutput
 
 __all__ = [

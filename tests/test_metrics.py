@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skyrl_structured import FailedRollout
-from skyrl_structured.envs import CleanupStats
 from skyrl_structured._metrics import failure_metrics, rollout_metrics, turn_token_counts
+from skyrl_structured.envs import CleanupStats
 
 
 def numpy_runs(masks):

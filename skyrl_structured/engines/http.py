@@ -42,6 +42,9 @@ __all__ = ["HTTPEngine", "ServerStatus"]
 
 logger = logging.getLogger(__name__)
 
+#: Idle connections are closed after this long: under the servers' keep-alive (vLLM: 5 s).
+_KEEPALIVE_EXPIRY_S = 3.0
+
 
 def _normalise_url(url: str) -> str:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -160,7 +163,10 @@ class HTTPEngine(AsyncResource):
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s, pool=None),
                 limits=httpx.Limits(
-                    max_connections=self.max_connections, max_keepalive_connections=self.max_connections
+                    max_connections=self.max_connections,
+                    max_keepalive_connections=self.max_connections,
+                    # Below vLLM's (uvicorn's) 5 s keep-alive, so we rarely reuse a connection it is closing.
+                    keepalive_expiry=_KEEPALIVE_EXPIRY_S,
                 ),
                 headers=self._headers,
             )
@@ -276,7 +282,7 @@ class HTTPEngine(AsyncResource):
         unreachable: dict[str, str] = {}
         for url in self.router.candidates(session_id):
             try:
-                response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+                response = await self._post_once_more_if_dropped(client, url, body, headers)
             except (
                 httpx.ConnectError,
                 httpx.ConnectTimeout,
@@ -284,7 +290,7 @@ class HTTPEngine(AsyncResource):
                 httpx.ReadError,
                 httpx.WriteError,
             ) as exc:
-                # Never reached the server, or it dropped the connection without answering.
+                # Never reached the server, or it dropped the connection without answering, twice.
                 unreachable[url] = f"{type(exc).__name__}: {exc}"
                 self.router.failed(url)
                 logger.warning("vLLM server %s unreachable (%s); trying the next one", url, unreachable[url])
@@ -306,6 +312,20 @@ class HTTPEngine(AsyncResource):
             "no vLLM server could be reached: " + "; ".join(f"{u}: {why}" for u, why in unreachable.items()),
             failures=unreachable,
         )
+
+    async def _post_once_more_if_dropped(self, client: Any, url: str, body: Any, headers: Any) -> Any:
+        """POST, sent again once if the server dropped the connection unanswered.
+
+        A kept-alive connection the server closed just as it was reused fails this way without the
+        server being down (both sides expire idle connections after about 5 s by default), so one
+        more try on the same server comes before failing over; a refused connection does not.
+        """
+        httpx = self._httpx
+        try:
+            return await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            logger.debug("vLLM server %s dropped the connection (%s: %s); sending again", url, type(exc).__name__, exc)
+        return await client.post(f"{url}/v1/completions", json=body, headers=headers)
 
 
 def _served_models(raw: bytes) -> tuple[str, ...] | None:

@@ -51,6 +51,11 @@ class RawResponse:
     content_type: str = "application/json"
 
     @classmethod
+    def drop(cls) -> RawResponse:
+        """No answer at all: the server closes the connection (a restart, a keep-alive it just closed)."""
+        return cls(0)
+
+    @classmethod
     def vllm_error(cls, status: int, message: str, err_type: str = "InternalServerError") -> RawResponse:
         """An error body shaped like vLLM's ``ErrorResponse``."""
         payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
@@ -63,7 +68,8 @@ class ServedRequest:
 
     ``outcome`` is ``"pending"`` until it is decided, then ``"completed"`` (a 2xx answer was
     produced), ``"error"`` (a 4xx/5xx answer), ``"intercepted"`` (the hook answered) or
-    ``"client_disconnected"`` (the client went away first; generation was cancelled).
+    ``"client_disconnected"`` (the client went away first; generation was cancelled) or
+    ``"dropped"`` (the hook answered :meth:`RawResponse.drop`: the connection was closed unanswered).
     ``finished`` is set when the outcome is decided.
     """
 
@@ -210,7 +216,7 @@ class VLLMServer:
 
     # ------------------------------------------------------------------ routes
 
-    async def _answer(self, record: ServedRequest) -> RawResponse:
+    async def _answer(self, record: ServedRequest) -> RawResponse | None:
         if self.intercept is not None:
             try:
                 hooked = self.intercept(record)
@@ -218,6 +224,9 @@ class VLLMServer:
                     hooked = await hooked
             except Exception as exc:
                 hooked = RawResponse.vllm_error(500, f"intercept hook failed: {exc!r}")
+            if hooked is not None and hooked.status == 0:
+                record._decide("dropped")
+                return None
             if hooked is not None:
                 record._decide("intercepted", hooked.status)
                 return hooked
@@ -395,7 +404,8 @@ async def serve_vllm(
         tokenizer: decodes token strings for ``logprobs.tokens`` and encodes text prompts;
             default: ``engine.tokenizer`` if it has one.
         intercept: called with each request first; a :class:`RawResponse` it returns (or awaits)
-            is sent instead of the normal answer. It may also block (a hung server).
+            is sent instead of the normal answer (:meth:`RawResponse.drop` closes the connection
+            unanswered). It may also block (a hung server).
         host, port: where to listen; port 0 picks a free one (see ``server.port``/``server.url``).
 
     Raises:

@@ -17,7 +17,7 @@ from skyrl_structured.engines import (
     HTTPEngine,
 )
 from skyrl_structured.testing import Reply, ScriptedEngine
-from skyrl_structured.testing.vllm_server import RawResponse, serve_vllm
+from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 
 pytestmark = pytest.mark.anyio
 
@@ -99,6 +99,44 @@ async def test_failover_to_the_next_server_when_one_is_down(anyio_backend, token
         assert engine.router.server_of("s2") == live.url
         assert len([r for r in caplog.records if dead in r.getMessage()]) == 1
         assert len(live.completions()) == 3
+
+
+async def test_a_connection_dropped_unanswered_is_sent_once_more_to_the_same_server(anyio_backend, tokenizer):
+    # What a kept-alive connection closed by the server as it is reused looks like: no answer at all.
+    dropped = 0
+
+    def drop_the_first(request: ServedRequest) -> RawResponse | None:
+        nonlocal dropped
+        if request.path == "/v1/completions" and dropped == 0:
+            dropped += 1
+            return RawResponse.drop()
+        return None
+
+    async with (
+        serve_vllm(echo_engine(tokenizer), intercept=drop_the_first) as server,
+        HTTPEngine(server.url, "test-model") as engine,
+    ):
+        out = await engine.generate({"prompt_token_ids": [[1, 2]], "session_ids": ["s0"]})
+        assert out["responses"] == ["ok 2"]
+        assert [r.outcome for r in server.completions()] == ["dropped", "completed"]
+        assert engine.router.server_of("s0") == server.url
+
+
+async def test_a_server_that_keeps_dropping_is_tried_twice_then_fails_over(anyio_backend, tokenizer):
+    async with (
+        serve_vllm(echo_engine(tokenizer, "dropping"), intercept=lambda r: RawResponse.drop()) as bad,
+        serve_vllm(echo_engine(tokenizer, "good")) as good,
+        HTTPEngine([bad.url, good.url], "test-model") as engine,
+    ):
+        out = await engine.generate({"prompt_token_ids": [[1]], "session_ids": ["s0"]})
+        assert out["responses"] == ["good 1"]
+        assert [r.outcome for r in bad.completions()] == ["dropped", "dropped"]
+    async with serve_vllm(echo_engine(tokenizer), intercept=lambda r: RawResponse.drop()) as only:
+        async with HTTPEngine(only.url, "test-model") as engine:
+            with pytest.raises(EngineConnectionError, match="no vLLM server could be reached") as info:
+                await engine.generate({"prompt_token_ids": [[1]]})
+        assert list(info.value.failures) == [only.url]
+        assert len(only.completions()) == 2
 
 
 async def test_every_server_down_is_a_connection_error_naming_each(anyio_backend):
