@@ -63,9 +63,9 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured._tokens import ChatTokenizer
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
-from skyrl_structured.tokens import ChatTokenizer
 
 from .harness import Context, median, spread, write_json
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._replies import read_reply
 from ._rollout import RolloutContext
-from .tokens import ChatTokenizer
+from ._tokens import ChatTokenizer
 from .types import ConversationType, StepWiseOutput, TrajectoryOutput
 
 __all__ = ["Episode", "PromptTooLongError"]

@@ -26,12 +26,12 @@ from ._env_threads import EnvThreadPool
 from ._episode import Episode
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
+from ._tokens import ChatTokenizer, load_custom_chat_template
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
 from .envs import EnvCallRunner, env_config_for, open_env, shielded_cleanup
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
-from .tokens import ChatTokenizer, load_custom_chat_template
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
 from .validate import check_generator_config, check_generator_input
 

@@ -9,9 +9,9 @@ import pytest
 from skyrl_structured import GeneratorConfig, PromptTooLongError, StepWiseOutput, TrajectoryOutput
 from skyrl_structured._episode import Episode
 from skyrl_structured._rollout import BatchContext, RolloutContext, sampling_params_dict
+from skyrl_structured._tokens import ChatTokenizer
 from skyrl_structured.observe import RolloutRef
 from skyrl_structured.testing import ScriptedEngine
-from skyrl_structured.tokens import ChatTokenizer
 
 pytestmark = pytest.mark.anyio
 

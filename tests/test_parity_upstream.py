@@ -27,9 +27,9 @@ from skyrl_structured import (
     TrajectoryID,
     validate_generator_output,
 )
+from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
-from skyrl_structured.tokens import BUILTIN_CHAT_TEMPLATES
 
 from ._upstream import load_upstream_generator
 

@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from benchmarks.tokenizer import QWEN_CHAT_TEMPLATE
+from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES, ChatTokenizer, _FastRender
 from skyrl_structured.tiny import build_chatml_tokenizer
-from skyrl_structured.tokens import BUILTIN_CHAT_TEMPLATES, ChatTokenizer, _FastRender
 from skyrl_structured.types import ConversationType
 from tests.test_tokens_memo import CUSTOM_TEMPLATE
 
@@ -285,7 +285,7 @@ def test_a_tokenizer_with_its_own_encoding_keeps_it() -> None:
 
 def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptureFixture) -> None:
     # Built around the eligibility guard on purpose: the self-check alone must catch the difference.
-    caplog.set_level(logging.INFO, logger="skyrl_structured.tokens")
+    caplog.set_level(logging.INFO, logger="skyrl_structured._tokens")
     tok = _bos_tokenizer()
     fast = _FastRender(tok, _compile_jinja_template)
     messages = [{"role": "user", "content": "hello"}]
@@ -293,6 +293,6 @@ def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptu
     assert fast.disabled
     assert fast.render(messages, True, CUSTOM_TEMPLATE, {}) is None
     assert fast.renders == 0
-    notes = [r for r in caplog.records if r.name == "skyrl_structured.tokens" and "fast render path" in r.message]
+    notes = [r for r in caplog.records if r.name == "skyrl_structured._tokens" and "fast render path" in r.message]
     assert len(notes) == 1
     assert notes[0].levelno == logging.INFO

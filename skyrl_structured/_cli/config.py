@@ -25,8 +25,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 
+from .._tokens import load_custom_chat_template
 from ..config import resolve_resilience
-from ..tokens import load_custom_chat_template
 from ..validate import check_generator_config
 from .schema import (
     CLI_PRESET,

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._tokens import load_custom_chat_template
 from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, resolve_resilience
-from ..tokens import load_custom_chat_template
 from ..validate import check_generator_config
 
 #: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
