@@ -121,19 +121,20 @@ def _foreign_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, native) and anyio.current_effective_deadline() != -math.inf
 
 
-def _as_rollout_error(exc: BaseException, where: str) -> Exception | None:
+def _as_rollout_error(exc: BaseException, index: int, trajectory_id: Any | None) -> Exception | None:
     """The error a rollout failed with, or None for what must propagate (our cancellation, interrupts)."""
     if isinstance(exc, Exception):
         return exc
-    if _foreign_cancellation(exc):
+    if not isinstance(exc, GeneratorExit) and not _foreign_cancellation(exc):
+        return None  # decided before describing the rollout: a cancelled batch does this once per rollout
+    where = _describe(index, trajectory_id)
+    if not isinstance(exc, GeneratorExit):
         error = RolloutCancelledError(
             f"{where} raised {type(exc).__name__} although generate() was not cancelled (an inference client "
             "or environment that cancels its own work); counted as this rollout's failure"
         )
-    elif isinstance(exc, GeneratorExit):
-        error = RolloutCancelledError(f"{where} raised GeneratorExit; counted as this rollout's failure")
     else:
-        return None
+        error = RolloutCancelledError(f"{where} raised GeneratorExit; counted as this rollout's failure")
     error.__cause__ = exc
     return error
 
@@ -267,7 +268,7 @@ class _Supervisor:
             try:
                 result = await self._attempt(index, context)
             except BaseException as raised:
-                error = _as_rollout_error(raised, _describe(index, trajectory_id))
+                error = _as_rollout_error(raised, index, trajectory_id)
                 if error is None:
                     self._propagate(raised, context, group)
                     return
