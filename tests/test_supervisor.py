@@ -366,8 +366,10 @@ async def test_max_env_workers_counts_calls_abandoned_in_their_threads(tokenizer
         release.wait()
 
     gen = make_generator(tokenizer, _engine(tokenizer), workers=2, env_cleanup_timeout_s=0.1)
+    # The failing rollout is the first: its init is queued before any step, so the two hanging steps
+    # (rollouts 1 and 2) can never take both threads while it still waits for one.
     first = _with_env(
-        make_batch(3, ledger, extras={0: {"on_step": hang}, 1: {"on_step": hang}}), "tests_thread_counting"
+        make_batch(3, ledger, extras={1: {"on_step": hang}, 2: {"on_step": hang}}), "tests_thread_counting"
     )
 
     async def fail_once_both_are_held() -> None:
@@ -379,7 +381,7 @@ async def test_max_env_workers_counts_calls_abandoned_in_their_threads(tokenizer
     original = failing.generate
 
     async def generate(input_batch, model=None):
-        if input_batch["session_ids"][0] == "q1_0":
+        if input_batch["session_ids"][0] == "q0_0":
             await fail_once_both_are_held()
         return await original(input_batch, model=model)
 
