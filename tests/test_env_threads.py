@@ -140,7 +140,8 @@ async def test_idle_threads_exit(anyio_backend):
     await _until(lambda: pool.threads == 0)
 
 
-def test_a_call_finishing_after_its_event_loop_ended_is_harmless():
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_call_finishing_after_its_event_loop_ended_is_harmless(backend):
     pool = EnvThreadPool(1)
     release = threading.Event()
     box: dict[str, EnvCall[bool]] = {}
@@ -152,7 +153,7 @@ def test_a_call_finishing_after_its_event_loop_ended_is_harmless():
         with anyio.move_on_after(0.05):
             await call.wait()
 
-    anyio.run(main)
+    anyio.run(main, backend=backend)
     release.set()
     deadline = time.monotonic() + 10
     while not box["call"].done and time.monotonic() < deadline:
@@ -165,7 +166,7 @@ def test_a_call_finishing_after_its_event_loop_ended_is_harmless():
         await call.wait()
         return call.result()
 
-    assert anyio.run(again) == "next loop"
+    assert anyio.run(again, backend=backend) == "next loop"
 
 
 def test_pool_needs_a_worker():
