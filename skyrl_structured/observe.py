@@ -169,19 +169,24 @@ class RolloutObserver:
 class Observers:
     """The observers of one ``generate()`` call, each called safely."""
 
-    __slots__ = ("_broken", "_observers")
+    __slots__ = ("_broken", "_observers", "_wanted")
 
     def __init__(self, observers: Sequence[RolloutObserver] = ()) -> None:
         self._observers = list(observers)
         self._broken: set[int] = set()
+        self._wanted: dict[str, bool] = {}  # the observers are fixed for the call: decided once per event
 
     def __bool__(self) -> bool:
         return bool(self._observers)
 
     def wants(self, event: str) -> bool:
         """Whether any observer overrides ``event`` (so a costly argument is built only when heard)."""
-        default = getattr(RolloutObserver, event)
-        return any(getattr(type(observer), event, default) is not default for observer in self._observers)
+        wanted = self._wanted.get(event)
+        if wanted is None:
+            default = getattr(RolloutObserver, event)
+            wanted = any(getattr(type(observer), event, default) is not default for observer in self._observers)
+            self._wanted[event] = wanted
+        return wanted
 
     def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
         """Call ``event`` on every observer; one that raises is logged and skipped from then on."""
