@@ -29,6 +29,7 @@ __all__ = [
     "infer_token_level_rewards",
     "make_placeholder",
     "overlong_filtered",
+    "reward_total",
     "substitute_placeholders",
 ]
 
@@ -151,7 +152,8 @@ def check_failure_budget(
     ) from first
 
 
-def _trajectory_score(reward: Any) -> float:
+def reward_total(reward: Any) -> float:
+    """A row's reward as one number: token-level rewards summed (the score GRPO groups compare)."""
     return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
@@ -188,7 +190,7 @@ def apply_group_policy(
     scores: dict[str, list[float]] = defaultdict(list)
     for r, i in enumerate(row_trajectory):
         if is_last_row[r] and not failed[i]:
-            scores[groups[i]].append(_trajectory_score(rewards[r]))
+            scores[groups[i]].append(reward_total(rewards[r]))
     for r, i in enumerate(row_trajectory):
         if failed[i]:
             sibling_scores = scores.get(groups[i])

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .._collector import reward_total
 from .._supervisor import describe_error
 from ..observe import FinishedTrajectory
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput
@@ -55,10 +56,6 @@ _PACKAGES = (
     "tokenizers",
     "vllm",
 )
-
-
-def _total(reward: Any) -> float:
-    return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
 def _final_rows(output: GeneratorOutput) -> list[int]:
@@ -113,11 +110,6 @@ def _turns(record: FinishedTrajectory) -> int:
 def _stretches(mask: Sequence[int]) -> int:
     """Runs of 1s in a loss mask: one per turn's generated tokens."""
     return sum(1 for j, bit in enumerate(mask) if bit and (j == 0 or not mask[j - 1]))
-
-
-def _score(reward: Any) -> float:
-    """GRPO's score of a row: its reward summed over tokens."""
-    return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
 def _last(reward: Any) -> float:
@@ -196,7 +188,7 @@ def _truth(cfg: RolloutConfig, output: GeneratorOutput, result: RunResult, n_sam
     failed: Counter[str] = Counter()
     for r, last in enumerate(is_last):
         if last:
-            scores[groups[r]].append(_score(rewards[r]))
+            scores[groups[r]].append(reward_total(rewards[r]))
             failed[groups[r]] += placeholder[r]
     # SkyRL's trainer: reward/avg_raw_reward over every row, pass@n per uid over every row's last reward.
     passing: dict[str, bool] = defaultdict(bool)
@@ -226,7 +218,7 @@ def _truth(cfg: RolloutConfig, output: GeneratorOutput, result: RunResult, n_sam
         "pass_at_k": sum(passing.values()) / len(passing) if passing else None,
         "prompts_passed": sum(passing.values()),
         "trainer_metrics": {
-            "reward/avg_raw_reward": sum(_score(r) for r in rewards) / len(rewards) if rewards else None,
+            "reward/avg_raw_reward": sum(reward_total(r) for r in rewards) / len(rewards) if rewards else None,
             f"reward/avg_pass_at_{n_samples}": sum(passing.values()) / len(passing) if passing else None,
         },
         "per_prompt": per_prompt,
@@ -278,7 +270,7 @@ def summarize(
     stop_reasons = output.get("stop_reasons") or []
     finals = _final_rows(output)
     ok_finals = [i for i in finals if not stop_reasons or stop_reasons[i] != "rollout_error"]
-    rewards = [_total(output["rewards"][i]) for i in ok_finals]
+    rewards = [reward_total(output["rewards"][i]) for i in ok_finals]
     recorded = [r for r in (result.trajectories.records.values() if result.trajectories else []) if not r.failed]
     if len(recorded) == len(ok_finals):
         # The rollouts' own rewards: what the model earned, before a policy zeroed or filled any.
@@ -439,7 +431,7 @@ def _trajectory_rows(
                 "trajectory_id": jsonable(tid),
                 "env_class": batch["env_classes"][rollout],
                 "stop_reason": stop_reasons[i],
-                "reward": _total(reward),
+                "reward": reward_total(reward),
                 "prompt_text": tokenizer.decode(prompt, skip_special_tokens=False),
                 "response_text": tokenizer.decode(response, skip_special_tokens=False),
                 "prompt_ids": list(prompt),
