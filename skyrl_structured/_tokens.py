@@ -186,6 +186,25 @@ def _as_ids(rendered: Any) -> list[int]:
     return list(rendered)
 
 
+def _apply_template(
+    tokenizer: Any,
+    messages: ConversationType,
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    kwargs: dict[str, Any],
+) -> list[int]:
+    """Token ids through ``apply_chat_template``: the reference every other render path must match."""
+    out = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        tokenize=True,
+        return_dict=False,
+        **kwargs,
+    )
+    return _as_ids(out)
+
+
 # --- The fast render path -------------------------------------------------------------------------------------------
 #
 # ``apply_chat_template`` spends about a third of its time outside the two real steps (Jinja rendering, the Rust
@@ -354,15 +373,7 @@ class _FastRender:
     def _render_slow(
         self, messages: ConversationType, add_generation_prompt: bool, template: str, kwargs: dict[str, Any]
     ) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=template,
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
-        )
-        return _as_ids(out)
+        return _apply_template(self.tokenizer, messages, add_generation_prompt, template, kwargs)
 
     def _verify(
         self,
@@ -487,16 +498,7 @@ class ChatTokenizer:
         if self._fast is not None:
             ids = self._fast.render(messages, add_generation_prompt, template, self.kwargs)
         if ids is None:
-            ids = _as_ids(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template,
-                    tokenize=True,
-                    return_dict=False,
-                    **self.kwargs,
-                )
-            )
+            ids = _apply_template(self.tokenizer, messages, add_generation_prompt, chat_template, self.kwargs)
         if key is not None:
             self.memo.put(key, ids)
         return ids
