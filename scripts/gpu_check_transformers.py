@@ -8,7 +8,9 @@ Needs the project installed with a CUDA build of torch (``pip install -e '.[loca
 Checks, on asyncio and trio: greedy ids equal to an argmax decode with the model's own forward
 pass on the same device; logprobs equal to its log-softmax; seeded sampling reproducible; a
 cancelled long generation stopping promptly with its thread finished; the generator over
-skyrl_gym's gsm8k_multi_turn producing an output that passes validate_generator_output.
+skyrl_gym's gsm8k_multi_turn producing an output that passes validate_generator_output; the
+generator cancelled while rollouts generate on the device: the cancellation reaches the caller,
+every environment is closed once, every session finished, no task or thread left behind.
 Exit status 0 when every check passed.
 """
 
@@ -40,8 +42,13 @@ def build_engine(args: argparse.Namespace) -> Any:
     from skyrl_structured.tiny import build_chatml_tokenizer, build_tiny_model
 
     if args.model is None:
+        import torch
+
         tokenizer = build_chatml_tokenizer()
-        return TransformersEngine(build_tiny_model(tokenizer), tokenizer, device=args.device)
+        model = build_tiny_model(tokenizer)
+        if args.dtype is not None:
+            model = model.to(getattr(torch, args.dtype))
+        return TransformersEngine(model, tokenizer, device=args.device)
     return TransformersEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
 
 
@@ -151,18 +158,69 @@ async def check_generator(engine: Any) -> str:
     return f"valid output; stop reasons {output['stop_reasons']}; rewards {rewards}"
 
 
+async def check_generator_cancelled(engine: Any) -> str:
+    from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator
+    from skyrl_structured.testing import LeakTracker
+
+    n, started = 8, threading.Event()
+    inner = engine.model.generate
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        return inner(*args, **kwargs)
+
+    engine.model.generate = watched
+    returned: list[Any] = []
+    try:
+        async with LeakTracker() as tracker:  # on exit: every leak found is an AssertionError
+            env_class = tracker.track_env("gsm8k_multi_turn")
+            cfg = GeneratorConfig(max_turns=2, max_input_length=8192, sampling_params=SamplingParams())
+            generator = StructuredGymGenerator(
+                cfg, SkyRLGymConfig(max_env_workers=2), tracker.track_engine(engine), engine.tokenizer
+            )
+            batch = {
+                "prompts": [[{"role": "user", "content": f"What is {i} + 5?"}] for i in range(n)],
+                "env_classes": [env_class] * n,
+                "env_extras": [{"reward_spec": {"ground_truth": str(i + 5)}, "extra_info": {}} for i in range(n)],
+                "sampling_params": {"max_tokens": 100_000, "min_tokens": 100_000},
+            }
+
+            async def run() -> None:
+                returned.append(await generator.generate(batch, disable_tqdm=True))
+
+            with anyio.fail_after(120):
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(run)
+                        await anyio.to_thread.run_sync(started.wait)
+                        await anyio.sleep(1.0)
+                        cancelled_at = time.monotonic()
+                        scope.cancel()
+                stopped_in = time.monotonic() - cancelled_at
+            assert not returned, "generate() returned instead of being cancelled"
+            assert scope.cancelled_caught, "the cancellation did not reach the caller"
+            opened, closed = tracker.ledger.opened, tracker.ledger.closed
+        return (
+            f"cancelled 1 s into generation: out in {stopped_in:.2f} s; {opened} env(s) opened, {closed} closed; "
+            f"sessions finished {sum(tracker.sessions_finished.values())}; no task or thread left"
+        )
+    finally:
+        del engine.model.generate
+
+
 CHECKS: list[tuple[str, Callable[[Any], Awaitable[str]]]] = [
     ("greedy ids and logprobs vs the model's own logits", check_greedy),
     ("seeded sampling is reproducible", check_seeds),
     ("cancellation stops a long generation", check_cancellation),
     ("generator end to end (gsm8k_multi_turn)", check_generator),
+    ("generator cancelled mid-generation", check_generator_cancelled),
 ]
 
 
 def main() -> int:
     args = parse_args()
     engine = build_engine(args)
-    print(f"model: {args.model or 'tiny random Llama'} on {engine.device}")
+    print(f"model: {args.model or 'tiny random Llama'} on {engine.device}, {engine.model.dtype}")
     failures = 0
     for backend in args.backends.split(","):
         for name, check in CHECKS:
