@@ -16,10 +16,11 @@ included) is logged and counted but never replaces the rollout's own result or e
 
 from __future__ import annotations
 
+import abc
 import inspect
 import logging
 import types
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -135,6 +136,7 @@ def _noop_base_closes() -> frozenset[Any]:
 
 
 _NOOP_BASE_CLOSES = _noop_base_closes()
+_OBJECT_GETATTRIBUTE: Any = object.__getattribute__
 
 
 def has_noop_close(env: Any) -> bool:
@@ -147,14 +149,9 @@ def has_noop_close(env: Any) -> bool:
     """
     if "close" in getattr(env, "__dict__", ()):
         return False
-    close = None
-    for klass in type(env).__mro__:
-        namespace = klass.__dict__
-        if "__getattribute__" in namespace and klass is not object:
-            return False
-        if close is None:
-            close = namespace.get("close")
-    return close in _NOOP_BASE_CLOSES
+    cls: Any = type(env)
+    # Attribute lookup on the class walks the MRO as an instance's lookup would, in C.
+    return cls.__getattribute__ is _OBJECT_GETATTRIBUTE and getattr(cls, "close", None) in _NOOP_BASE_CLOSES
 
 
 class SyncEnvAdapter:
@@ -379,48 +376,84 @@ def _cleanup_failed(
     on_outcome("error", cleanup_exc)
 
 
-async def shielded_cleanup(
-    what: str,
-    cleanup: Callable[[], Any],
-    *,
-    limit_s: float,
-    error: BaseException | None,
-    on_outcome: Callable[[CleanupOutcome, BaseException | None], None],
-) -> bool:
-    """Run ``cleanup()`` shielded from cancellation and bounded by ``limit_s`` seconds.
+class Cleanup(abc.ABC):
+    """One step of :func:`run_cleanups`: awaited shielded and bounded, then told how it ended."""
 
-    ``on_outcome`` hears once how it ended: ``"ok"``; ``"error"`` with the exception (``GeneratorExit``
-    included), which is logged and noted on ``error``, the exception the rollout is already raising,
-    if any; or ``"timeout"``: the cleanup overran and was abandoned. Neither replaces the rollout's
-    own outcome. An interrupt (``KeyboardInterrupt``, ``SystemExit``) is reported as an error and
-    then propagates. Returns False when the cleanup was abandoned.
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        #: Set when :func:`run_cleanups` starts the step: a step runs at most once.
+        self.started = False
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """What the step does, for log lines (``closing environment 'x'``)."""
+
+    @abc.abstractmethod
+    def run(self) -> Awaitable[Any]:
+        """The cleanup itself."""
+
+    @abc.abstractmethod
+    def outcome(self, outcome: CleanupOutcome, error: BaseException | None) -> None:
+        """Hears once how the step ended (count it, tell the observers)."""
+
+
+async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: BaseException | None) -> None:
+    """Run each step in order, shielded from cancellation and each bounded by ``limit_s`` seconds.
+
+    Each step's ``outcome`` hears once how it ended: ``"ok"``; ``"error"`` with the exception
+    (``GeneratorExit`` included), which is logged and noted on ``error``, the exception the rollout
+    is already raising, if any; or ``"timeout"``: the step overran and was abandoned. None of them
+    stops the next step or replaces the rollout's own outcome. An interrupt (``KeyboardInterrupt``,
+    ``SystemExit``) is reported as an error and then propagates.
+
+    The steps share one shielded scope (an environment's close and its session's end cost one scope,
+    not two); its deadline is set afresh when a step first suspends, so a step that does not
+    suspend arms no timer. A step that overruns is cancelled by the deadline, and the steps after it
+    get a new scope.
     """
-
-    # One scope does both jobs: shielded from outside cancellation, cancelled by its own deadline,
-    # which is set only if the cleanup suspends (one that does not cannot be cancelled or overrun).
-    with anyio.CancelScope(shield=True) as scope:
-        try:
-            await _bounded_once_suspended(cleanup(), scope, limit_s)
-        except (Exception, GeneratorExit) as cleanup_exc:
-            _cleanup_failed(what, cleanup_exc, error, on_outcome)
-            return True
-        except (KeyboardInterrupt, SystemExit) as interrupt:
-            _cleanup_failed(what, interrupt, error, on_outcome)
-            raise
-    if scope.cancelled_caught:
-        logger.warning("%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", what, limit_s)
-        on_outcome("timeout", None)
-        return False
-    on_outcome("ok", None)
-    return True
+    index = 0
+    while index < len(cleanups):
+        returned: Cleanup | None = None  # the last step that returned; its "ok" waits for the scope's verdict
+        with anyio.CancelScope(shield=True) as scope:
+            while index < len(cleanups) and not scope.cancel_called:
+                if returned is not None:
+                    returned.outcome("ok", None)
+                    returned = None
+                step = cleanups[index]
+                index += 1
+                step.started = True
+                try:
+                    await _bounded_once_suspended(step.run(), scope, limit_s)
+                except (Exception, GeneratorExit) as cleanup_exc:
+                    _cleanup_failed(step.describe(), cleanup_exc, error, step.outcome)
+                except (KeyboardInterrupt, SystemExit) as interrupt:
+                    _cleanup_failed(step.describe(), interrupt, error, step.outcome)
+                    raise
+                else:
+                    returned = step
+        if scope.cancelled_caught:
+            overran = cleanups[index - 1]
+            logger.warning(
+                "%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", overran.describe(), limit_s
+            )
+            overran.outcome("timeout", None)
+        elif returned is not None:
+            returned.outcome("ok", None)
 
 
 #: ``observe(event, *args)``: tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
 EnvObserver = Callable[..., None]
 
 
-class _OpenEnv:
-    """The context manager :func:`open_env` returns (a class, so any exception passes through it)."""
+class _OpenEnv(Cleanup):
+    """The context manager :func:`open_env` returns (a class, so any exception passes through it).
+
+    It is also the cleanup step that closes the environment, so that closing costs no objects
+    beyond itself.
+    """
+
+    __slots__ = ("_abandoned", "_cleanup_timeout", "_env", "_env_class", "_exit", "_observe", "_stats", "_then")
 
     def __init__(
         self,
@@ -431,13 +464,17 @@ class _OpenEnv:
         stats: CleanupStats,
         abandoned: list[EnvCall[Any]] | None,
         observe: EnvObserver | None,
+        then: Cleanup | None,
     ) -> None:
+        super().__init__()
         self._env_class = env_class
         self._env = _wrap(raw, runner)
         self._cleanup_timeout = cleanup_timeout
         self._stats = stats
         self._abandoned = abandoned
         self._observe = observe
+        self._then = then
+        self._exit: tuple[type[BaseException] | None, BaseException | None, TracebackType | None] = (None, None, None)
 
     async def __aenter__(self) -> Any:
         try:
@@ -450,42 +487,54 @@ class _OpenEnv:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        stats = self._stats
-
-        def report(outcome: CleanupOutcome, error: BaseException | None) -> None:
-            if outcome == "error":
-                stats.env_close_errors += 1
-            if outcome != "timeout":
-                stats.envs_closed += 1
-            else:
-                stats.env_cleanup_timeouts += 1
-            if self._observe is not None:
-                self._observe("cleanup_finished", "env_close", outcome, error)
-
         env = self._env
+        steps: list[Cleanup] = []
         if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
             # A close that runs inline and waits for nothing cannot be cancelled or overrun its
             # bound (no await suspends it), so it needs no shielded scope with a deadline.
+            self.started = True
             try:
                 await env.__aexit__(exc_type, exc, tb)
             except (Exception, GeneratorExit) as cleanup_exc:
-                _cleanup_failed(f"closing environment {self._env_class!r}", cleanup_exc, exc, report)
+                _cleanup_failed(self.describe(), cleanup_exc, exc, self.outcome)
             except (KeyboardInterrupt, SystemExit) as interrupt:
-                _cleanup_failed(f"closing environment {self._env_class!r}", interrupt, exc, report)
+                _cleanup_failed(self.describe(), interrupt, exc, self.outcome)
                 raise
             else:
-                report("ok", None)
-            return
-        finished = await shielded_cleanup(
-            f"closing environment {self._env_class!r}",
-            lambda: env.__aexit__(exc_type, exc, tb),
-            limit_s=self._cleanup_timeout,
-            error=exc,
-            on_outcome=report,
-        )
-        late = getattr(env, "abandoned_close", None)
-        if not finished and late is not None and self._abandoned is not None:
-            self._abandoned.append(late)
+                self.outcome("ok", None)
+        else:
+            self._exit = (exc_type, exc, tb)
+            steps.append(self)
+        if self._then is not None:
+            steps.append(self._then)
+        if steps:
+            try:
+                await run_cleanups(steps, limit_s=self._cleanup_timeout, error=exc)
+            finally:
+                self._exit = (None, None, None)  # no reference cycle through the traceback
+
+    # ------------------------------------------------------------------ as a cleanup step
+
+    def describe(self) -> str:
+        return f"closing environment {self._env_class!r}"
+
+    def run(self) -> Awaitable[Any]:
+        closing: Awaitable[Any] = self._env.__aexit__(*self._exit)
+        return closing
+
+    def outcome(self, outcome: CleanupOutcome, error: BaseException | None) -> None:
+        stats = self._stats
+        if outcome == "error":
+            stats.env_close_errors += 1
+        if outcome != "timeout":
+            stats.envs_closed += 1
+        else:
+            stats.env_cleanup_timeouts += 1
+            late = getattr(self._env, "abandoned_close", None)
+            if late is not None and self._abandoned is not None:
+                self._abandoned.append(late)
+        if self._observe is not None:
+            self._observe("cleanup_finished", "env_close", outcome, error)
 
 
 def open_env(
@@ -506,8 +555,38 @@ def open_env(
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
     counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_finished``.
     """
+    return _open_env(
+        env_class,
+        env_config=env_config,
+        extras=extras,
+        runner=runner,
+        cleanup_timeout=cleanup_timeout,
+        stats=stats,
+        abandoned=abandoned,
+        observe=observe,
+    )
+
+
+def _open_env(
+    env_class: str,
+    *,
+    env_config: Any,
+    extras: dict[str, Any],
+    runner: EnvCallRunner,
+    cleanup_timeout: float,
+    stats: CleanupStats,
+    abandoned: list[EnvCall[Any]] | None = None,
+    observe: EnvObserver | None = None,
+    then: Cleanup | None = None,
+) -> _OpenEnv:
+    """:func:`open_env`, plus ``then``: a cleanup run right after the close, in the same shielded scope.
+
+    The generator ends a rollout's inference session that way: one scope for both cleanups. Should
+    the close raise an interrupt, ``then`` is not started (``then.started`` stays False): the
+    caller runs it.
+    """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
     if observe is not None:
         observe("env_opened")
-    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe)
+    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, then)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable
 from typing import Any
 from uuid import uuid4
 
@@ -29,7 +29,7 @@ from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import EnvCallRunner, env_config_for, open_env, shielded_cleanup
+from .envs import Cleanup, EnvCallRunner, _open_env, env_config_for, run_cleanups
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
@@ -38,6 +38,31 @@ from .validate import check_generator_config, check_generator_input
 __all__ = ["StructuredGymGenerator"]
 
 logger = logging.getLogger(__name__)
+
+
+class _SessionEnd(Cleanup):
+    """Ending one rollout's inference session: ``finish_session``, counted and observed."""
+
+    __slots__ = ("_context", "_session_id")
+
+    def __init__(self, context: RolloutContext, session_id: Hashable) -> None:
+        super().__init__()
+        self._context = context
+        self._session_id = session_id
+
+    def describe(self) -> str:
+        return f"finish_session({self._session_id!r})"
+
+    def run(self) -> Awaitable[Any]:
+        finishing: Awaitable[Any] = self._context.client.finish_session(self._session_id)
+        return finishing
+
+    def outcome(self, outcome: CleanupOutcome, error: BaseException | None) -> None:
+        if outcome == "error":
+            self._context.cleanup.finish_session_errors += 1
+        elif outcome == "timeout":
+            self._context.cleanup.finish_session_timeouts += 1
+        self._context.emit("cleanup_finished", "finish_session", outcome, error)
 
 
 class StructuredGymGenerator:
@@ -186,23 +211,9 @@ class StructuredGymGenerator:
             return sampling_params.get("logprobs", None) is not None
         return self.generator_cfg.sampling_params.logprobs is not None
 
-    async def _finish_session(self, context: RolloutContext, session_id: Hashable, error: BaseException | None) -> None:
-        cleanup = context.cleanup
-
-        def report(outcome: CleanupOutcome, exc: BaseException | None) -> None:
-            if outcome == "error":
-                cleanup.finish_session_errors += 1
-            elif outcome == "timeout":
-                cleanup.finish_session_timeouts += 1
-            context.emit("cleanup_finished", "finish_session", outcome, exc)
-
-        await shielded_cleanup(
-            f"finish_session({session_id!r})",
-            lambda: context.client.finish_session(session_id),
-            limit_s=self.resilience.env_cleanup_timeout_s,
-            error=error,
-            on_outcome=report,
-        )
+    def _session_end(self, context: RolloutContext, session_id: Hashable) -> Cleanup:
+        """The cleanup step that tells the engine a rollout's session is over (counted and observed)."""
+        return _SessionEnd(context, session_id)
 
     # ------------------------------------------------------------------ one rollout
 
@@ -235,10 +246,13 @@ class StructuredGymGenerator:
             f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}" if trajectory_id is not None else uuid4().hex
         )
         context.ref = dataclasses.replace(context.ref, session_id=session_id)
+        # Ended right after the environment's close, in the same shielded scope; or below, when
+        # there was no environment to close (it failed to open) or its close raised an interrupt.
+        session_end = self._session_end(context, session_id)
         try:
             env_extras["max_turns"] = self.max_turns
             env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
-            async with open_env(
+            async with _open_env(
                 env_class,
                 env_config=env_config_for(self.skyrl_gym_cfg, env_class),
                 extras=env_extras,
@@ -247,6 +261,7 @@ class StructuredGymGenerator:
                 stats=context.cleanup,
                 abandoned=context.abandoned,
                 observe=lambda event, *args: context.emit(event, *args),
+                then=session_end,
             ) as env:
                 output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
                     env,
@@ -261,9 +276,9 @@ class StructuredGymGenerator:
             output.e2e_time = time.monotonic() - started
             output.time_splits = context.time_splits
         except BaseException as exc:
-            await self._finish_session(context, session_id, exc)
+            if not session_end.started:
+                await run_cleanups([session_end], limit_s=self.resilience.env_cleanup_timeout_s, error=exc)
             raise
-        await self._finish_session(context, session_id, None)
         return output
 
     # ------------------------------------------------------------------ a batch

@@ -6,12 +6,13 @@ import threading
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from skyrl_structured import open_env
-from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env
+from skyrl_structured.envs import Cleanup, CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env, run_cleanups
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 from .helpers import make_batch, make_generator
@@ -238,10 +239,25 @@ async def test_an_overridden_close_still_runs_in_a_worker_thread_exactly_once(an
     assert OverridingCloseEnv.closes[0].startswith("skyrl-structured-env")
 
 
-async def test_shielded_cleanup_bounds_one_that_suspends_and_spares_one_that_does_not(anyio_backend):
-    from skyrl_structured.envs import shielded_cleanup
+class _Step(Cleanup):
+    """A cleanup step for run_cleanups that records how it ended."""
 
-    outcomes: list[str] = []
+    def __init__(self, name: str, body: Any, outcomes: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.name, self.body, self.outcomes = name, body, outcomes
+
+    def describe(self) -> str:
+        return self.name
+
+    def run(self) -> Any:
+        return self.body()
+
+    def outcome(self, outcome: Any, error: BaseException | None) -> None:
+        self.outcomes.append((self.name, outcome))
+
+
+async def test_run_cleanups_bounds_each_step_that_suspends_and_goes_on_after_one_that_overran(anyio_backend):
+    outcomes: list[tuple[str, str]] = []
 
     async def instant() -> None:
         return None
@@ -252,11 +268,38 @@ async def test_shielded_cleanup_bounds_one_that_suspends_and_spares_one_that_doe
     async def hung() -> None:
         await anyio.sleep_forever()
 
+    async def failing() -> None:
+        await anyio.lowlevel.checkpoint()
+        raise OSError("sandbox gone")
+
+    steps = [_Step(f.__name__, f, outcomes) for f in (instant, short, hung, short, failing, instant)]
+    error = RuntimeError("the rollout's own error")
     with anyio.CancelScope() as scope:
-        scope.cancel()  # every cleanup below runs on the cancellation path, shielded from it
-        for cleanup in (instant, short, hung):
-            finished = await shielded_cleanup(
-                cleanup.__name__, cleanup, limit_s=0.2, error=None, on_outcome=lambda o, e: outcomes.append(o)
-            )
-            assert finished == (cleanup is not hung)
-    assert outcomes == ["ok", "ok", "timeout"]
+        scope.cancel()  # every step runs on the cancellation path, shielded from it
+        await run_cleanups(steps, limit_s=0.2, error=error)
+    assert outcomes == [
+        ("instant", "ok"),
+        ("short", "ok"),
+        ("hung", "timeout"),  # abandoned after its own bound, and the steps after it still run
+        ("short", "ok"),
+        ("failing", "error"),
+        ("instant", "ok"),
+    ]
+    assert all(step.started for step in steps)
+    assert error.__notes__ == ["while cleaning up, failing also failed: OSError: sandbox gone"]
+
+
+async def test_run_cleanups_stops_at_an_interrupt_and_leaves_later_steps_unstarted(anyio_backend):
+    outcomes: list[tuple[str, str]] = []
+
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    async def later() -> None:
+        return None
+
+    steps = [_Step("interrupted", interrupted, outcomes), _Step("later", later, outcomes)]
+    with pytest.raises(KeyboardInterrupt):
+        await run_cleanups(steps, limit_s=1.0, error=None)
+    assert outcomes == [("interrupted", "error")]
+    assert [step.started for step in steps] == [True, False]  # the caller runs what was not started

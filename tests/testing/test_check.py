@@ -23,6 +23,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_structured import StructuredGymGenerator, _episode, _supervisor, envs
 from skyrl_structured._env_threads import EnvCall
 from skyrl_structured.envs import SyncEnvAdapter
+from skyrl_structured.generator import _SessionEnd
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
 from skyrl_structured.testing.check import ATTACK_KINDS, CANCEL_STAGES, FAULT_STAGES
 
@@ -347,10 +348,14 @@ def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypat
 
 
 def test_check_catches_unfinished_sessions(monkeypatch):
-    async def never_finish(self, context, session_id, error):
-        return None  # BUG: never tells the engine the session is over
+    class NeverFinish(_SessionEnd):
+        def run(self):
+            return anyio.lowlevel.checkpoint()  # BUG: never tells the engine the session is over
 
-    monkeypatch.setattr(StructuredGymGenerator, "_finish_session", never_finish)
+    def never_finish(self, context, session_id):
+        return NeverFinish(context, session_id)
+
+    monkeypatch.setattr(StructuredGymGenerator, "_session_end", never_finish)
     report = check_structured_concurrency(
         SCRIPTED_ENV,
         raise_on_failure=False,
@@ -466,12 +471,12 @@ def test_check_catches_engine_replies_used_unchecked(monkeypatch):
 
 
 def test_check_catches_cleanup_that_waits_for_a_hung_call(monkeypatch):
-    bounded = envs.shielded_cleanup
+    bounded = envs.run_cleanups
 
-    async def unbounded(what, cleanup, *, limit_s, **kwargs):
-        return await bounded(what, cleanup, limit_s=3600.0, **kwargs)  # BUG: no deadline on closing an env
+    async def unbounded(steps, *, limit_s, **kwargs):
+        return await bounded(steps, limit_s=3600.0, **kwargs)  # BUG: no deadline on closing an env
 
-    monkeypatch.setattr(envs, "shielded_cleanup", unbounded)
+    monkeypatch.setattr(envs, "run_cleanups", unbounded)
     report = check_structured_concurrency(
         SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("hang",), case_timeout_s=0.6
     )
