@@ -17,8 +17,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,14 +191,24 @@ class RolloutContext:
 _CURRENT: ContextVar[RolloutContext | None] = ContextVar("skyrl_structured_rollout", default=None)
 
 
-@contextmanager
-def activate(context: RolloutContext) -> Iterator[None]:
+class _Active:
+    """``with activate(context):`` (a class: an exception leaving the block is not thrown into a generator)."""
+
+    __slots__ = ("_context", "_token")
+
+    def __init__(self, context: RolloutContext) -> None:
+        self._context = context
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT.set(self._context)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CURRENT.reset(self._token)
+
+
+def activate(context: RolloutContext) -> _Active:
     """Make ``context`` the one ``agent_loop`` finds for the duration of the block."""
-    token = _CURRENT.set(context)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+    return _Active(context)
 
 
 def current_rollout(generator: Any, trajectory_id: Any | None = None) -> RolloutContext:

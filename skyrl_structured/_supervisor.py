@@ -107,9 +107,11 @@ def describe_error(exc: BaseException) -> str:
     return f"{' <- '.join(names)} (no message{where})"
 
 
-def _foreign_cancellation(exc: BaseException) -> bool:
-    """True for a cancellation exception that no cancel scope around the caller has caused."""
-    native = anyio.get_cancelled_exc_class()
+def _foreign_cancellation(exc: BaseException, native: type[BaseException]) -> bool:
+    """True for a cancellation exception that no cancel scope around the caller has caused.
+
+    ``native`` is the running backend's cancellation class (looked up once per batch).
+    """
     asyncio_module = sys.modules.get("asyncio")
     # Under trio an asyncio CancelledError is never trio's own cancellation.
     if (
@@ -121,11 +123,13 @@ def _foreign_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, native) and anyio.current_effective_deadline() != -math.inf
 
 
-def _as_rollout_error(exc: BaseException, index: int, trajectory_id: Any | None) -> Exception | None:
+def _as_rollout_error(
+    exc: BaseException, index: int, trajectory_id: Any | None, native_cancellation: type[BaseException]
+) -> Exception | None:
     """The error a rollout failed with, or None for what must propagate (our cancellation, interrupts)."""
     if isinstance(exc, Exception):
         return exc
-    if not isinstance(exc, GeneratorExit) and not _foreign_cancellation(exc):
+    if not isinstance(exc, GeneratorExit) and not _foreign_cancellation(exc, native_cancellation):
         return None  # decided before describing the rollout: a cancelled batch does this once per rollout
     where = _describe(index, trajectory_id)
     if not isinstance(exc, GeneratorExit):
@@ -258,6 +262,7 @@ class _Supervisor:
         self.limiter = (
             anyio.CapacityLimiter(settings.max_concurrent_rollouts) if settings.max_concurrent_rollouts else None
         )
+        self.native_cancellation = anyio.get_cancelled_exc_class()
 
     async def child(self, index: int, group: anyio.abc.TaskGroup) -> None:
         trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
@@ -268,7 +273,7 @@ class _Supervisor:
             try:
                 result = await self._attempt(index, context)
             except BaseException as raised:
-                error = _as_rollout_error(raised, index, trajectory_id)
+                error = _as_rollout_error(raised, index, trajectory_id, self.native_cancellation)
                 if error is None:
                     self._propagate(raised, context, group)
                     return
