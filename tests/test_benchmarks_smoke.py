@@ -70,3 +70,14 @@ def test_quick_suite_writes_every_result(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     for title in ("Overhead", "Scale", "Concurrency", "Cancellation", "Goodput", "Profile"):
         assert f"### {title}" in text
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_thread_lag_runs_every_turn_through_each_pool_size(backend, capsys):
+    from benchmarks import thread_lag
+
+    argv = ["--rollouts", "8", "--turns", "2", "--burst", "4", "--workers", "2,0", "--backend", backend]
+    assert thread_lag.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == ["2 threads", "inline"]
+    assert all(line.endswith("over 16 turns") for line in lines)  # every rollout's every turn came back
