@@ -547,6 +547,7 @@ def open_env(
     stats: CleanupStats,
     abandoned: list[EnvCall[Any]] | None = None,
     observe: EnvObserver | None = None,
+    _then: Cleanup | None = None,
 ) -> AbstractAsyncContextManager[Any]:
     """Create an environment with ``skyrl_gym.make`` and close it exactly once on exit.
 
@@ -554,39 +555,11 @@ def open_env(
     patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
     counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_finished``.
-    """
-    return _open_env(
-        env_class,
-        env_config=env_config,
-        extras=extras,
-        runner=runner,
-        cleanup_timeout=cleanup_timeout,
-        stats=stats,
-        abandoned=abandoned,
-        observe=observe,
-    )
-
-
-def _open_env(
-    env_class: str,
-    *,
-    env_config: Any,
-    extras: dict[str, Any],
-    runner: EnvCallRunner,
-    cleanup_timeout: float,
-    stats: CleanupStats,
-    abandoned: list[EnvCall[Any]] | None = None,
-    observe: EnvObserver | None = None,
-    then: Cleanup | None = None,
-) -> _OpenEnv:
-    """:func:`open_env`, plus ``then``: a cleanup run right after the close, in the same shielded scope.
-
-    The generator ends a rollout's inference session that way: one scope for both cleanups. Should
-    the close raise an interrupt, ``then`` is not started (``then.started`` stays False): the
-    caller runs it.
+    (``_then`` is the generator's: its session's end, run right after the close in the same
+    shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
     if observe is not None:
         observe("env_opened")
-    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, then)
+    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, _then)

@@ -29,7 +29,7 @@ from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import Cleanup, EnvCallRunner, _open_env, env_config_for, run_cleanups
+from .envs import Cleanup, EnvCallRunner, env_config_for, open_env, run_cleanups
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
@@ -252,7 +252,7 @@ class StructuredGymGenerator:
         try:
             env_extras["max_turns"] = self.max_turns
             env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
-            async with _open_env(
+            async with open_env(
                 env_class,
                 env_config=env_config_for(self.skyrl_gym_cfg, env_class),
                 extras=env_extras,
@@ -261,7 +261,7 @@ class StructuredGymGenerator:
                 stats=context.cleanup,
                 abandoned=context.abandoned,
                 observe=lambda event, *args: context.emit(event, *args),
-                then=session_end,
+                _then=session_end,
             ) as env:
                 output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
                     env,
