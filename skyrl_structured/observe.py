@@ -169,35 +169,32 @@ class RolloutObserver:
 class Observers:
     """The observers of one ``generate()`` call, each called safely."""
 
-    __slots__ = ("_broken", "_hearing", "_observers", "_wanted")
+    __slots__ = ("_broken", "_hearing", "_observers")
 
     def __init__(self, observers: Sequence[RolloutObserver] = ()) -> None:
         self._observers = list(observers)
         self._broken: set[int] = set()
         # The observers are fixed for the call: who hears an event is decided once per event.
-        self._wanted: dict[str, bool] = {}
         self._hearing: dict[str, list[tuple[int, RolloutObserver]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._observers)
 
+    def _listeners(self, event: str) -> list[tuple[int, RolloutObserver]]:
+        """(position, observer) of the observers whose class overrides ``event`` (all, for a name the base lacks)."""
+        listeners = self._hearing.get(event)
+        if listeners is None:
+            default = getattr(RolloutObserver, event, None)
+            listeners = self._hearing[event] = [
+                (position, observer)
+                for position, observer in enumerate(self._observers)
+                if default is None or getattr(type(observer), event, default) is not default
+            ]
+        return listeners
+
     def wants(self, event: str) -> bool:
         """Whether any observer overrides ``event`` (so a costly argument is built only when heard)."""
-        wanted = self._wanted.get(event)
-        if wanted is None:
-            default = getattr(RolloutObserver, event)
-            wanted = any(getattr(type(observer), event, default) is not default for observer in self._observers)
-            self._wanted[event] = wanted
-        return wanted
-
-    def _listeners(self, event: str) -> list[tuple[int, RolloutObserver]]:
-        """The observers whose class overrides ``event`` (every observer for a name not of the base class)."""
-        default = getattr(RolloutObserver, event, None)
-        return [
-            (position, observer)
-            for position, observer in enumerate(self._observers)
-            if default is None or getattr(type(observer), event, default) is not default
-        ]
+        return bool(self._listeners(event))
 
     def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
         """Call ``event`` on every observer that overrides it; one that raises is logged and skipped from then on.
@@ -205,10 +202,7 @@ class Observers:
         Observers that keep the base class's do-nothing method are not called at all (that is most
         observers for most events, several times per rollout).
         """
-        listeners = self._hearing.get(event)
-        if listeners is None:
-            listeners = self._hearing[event] = self._listeners(event)
-        for position, observer in listeners:
+        for position, observer in self._listeners(event):
             if position in self._broken:
                 continue
             try:
