@@ -492,7 +492,6 @@ class _OpenEnv(Cleanup):
         if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
             # A close that runs inline and waits for nothing cannot be cancelled or overrun its
             # bound (no await suspends it), so it needs no shielded scope with a deadline.
-            self.started = True
             try:
                 await env.__aexit__(exc_type, exc, tb)
             except (Exception, GeneratorExit) as cleanup_exc:

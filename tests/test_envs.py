@@ -205,12 +205,25 @@ class InheritedOverrideEnv(OverridingCloseEnv):
     """Inherits the override."""
 
 
+class ProxyingEnv(NoopCloseEnv):
+    """Resolves its attributes itself: its ``close`` may be anything, so it is not taken as the no-op."""
+
+    def __getattribute__(self, name):
+        return super().__getattribute__(name)
+
+
+class InheritedProxyEnv(ProxyingEnv):
+    """Inherits the custom lookup."""
+
+
 def test_only_the_inherited_noop_close_is_recognised():
     from skyrl_structured.envs import has_noop_close
 
     assert has_noop_close(NoopCloseEnv())
     assert not has_noop_close(OverridingCloseEnv())
     assert not has_noop_close(InheritedOverrideEnv())
+    assert not has_noop_close(ProxyingEnv())
+    assert not has_noop_close(InheritedProxyEnv())
     patched = NoopCloseEnv()
     patched.close = lambda: None  # an instance attribute shadows the class's close
     assert not has_noop_close(patched)
