@@ -6,7 +6,9 @@ metrics and aggregates every other key by its name: averaged if it contains ``av
 else the minimum if it contains ``min``, else the maximum if it contains ``max``, else summed. So
 every key added here is named for its kind: counts carry none of those words (summed: the batch
 total), ratios and percentiles carry ``mean`` (averaged: exact for a ratio when the groups are the
-same size, an estimate for a percentile), maxima ``max``.
+same size, an estimate for a percentile), maxima ``max``. SkyRL's own keys keep SkyRL's names even
+where that rule sums them (``generate/trajectory_time_<phase>_p90``); a twin named for the rule sits
+beside them (``_p90_mean``), never in their place.
 """
 
 from __future__ import annotations
@@ -60,13 +62,25 @@ def turn_token_counts(loss_masks: Sequence[Sequence[int]]) -> list[int]:
 
 
 def _time_stats(out: dict[str, Any], name: str, times: Sequence[float] | None) -> None:
+    """SkyRL main's ``generate/trajectory_time_<name>_{mean,p90,max}``, plus the ``_p90_mean`` twin.
+
+    The twin exists for per-group callers: skyrl 0.3.0's ``concatenate_generator_outputs`` sums a
+    plain ``_p90`` across groups (no avg/mean/min/max in its name) but averages ``_p90_mean``. The
+    upstream key stays under its own name (rule 11): a drop-in keeps its users' dashboards.
+    """
     if not times:
         return
     arr = np.asarray(times, dtype=np.float64)
+    p90 = np.percentile(arr, 90).item()
     out[f"generate/trajectory_time_{name}_mean"] = np.mean(arr).item()
-    # `_p90_mean`: merged per-group outputs average it (a plain `_p90` would be summed).
-    out[f"generate/trajectory_time_{name}_p90_mean"] = np.percentile(arr, 90).item()
+    out[f"generate/trajectory_time_{name}_p90"] = p90
     out[f"generate/trajectory_time_{name}_max"] = np.max(arr).item()
+    out[f"generate/trajectory_time_{name}_p90_mean"] = p90
+    if name == "completion":
+        # skyrl 0.3.0 (PyPI) names its completion-time metrics differently from SkyRL main.
+        out["generate/trajectory_completion_time_mean"] = out["generate/trajectory_time_completion_mean"]
+        out["generate/trajectory_completion_time_p90"] = p90
+        out["generate/trajectory_completion_time_max"] = out["generate/trajectory_time_completion_max"]
 
 
 def rollout_metrics(

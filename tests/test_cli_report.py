@@ -74,10 +74,12 @@ async def test_step_wise_multi_turn_run_is_reported_row_by_row(anyio_backend, to
     # Wall-clock fields live in timings.json, so that generator_output.json is reproducible.
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert "trajectory_generation_times" not in written
-    assert not any(k.startswith("generate/trajectory_time_") for k in written["rollout_metrics"])
+    wall_clock = ("generate/trajectory_time_", "generate/trajectory_completion_time_")
+    assert not any(k.startswith(wall_clock) for k in written["rollout_metrics"])
     assert len(timings["trajectory_generation_times"]) == len(output["response_ids"])
     assert timings["rollout_metrics"]
-    assert all(k.startswith("generate/trajectory_time_") for k in timings["rollout_metrics"])
+    assert all(k.startswith(wall_clock) for k in timings["rollout_metrics"])
+    assert "generate/trajectory_time_completion_p90" in timings["rollout_metrics"]
     rows = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     # Rollouts 0_0 and 0_1 took two turns each; 1_0 one; 1_1 is a one-step placeholder.
     assert [r["trajectory_id"]["instance_id"] + "_" + str(r["trajectory_id"]["repetition_id"]) for r in rows] == [

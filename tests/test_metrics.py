@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -67,15 +68,22 @@ def test_failure_budget_exceeded_is_one_over_budget_and_zero_otherwise():
     assert failure_metrics([], 2, 0, CleanupStats(), max_fraction=0.0)[key] == 0
 
 
-def test_time_percentiles_are_named_to_be_averaged_not_summed():
+def test_time_stats_keep_upstream_names_and_add_an_averaged_p90_twin():
     metrics = rollout_metrics(
         [[1, 2], [3]],
         [1.0, 0.0],
         completion_times=[1.0, 3.0],
         time_splits={"llm": [0.5, 2.0], "env": [0.25, 0.5]},
     )
-    for name in ("completion", "llm", "env", "other"):
-        assert f"generate/trajectory_time_{name}_p90_mean" in metrics
-        assert f"generate/trajectory_time_{name}_p90" not in metrics
-    assert metrics["generate/trajectory_time_llm_p90_mean"] == np.percentile([0.5, 2.0], 90)
-    assert metrics["generate/trajectory_time_completion_max"] == 3.0
+    other = [1.0 - 0.5 - 0.25, 3.0 - 2.0 - 0.5]
+    for name, times in (("completion", [1.0, 3.0]), ("llm", [0.5, 2.0]), ("env", [0.25, 0.5]), ("other", other)):
+        # SkyRL main's names and values (skyrl/train/generators/utils.py::_add_time_stats) ...
+        assert metrics[f"generate/trajectory_time_{name}_mean"] == pytest.approx(np.mean(times))
+        assert metrics[f"generate/trajectory_time_{name}_p90"] == pytest.approx(np.percentile(times, 90))
+        assert metrics[f"generate/trajectory_time_{name}_max"] == pytest.approx(max(times))
+        # ... and the twin that skyrl 0.3.0's per-group merge averages instead of summing.
+        assert metrics[f"generate/trajectory_time_{name}_p90_mean"] == metrics[f"generate/trajectory_time_{name}_p90"]
+    # skyrl 0.3.0's own names for the completion times.
+    assert metrics["generate/trajectory_completion_time_mean"] == 2.0
+    assert metrics["generate/trajectory_completion_time_p90"] == pytest.approx(np.percentile([1.0, 3.0], 90))
+    assert metrics["generate/trajectory_completion_time_max"] == 3.0

@@ -32,6 +32,7 @@ from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 from ._upstream import load_upstream_generator
+from ._upstream_keys import SKYRL_MAIN_ROLLOUT_METRICS
 
 SkyRLGymGenerator = load_upstream_generator()
 
@@ -112,7 +113,10 @@ def assert_same_output(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
                 assert len(value) == len(ours[key]), key
             continue
         assert ours[key] == value, f"{key} differs:\nours   {ours[key]!r}\ntheirs {value!r}"
+    # Every key skyrl 0.3.0 emits is emitted, its wall-clock timings included ...
+    assert set(theirs["rollout_metrics"]) <= set(ours["rollout_metrics"])
     for key, value in theirs["rollout_metrics"].items():
+        # ... with its value, the wall-clock timings excepted.
         if key.startswith("generate/trajectory_"):
             # Wall-clock timings (SkyRL 0.3.0 also named them differently from SkyRL main).
             continue
@@ -126,7 +130,7 @@ def engine_inputs(engine):
     return dict(by_session)
 
 
-def check_parity(tokenizer, backend, cfg, b, *, replies=REPLIES, logprobs=True, gym_cfg=None, **kw):
+def check_parity(mode, tokenizer, backend, cfg, b, *, replies=REPLIES, logprobs=True, gym_cfg=None, **kw):
     gym_cfg = gym_cfg or SkyRLGymConfig(max_env_workers=4)
     theirs_engine = ScriptedEngine(
         tokenizer, turn_handler(replies), logprobs=logprobs, weight_version=kw.pop("wv", None)
@@ -137,6 +141,10 @@ def check_parity(tokenizer, backend, cfg, b, *, replies=REPLIES, logprobs=True, 
     theirs = run_upstream(cfg, gym_cfg, theirs_engine, tokenizer, copy_batch(b), **kw)
     ours = run_ours(cfg, gym_cfg, ours_engine, tokenizer, copy_batch(b), backend, **kw)
     assert_same_output(ours, theirs)
+    # SkyRL main's keys for this mode (tests/_upstream_keys.py), under their names: a dashboard keyed on
+    # them keeps working after the swap.
+    missing = set(SKYRL_MAIN_ROLLOUT_METRICS[mode]) - set(ours["rollout_metrics"])
+    assert not missing, f"keys SkyRL main emits in mode {mode!r} are missing: {sorted(missing)}"
     if not cfg.batched:
         assert engine_inputs(ours_engine) == engine_inputs(theirs_engine)
     else:
@@ -148,7 +156,7 @@ def check_parity(tokenizer, backend, cfg, b, *, replies=REPLIES, logprobs=True, 
 class TestParity:
     def test_multi_turn_conversation_with_logprobs(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
-        ours, engine = check_parity(tokenizer, backend, cfg, batch(4))
+        ours, engine = check_parity("multi_turn_conversation_with_logprobs", tokenizer, backend, cfg, batch(4))
         validate_generator_output(4, ours)
         assert ours["rollout_logprobs"] is not None
         assert sorted(engine.finished_sessions) == sorted({c.session_id for c in engine.calls})
@@ -158,21 +166,23 @@ class TestParity:
 
     def test_real_gsm8k_multi_turn_env(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
-        check_parity(tokenizer, backend, cfg, batch(4, env_class="gsm8k_multi_turn"))
+        check_parity("real_gsm8k_multi_turn_env", tokenizer, backend, cfg, batch(4, env_class="gsm8k_multi_turn"))
 
     def test_real_gsm8k_single_turn_env(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=1, max_input_length=4096)
-        check_parity(tokenizer, backend, cfg, batch(2, env_class="gsm8k"))
+        check_parity("real_gsm8k_single_turn_env", tokenizer, backend, cfg, batch(2, env_class="gsm8k"))
 
     def test_single_turn_concatenation(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096, use_conversation_multi_turn=False)
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(4))
+        ours, _ = check_parity("single_turn_concatenation", tokenizer, backend, cfg, batch(4))
         assert all(ids[-1] == tokenizer.eos_token_id for ids in ours["response_ids"])
 
     def test_single_turn_concatenation_truncated_by_length(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096, use_conversation_multi_turn=False)
         replies = {1: "#### 7", 2: Reply("and then", stop_reason="length"), 3: "x"}
-        check_parity(tokenizer, backend, cfg, batch(2), replies=replies)
+        check_parity(
+            "single_turn_concatenation_truncated_by_length", tokenizer, backend, cfg, batch(2), replies=replies
+        )
 
     @pytest.mark.parametrize("source", ["name", "file"])
     def test_custom_chat_template_retokenization(self, tokenizer, backend, source, tmp_path):
@@ -189,7 +199,9 @@ class TestParity:
             sampling_params=SamplingParams(logprobs=None),
         )
         replies = {1: "<think>reason a</think>#### 7", 2: "<think>reason b</think>#### 8", 3: "#### 8"}
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False)
+        ours, _ = check_parity(
+            "custom_chat_template_retokenization", tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False
+        )
         assert all(isinstance(r, float) for r in ours["rewards"])
 
     @pytest.mark.parametrize("name", ["qwen3_with_thinking", "qwen3_without_thinking"])
@@ -201,11 +213,13 @@ class TestParity:
             sampling_params=SamplingParams(logprobs=None),
         )
         replies = {1: "<think>\nstep one</think>\n#### 7", 2: "<think>two</think>#### 8", 3: "done"}
-        check_parity(tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False)
+        check_parity(
+            "builtin_templates_render_like_skyrl", tokenizer, backend, cfg, batch(2), replies=replies, logprobs=False
+        )
 
     def test_step_wise_trajectories(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096, step_wise_trajectories=True)
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(4))
+        ours, _ = check_parity("step_wise_trajectories", tokenizer, backend, cfg, batch(4))
         validate_generator_output(4, ours, step_wise=True)
         assert ours["is_last_step"].count(True) == 4
 
@@ -215,7 +229,12 @@ class TestParity:
         params = dataclasses.asdict(SamplingParams(stop=["</answer>"]))
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
         ours, _ = check_parity(
-            tokenizer, backend, cfg, batch(2, sampling_params=params), replies={1: stopped, 2: stopped, 3: stopped}
+            "stop_strings_append_eos",
+            tokenizer,
+            backend,
+            cfg,
+            batch(2, sampling_params=params),
+            replies={1: stopped, 2: stopped, 3: stopped},
         )
         # The appended EOS is in the response but carries no loss and a dummy logprob.
         first_turn_end = ours["response_ids"][0].index(tokenizer.eos_token_id)
@@ -230,17 +249,17 @@ class TestParity:
             ]
 
         cfg = GeneratorConfig(max_turns=2, max_input_length=4096, sampling_params=SamplingParams(logprobs=None))
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2, script=script), logprobs=False)
+        ours, _ = check_parity("postprocessed_action", tokenizer, backend, cfg, batch(2, script=script), logprobs=False)
         rewritten = tokenizer.encode("REWRITTEN #### 8", add_special_tokens=False)
         assert ours["response_ids"][0][: len(rewritten)] == rewritten
 
     def test_max_input_length_truncation(self, tokenizer, backend):
         probe = GeneratorConfig(max_turns=3, max_input_length=4096)
-        full, _ = check_parity(tokenizer, backend, probe, batch(2))
+        full, _ = check_parity("max_input_length_truncation", tokenizer, backend, probe, batch(2))
         prompt_len = len(full["prompt_token_ids"][0])
         # Long enough for the first turn, too short for the second.
         cfg = GeneratorConfig(max_turns=3, max_input_length=prompt_len + 5)
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2))
+        ours, _ = check_parity("max_input_length_truncation", tokenizer, backend, cfg, batch(2))
         assert ours["stop_reasons"] == ["length", "length"]
 
     @pytest.mark.parametrize("flag", ["zero_reward_on_non_stop", "apply_overlong_filtering"])
@@ -248,7 +267,7 @@ class TestParity:
         flags: dict[str, Any] = {flag: True}
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096, **flags)
         replies = {1: "#### 7", 2: Reply("cut off mid", stop_reason="length"), 3: "#### 8"}
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2), replies=replies)
+        ours, _ = check_parity("non_stop_filters", tokenizer, backend, cfg, batch(2), replies=replies)
         if flag == "zero_reward_on_non_stop":
             assert all(not any(r) for r, s in zip(ours["rewards"], ours["stop_reasons"], strict=False) if s != "stop")
         else:
@@ -258,26 +277,37 @@ class TestParity:
 
     def test_batched_single_turn(self, tokenizer, backend):
         cfg = GeneratorConfig(batched=True, sampling_params=SamplingParams(max_generate_length=4))
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(3, env_class="gsm8k", with_ids=False))
+        ours, _ = check_parity(
+            "batched_single_turn", tokenizer, backend, cfg, batch(3, env_class="gsm8k", with_ids=False)
+        )
         assert all(len(r) <= 4 for r in ours["response_ids"])
 
     def test_cache_salt_and_model_name(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=2, max_input_length=4096)
-        _, engine = check_parity(tokenizer, backend, cfg, batch(2), wv=7, policy_model_name="policy-lora")
+        _, engine = check_parity(
+            "cache_salt_and_model_name", tokenizer, backend, cfg, batch(2), wv=7, policy_model_name="policy-lora"
+        )
         assert {c.cache_salt for c in engine.calls} == {"policy-lora@7"}
         assert {c.model for c in engine.calls} == {"policy-lora"}
 
     def test_batch_sampling_params_without_logprobs(self, tokenizer, backend):
         params = dataclasses.asdict(SamplingParams(logprobs=None, temperature=0.3))
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2, sampling_params=params), logprobs=False)
+        ours, _ = check_parity(
+            "batch_sampling_params_without_logprobs",
+            tokenizer,
+            backend,
+            cfg,
+            batch(2, sampling_params=params),
+            logprobs=False,
+        )
         assert ours["rollout_logprobs"] is None
 
     def test_inline_env_calls(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=4096)
-        check_parity(tokenizer, backend, cfg, batch(2), gym_cfg=SkyRLGymConfig(max_env_workers=0))
+        check_parity("inline_env_calls", tokenizer, backend, cfg, batch(2), gym_cfg=SkyRLGymConfig(max_env_workers=0))
 
     def test_routed_expert_config_off_by_default(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=2, max_input_length=4096, inference_engine=InferenceEngineConfig())
-        ours, _ = check_parity(tokenizer, backend, cfg, batch(2))
+        ours, _ = check_parity("routed_expert_config_off_by_default", tokenizer, backend, cfg, batch(2))
         assert ours["rollout_expert_indices"] is None

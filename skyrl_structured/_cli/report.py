@@ -35,9 +35,9 @@ from .trajectories import TRAJECTORIES_FILE, jsonable
 __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
 
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
-#: The ``GeneratorOutput`` fields, and the prefix of the rollout metrics, that hold wall-clock times.
+#: The ``GeneratorOutput`` fields, and the prefixes of the rollout metrics, that hold wall-clock times.
 _TIMING_FIELDS = ("trajectory_generation_times", "trajectory_time_splits")
-_TIMING_METRIC_PREFIX = "generate/trajectory_time_"
+_TIMING_METRIC_PREFIX = ("generate/trajectory_time_", "generate/trajectory_completion_time_")
 PLOT_FILE = "summary.png"
 _FAILURE_PREFIX = "generate/failures/"
 #: Why a row is fully loss-masked, in the order the pipeline decides it (the first that applies counts).
