@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._collector import overlong_filtered
-from ._metrics import rollout_metrics
+from ._metrics import failure_metrics, rollout_metrics
 from .envs import CleanupStats, env_config_for, open_env
 from .types import ConversationType, GeneratorOutput, InferenceEngineOutput
 
@@ -40,10 +40,12 @@ async def generate_batched(
     """Single-turn generation of the whole batch in one engine call (SkyRL's ``batched=True``).
 
     Every environment opened is closed on every path; there is no per-rollout failure
-    containment here (one engine call serves all prompts).
+    containment here (one engine call serves all prompts). The cleanup counters (opened, closed,
+    close errors and timeouts) are reported as in the agent-loop path.
     """
+    cleanup = CleanupStats()
     async with AsyncExitStack() as stack:
-        envs, init_prompts = await _open_envs(stack, generator, prompts, env_classes, env_extras)
+        envs, init_prompts = await _open_envs(stack, generator, prompts, env_classes, env_extras, cleanup)
         prompt_token_ids = _templated(generator.tokenizer, init_prompts)
         engine_output: InferenceEngineOutput = await client.generate(
             {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
@@ -53,6 +55,7 @@ async def generate_batched(
 
     stop_reasons = engine_output["stop_reasons"]
     metrics = rollout_metrics(rows.responses, rows.rewards, rows.env_metrics, env_classes, rows.loss_masks)
+    metrics.update(failure_metrics([], len(prompts), 0, cleanup))
     loss_masks = rows.loss_masks
     if generator.generator_cfg.apply_overlong_filtering:
         loss_masks = overlong_filtered(loss_masks, stop_reasons)
@@ -74,10 +77,10 @@ async def _open_envs(
     prompts: list[ConversationType],
     env_classes: list[str],
     env_extras: list[dict[str, Any]],
+    cleanup: CleanupStats,
 ) -> tuple[list[Any], list[ConversationType]]:
     """Open and init one environment per prompt, each closed when ``stack`` exits; their initial prompts."""
     runner = generator._env_runner()
-    cleanup = CleanupStats()
     envs: list[Any] = []
     init_prompts: list[ConversationType] = []
     for env_class, extras, prompt in zip(env_classes, env_extras, prompts, strict=True):
