@@ -224,6 +224,10 @@ _PATH_METHODS = (
     "_encode_plus",
     "_convert_encoding",
 )
+#: The transformers releases whose internals the fast path reads (``tokenizer._tokenizer``,
+#: ``_compile_jinja_template``, the module names below). pyproject.toml requires the same range (a test
+#: pins the two together, and another that CI's transformers takes the fast path); outside it, the slow path.
+FAST_RENDER_TRANSFORMERS = ">=4.46,<6"
 #: Where the stock implementations live (transformers 4's and 5's module names).
 _STOCK_MODULES = (
     "transformers.tokenization_utils_base",
@@ -319,9 +323,19 @@ class _FastRender:
     def for_tokenizer(cls, tokenizer: Any) -> _FastRender | None:
         """A fast path for a stock Hugging Face fast tokenizer, or None for any other tokenizer."""
         try:
+            import transformers
+            from packaging.specifiers import SpecifierSet
             from tokenizers import Tokenizer
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:  # pragma: no cover - an older transformers without the compiled-template helper
+            return None
+        if transformers.__version__ not in SpecifierSet(FAST_RENDER_TRANSFORMERS, prereleases=True):
+            logger.info(
+                "transformers %s is outside %s, the range the fast chat-template path is checked on: "
+                "using apply_chat_template",
+                transformers.__version__,
+                FAST_RENDER_TRANSFORMERS,
+            )
             return None
         if not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer) or not _stock_path(tokenizer):
             return None

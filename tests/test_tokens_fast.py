@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from benchmarks.tokenizer import QWEN_CHAT_TEMPLATE
-from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES, ChatTokenizer, _FastRender
+from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES, FAST_RENDER_TRANSFORMERS, ChatTokenizer, _FastRender
 from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
 from tests.test_tokens_memo import CUSTOM_TEMPLATE
@@ -296,3 +296,39 @@ def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptu
     notes = [r for r in caplog.records if r.name == "skyrl_structured._tokens" and "fast render path" in r.message]
     assert len(notes) == 1
     assert notes[0].levelno == logging.INFO
+
+
+def test_the_fast_path_is_taken_with_the_transformers_ci_installs(tokenizer: Any, qwen_tokenizer: Any) -> None:
+    """An upgrade that silently turns the fast path off fails here instead of showing up as a slowdown."""
+    import tomllib
+    from pathlib import Path
+
+    import transformers
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pinned = [Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("transformers")]
+    assert [r.specifier for r in pinned] == [SpecifierSet(FAST_RENDER_TRANSFORMERS)], (
+        "pyproject.toml's transformers range and _tokens.FAST_RENDER_TRANSFORMERS must be the same range"
+    )
+    assert pinned[0].specifier.contains(transformers.__version__, prereleases=True)
+    assert _FastRender.for_tokenizer(tokenizer) is not None
+    assert _FastRender.for_tokenizer(qwen_tokenizer) is not None
+
+
+def test_a_transformers_outside_the_checked_range_takes_the_slow_path(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    with caplog.at_level(logging.INFO, logger="skyrl_structured._tokens"):
+        assert _FastRender.for_tokenizer(tokenizer) is None
+    assert "transformers 6.0.0 is outside >=4.46,<6" in caplog.text
+    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+    assert chat._fast is None
+    messages: ConversationType = [{"role": "user", "content": "Hi"}]
+    assert chat.render(messages, add_generation_prompt=True) == fresh(
+        tokenizer, messages, add_generation_prompt=True, template=None
+    )
