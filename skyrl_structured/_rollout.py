@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._env_threads import EnvCall
+from .config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from .envs import CleanupStats
 from .observe import Observers, RolloutRef
 
@@ -60,13 +61,13 @@ def engine_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
         "min_tokens": 1,
         "skip_special_tokens": True,
         "include_stop_str_in_output": True,
-        "max_tokens": params.get("max_generate_length", 1024),
-        "temperature": params.get("temperature", 1.0),
-        "top_p": params.get("top_p", 1.0),
-        "top_k": params.get("top_k", -1),
-        "min_p": params.get("min_p", 0.0),
-        "repetition_penalty": params.get("repetition_penalty", 1.0),
-        "logprobs": params.get("logprobs", 1),
+        "max_tokens": params.get("max_generate_length", _DEFAULTS["max_generate_length"]),
+        "temperature": params.get("temperature", _DEFAULTS["temperature"]),
+        "top_p": params.get("top_p", _DEFAULTS["top_p"]),
+        "top_k": params.get("top_k", _DEFAULTS["top_k"]),
+        "min_p": params.get("min_p", _DEFAULTS["min_p"]),
+        "repetition_penalty": params.get("repetition_penalty", _DEFAULTS["repetition_penalty"]),
+        "logprobs": params.get("logprobs", _DEFAULTS["logprobs"]),
         "stop": list(stop) if stop is not None else None,
     }
     for key, value in (params.get("additional_kwargs") or {}).items():

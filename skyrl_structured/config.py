@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 __all__ = [
@@ -54,6 +55,13 @@ class SamplingParams:
     logprobs: int | None = _help("Logprobs of the chosen token per generated token (0 or 1); null disables them.", 1)
     stop: list[str] | None = _help("Stop strings; generation ends after one is produced.", None)
     additional_kwargs: dict[str, Any] | None = _help("Extra sampling arguments passed through to the engine.", None)
+
+
+#: SkyRL's sampling defaults by name, read off :class:`SamplingParams` (the one table): what an engine
+#: uses for a request that carries no parameters, and what a missing key means in a request's dict.
+SKYRL_SAMPLING_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name != "additional_kwargs"}
+)
 
 
 @dataclass

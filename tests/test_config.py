@@ -309,3 +309,23 @@ def test_env_limiter_is_per_event_loop(tokenizer, backend, ledger):
     for _ in range(2):
         out = anyio.run(lambda: gen.generate(make_batch(2, ledger), disable_tqdm=True), backend=backend)
         assert len(out["response_ids"]) == 2
+
+
+def test_sampling_defaults_are_one_table_equal_to_skyrls():
+    """config.SamplingParams is the table; the engines' defaults and a request's missing keys read it."""
+    import dataclasses
+
+    from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+
+    from skyrl_structured._rollout import engine_sampling_params
+    from skyrl_structured.config import SKYRL_SAMPLING_DEFAULTS
+    from skyrl_structured.engines.sampling import SKYRL_DEFAULT_SAMPLING_PARAMS
+
+    theirs = {k: v for k, v in dataclasses.asdict(SkyRLSamplingParams()).items() if k != "additional_kwargs"}
+    assert dict(SKYRL_SAMPLING_DEFAULTS) == theirs
+    assert SKYRL_DEFAULT_SAMPLING_PARAMS is SKYRL_SAMPLING_DEFAULTS
+    sent = engine_sampling_params({})
+    assert sent["max_tokens"] == theirs["max_generate_length"]
+    assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs")} == {
+        k: theirs[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs")
+    }

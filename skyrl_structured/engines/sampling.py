@@ -22,19 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..config import SKYRL_SAMPLING_DEFAULTS
+
 __all__ = ["SKYRL_DEFAULT_SAMPLING_PARAMS", "SamplingSpec", "default_spec", "resolve_sampling"]
 
 #: SkyRL's ``SamplingParams`` defaults: what an engine uses when a request carries no parameters.
-SKYRL_DEFAULT_SAMPLING_PARAMS: Mapping[str, Any] = {
-    "max_generate_length": 1024,
-    "repetition_penalty": 1.0,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "top_k": -1,
-    "logprobs": 1,
-    "stop": None,
-}
+SKYRL_DEFAULT_SAMPLING_PARAMS: Mapping[str, Any] = SKYRL_SAMPLING_DEFAULTS
 
 _KNOWN = frozenset(
     {
