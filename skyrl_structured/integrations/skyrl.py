@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._tokens import load_custom_chat_template
-from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, resolve_resilience
+from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, StragglerCutoffScope, resolve_resilience
 from ..validate import check_generator_config
 
 #: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
@@ -95,6 +95,9 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     failed_rollout_policy: str = _knob("failed_rollout_policy")
     sampling_seed: int | None = _knob("sampling_seed")
     gc_tuning: bool = _knob("gc_tuning")
+    straggler_cutoff: float | None = _knob("straggler_cutoff")
+    straggler_grace_s: float = _knob("straggler_grace_s")
+    straggler_cutoff_scope: StragglerCutoffScope = _knob("straggler_cutoff_scope")
 
 
 @dataclass
