@@ -417,6 +417,10 @@ def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
         raise invalid_value(
             "generator.skip_failed_rollouts", values["skip_failed_rollouts"], "true or false", with_type=True
         )
+    if values["failure_budget_action"] is None:
+        # The SkyRL integration's "not set" (its default): raise, unless it picked warn for the
+        # fully-async trainer before building the generator (integrations/skyrl.py).
+        values["failure_budget_action"] = defaults.failure_budget_action
     timeout = values["rollout_timeout_s"]
     if isinstance(timeout, float) and timeout == math.inf:
         values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null
