@@ -458,7 +458,8 @@ def _cutoff(
     if settings.straggler_cutoff is None:
         return None
     if settings.straggler_cutoff_scope == "group":
-        assert trajectory_ids is not None  # checked with the batch's input
+        if trajectory_ids is None:  # generate() refuses such a batch first (validate.py)
+            raise ValueError("`generator.straggler_cutoff_scope=group` needs the batch's trajectory_ids")
         groups: list[Any] = [str(getattr(t, "instance_id", t)) for t in trajectory_ids]
     else:
         groups = ["the batch"] * count

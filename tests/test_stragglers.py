@@ -21,7 +21,7 @@ from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 from skyrl_structured.testing.vllm_server import serve_vllm
 
-from .helpers import make_batch, make_generator, not_none, token_rewards, turn_replies
+from .helpers import make_batch, make_generator, not_none, other_tasks, token_rewards, turn_replies
 
 pytestmark = pytest.mark.anyio
 
@@ -155,6 +155,33 @@ async def test_a_batch_whose_stragglers_all_finish_does_not_wait_out_the_grace(t
             handler.release.set()
     assert result["out"]["stop_reasons"] == ["stop"] * 4
     assert metrics(result["out"])["generate/num_cut_rollouts"] == 0
+
+
+async def test_cancelling_generate_during_the_grace_cleans_up_and_reraises(tokenizer, anyio_backend):
+    handler = Stragglers(hung={"q1_0", "q1_1"})
+    engine = ScriptedEngine(tokenizer, handler)
+    gen = make_generator(tokenizer, engine, straggler_cutoff=0.5, straggler_grace_s=600, **CUT)
+    ledger = EnvLedger()
+    tasks_before = other_tasks()
+    result: dict[str, Any] = {}
+
+    async def run() -> None:
+        result["out"] = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+
+    with anyio.fail_after(30):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                while ledger.closed < 2:  # noqa: ASYNC110 - the cutoff is reached, the grace is running
+                    await anyio.sleep(0.01)
+                scope.cancel()
+    assert scope.cancelled_caught
+    assert "out" not in result  # a cancelled generate() raises, it never returns a batch
+    ledger.assert_all_closed_once()
+    assert ledger.closed == 4
+    assert sorted(handler.aborted) == ["q1_0", "q1_1"]
+    assert len(engine.finished_sessions) == len(set(engine.finished_sessions)) == 4
+    assert other_tasks() == tasks_before
 
 
 @pytest.mark.parametrize("scope", ["batch", "group"])
