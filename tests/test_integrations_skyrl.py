@@ -433,9 +433,9 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
     cfg = skyrl_cli_parser(
         [
             "trainer.fully_async.enabled=true",
-            "trainer.fully_async.simulate_weight_sync_seconds=0.6",
+            "trainer.fully_async.simulate_weight_sync_seconds=1.2",
             "generator.skip_failed_rollouts=true",
-            "generator.rollout_timeout_s=0.3",
+            "generator.rollout_timeout_s=0.6",
             "generator.max_input_length=1024",
         ]
     )
@@ -475,5 +475,5 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
     if hooked:
         assert out["stop_reasons"] == ["stop"] * 4
         assert metrics["generate/num_timed_out_rollouts"] == 0
-    else:  # what the trainer did before: the 0.6 s sync timed every rollout out
+    else:  # what the trainer did before: the 1.2 s sync timed every rollout out
         assert metrics["generate/num_timed_out_rollouts"] == 4

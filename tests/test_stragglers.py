@@ -105,6 +105,44 @@ async def test_batch_cutoff_cuts_the_stragglers_into_exact_placeholders(tokenize
     assert sorted(handler.aborted) == ["q4_0", "q4_1"]
 
 
+async def test_a_cut_is_final_never_retried(tokenizer, anyio_backend):
+    # q1_1 fails its first attempt, then hangs in its retry; the cut ends it for good.
+    attempts: dict[Any, int] = {}
+    retrying = anyio.Event()  # the others finish only once the retry is under way
+    replies = turn_replies("first #### 7", "second #### 8")
+
+    async def handler(call: EngineCall) -> str:
+        if call.session_id == "q1_1":
+            attempts[call.session_id] = attempts.get(call.session_id, 0) + 1
+            if attempts[call.session_id] == 1:
+                raise ConnectionError("transient")
+            retrying.set()
+            await anyio.sleep_forever()
+        await retrying.wait()
+        return replies(call)
+
+    gen = make_generator(
+        tokenizer,
+        ScriptedEngine(tokenizer, handler),
+        straggler_cutoff=0.75,
+        max_rollout_retries=3,
+        rollout_retry_backoff_s=0.001,
+        **CUT,
+    )
+    observed = Failures()
+    gen.observers.append(observed)
+    ledger = EnvLedger()
+    with anyio.fail_after(30):
+        out = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop"] * 3 + [ROLLOUT_ERROR_STOP_REASON]
+    m = metrics(out)
+    assert (m["generate/num_cut_rollouts"], m["generate/num_rollout_retries"]) == (1, 1)
+    assert attempts == {"q1_1": 2}
+    assert observed.errors[3].startswith("StragglerCutError: rollout 3 (q1_1) was cut")
+    ledger.assert_all_closed_once()
+    assert ledger.opened == 5  # the failed first attempt's env, then the retry's
+
+
 async def test_a_straggler_that_finishes_within_the_grace_is_kept(tokenizer, anyio_backend):
     # The grace clock stops while the generator is paused: pausing before the cutoff is reached
     # makes "finishes within the grace" exact, with no race against a wall clock.
