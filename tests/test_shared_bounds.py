@@ -150,9 +150,11 @@ async def _cancel_soon(scope: anyio.CancelScope) -> None:
 async def test_slots_are_handed_out_first_come_first_served(tokenizer, anyio_backend):
     # One slot; calls queued in order A, B, C must get it in that order, whatever their size.
     order: list[str] = []
+    queued = anyio.Event()  # the slot's holder answers once every call has queued behind it
     replies = turn_replies("first #### 7", "second #### 8")
 
     async def handler(call: Any) -> str:
+        await queued.wait()
         name = str(call.session_id).split("_")[0]
         if not order or order[-1] != name:
             order.append(name)
@@ -169,12 +171,17 @@ async def test_slots_are_handed_out_first_come_first_served(tokenizer, anyio_bac
     async def run(batch: GeneratorInput) -> None:
         await gen.generate(batch, disable_tqdm=True)
 
+    slots = gen._slots()
+    assert slots is not None
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
+            waiting = 0
             for call, (name, n) in enumerate([("A", 3), ("B", 1), ("C", 1)]):
                 group.start_soon(run, named(name, call, n))
-                for _ in range(5):
-                    await anyio.lowlevel.checkpoint()
+                waiting += n if call else n - 1  # A's first rollout holds the slot
+                while slots.statistics().tasks_waiting < waiting:  # noqa: ASYNC110 - the call has queued
+                    await anyio.sleep(0.01)
+            queued.set()
     # A's three rollouts queued first, then B's, then C's: B and C never jump ahead of A's queue.
     assert order == ["A", "B", "C"]
     assert live.peak == 1
