@@ -17,6 +17,7 @@ from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
 from .failures import FailedRollout as FailedRollout
+from .failures import StragglerCutError as StragglerCutError
 from .generator import StructuredGymGenerator as StructuredGymGenerator
 from .observe import FinishedTrajectory as FinishedTrajectory
 from .observe import RolloutObserver as RolloutObserver
@@ -64,6 +65,7 @@ __all__ = (
     "SamplingParams",
     "SkyRLGymConfig",
     "StepWiseOutput",
+    "StragglerCutError",
     "StructuredGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",

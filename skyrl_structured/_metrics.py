@@ -21,7 +21,7 @@ import numpy as np
 from skyrl_gym.metrics import aggregate_for_environment
 
 from .envs import CleanupStats
-from .failures import FailedRollout, failure_budget_exceeded
+from .failures import FailedRollout, StragglerCutError, failure_budget_exceeded
 
 __all__ = ["failure_metrics", "rollout_metrics", "turn_token_counts"]
 
@@ -161,6 +161,7 @@ def failure_metrics(
         "generate/mean_failed_rollout_fraction": len(failures) / total if total else 0.0,
         "generate/failure_budget_exceeded": int(failure_budget_exceeded(len(failures), total, max_fraction)),
         "generate/num_timed_out_rollouts": sum(1 for f in failures if f.timed_out),
+        "generate/num_cut_rollouts": sum(1 for f in failures if isinstance(f.exception, StragglerCutError)),
         "generate/num_rollout_retries": retries,
         "generate/num_envs_opened": cleanup.envs_opened,
         "generate/num_envs_closed": cleanup.envs_closed,

@@ -22,7 +22,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from ._env_threads import EnvCall
+from ._pauses import PauseClock
 from .config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from .envs import CleanupStats
 from .observe import Observers, RolloutRef
@@ -125,6 +128,11 @@ class BatchContext:
     sampling_seed: int | None = None
     #: :func:`seed_scope` of the batch's metadata.
     seed_scope: str = ""
+    #: The generator's ``max_concurrent_rollouts`` limiter, shared by its concurrent calls (None:
+    #: the supervisor makes one for this call if the settings bound it).
+    slots: anyio.CapacityLimiter | None = None
+    #: The generator's pause clock: deadlines stop while it is paused.
+    pauses: PauseClock | None = None
     #: ``default_params`` in the engine's names, built on first use (requests that carry no parameters).
     _engine_defaults: dict[str, Any] | None = field(default=None, repr=False)
 

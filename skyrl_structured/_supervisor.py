@@ -35,7 +35,9 @@ import anyio.lowlevel
 
 from ._env_threads import EnvCall, loop_scheduler
 from ._gc import relaxed_gc
+from ._pauses import PausableDeadline, use_clock
 from ._rollout import BatchContext, RolloutContext, activate
+from ._stragglers import StragglerCutError, StragglerCutoff
 from .config import ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded
@@ -192,6 +194,10 @@ async def run_rollouts(
 
     Each attempt runs with its :class:`RolloutContext` active (see :func:`~skyrl_structured._rollout.activate`).
     ``env_classes`` and ``step_wise`` only describe the rollouts to observers (``trajectory_finished``).
+    ``batch.slots`` (the generator's limiter, shared by its concurrent calls) bounds the attempts
+    running at once; ``batch.pauses`` stops the deadlines while the generator is paused. With
+    ``settings.straggler_cutoff``, the rollouts still running once that share is final are cut
+    after the grace (see :mod:`~skyrl_structured._stragglers`).
 
     Raises:
         Exception: without ``skip_failed_rollouts``, the first rollout's original exception, after
@@ -203,8 +209,9 @@ async def run_rollouts(
     supervisor.step_wise = step_wise
     batch.observers.emit("batch_started", count)
     try:
-        # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py).
-        with relaxed_gc(settings.gc_tuning):
+        # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py). The
+        # generator's pause clock is the current one for every rollout (HTTPEngine reads it).
+        with relaxed_gc(settings.gc_tuning), use_clock(batch.pauses):
             return await _supervise(supervisor, count, batch)
     except BaseException as exc:
         batch.observers.emit("batch_aborted", count, exc)
@@ -214,6 +221,9 @@ async def run_rollouts(
 async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -> BatchResult:
     try:
         async with anyio.create_task_group() as group:
+            if batch.pauses is not None and count:
+                # Warns about a pause that is never resumed; ends with the last rollout.
+                supervisor.background(group, batch.pauses.watch)
             for index in range(count):
                 group.start_soon(supervisor.child, index, group)
     except BaseExceptionGroup as group_error:
@@ -259,17 +269,57 @@ class _Supervisor:
         self.retries = 0
         self.first_error: BaseException | None = None
         self.interrupt: BaseException | None = None
-        self.limiter = (
-            anyio.CapacityLimiter(settings.max_concurrent_rollouts) if settings.max_concurrent_rollouts else None
-        )
+        # The generator's limiter (shared across its concurrent calls), or one for this call alone.
+        self.limiter = batch.slots
+        if self.limiter is None and settings.max_concurrent_rollouts:
+            self.limiter = anyio.CapacityLimiter(settings.max_concurrent_rollouts)
         self.native_cancellation = anyio.get_cancelled_exc_class()
+        self.cutoff = _cutoff(settings, count, trajectory_ids, batch)
+        #: The attempt each rollout is on (read back when it is cut).
+        self.contexts: list[RolloutContext | None] = [None] * count
+        self._live = count
+        self._background: list[anyio.CancelScope] = []
+
+    def background(self, group: anyio.abc.TaskGroup, task: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``task`` in ``group`` until the last rollout has finished."""
+        scope = anyio.CancelScope()
+        self._background.append(scope)
+
+        async def run() -> None:
+            with scope:
+                await task()
+
+        group.start_soon(run)
 
     async def child(self, index: int, group: anyio.abc.TaskGroup) -> None:
+        try:
+            cutoff = self.cutoff
+            if cutoff is None:
+                await self._rollout(index, group)
+                return
+            with cutoff.scope(index):
+                await self._rollout(index, group)
+            if cutoff.was_cut(index) and self.results[index] is None:
+                self._record_cut(index, cutoff)
+        finally:
+            self._live -= 1
+            if self._live == 0:
+                for scope in self._background:
+                    scope.cancel()
+
+    def _record_cut(self, index: int, cutoff: StragglerCutoff) -> None:
+        context = self.contexts[index]
+        assert context is not None
+        error = StragglerCutError(f"{_describe(index, context.ref.trajectory_id)} was cut: {cutoff.describe(index)}")
+        self._record_failure(index, context, error, time.monotonic() - context.started, timed_out=False)
+
+    async def _rollout(self, index: int, group: anyio.abc.TaskGroup) -> None:
         trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
         attempt = 0
         while True:
             attempt += 1
             context = RolloutContext(self.batch, RolloutRef(index, attempt, trajectory_id))
+            self.contexts[index] = context
             try:
                 result = await self._attempt(index, context)
             except BaseException as raised:
@@ -281,6 +331,8 @@ class _Supervisor:
                     continue
                 return
             self.results[index] = result
+            if self.cutoff is not None:
+                self.cutoff.finished(index, group)
             if self.batch.observers.wants("trajectory_finished"):
                 record = finished_record(
                     context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
@@ -311,7 +363,8 @@ class _Supervisor:
         deadline = self.settings.rollout_timeout_s
         if deadline is None:
             return await self.rollout(index)
-        with anyio.CancelScope(deadline=anyio.current_time() + deadline) as scope:
+        # Measures work: the clock stops while the generator is paused (a weight sync).
+        with PausableDeadline(self.batch.pauses, deadline) as scope:
             result = await self.rollout(index)
         if scope.cancelled_caught:
             raise TimeoutError(
@@ -350,29 +403,9 @@ class _Supervisor:
             )
             await anyio.sleep(delay)
             return True
-        failure = FailedRollout(
-            index=index,
-            exception=error,
-            elapsed=elapsed,
-            attempts=context.ref.attempt,
-            timed_out=timed_out,
-            trajectory_id=context.ref.trajectory_id,
-            time_splits=dict(context.time_splits),
-        )
-        self.results[index] = failure
-        self.failures.append(failure)
-        logger.warning("%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
-        if self.batch.observers.wants("trajectory_finished"):
-            record = failed_record(
-                context.ref,
-                describe_error(error),
-                env_class=self._env_class(index),
-                elapsed=elapsed,
-                timed_out=timed_out,
-                step_wise=self.step_wise,
-            )
-            context.emit("trajectory_finished", record)
-        context.emit("rollout_finished", failed=True)
+        self._record_failure(index, context, error, elapsed, timed_out=timed_out)
+        if self.cutoff is not None:
+            self.cutoff.finished(index, group)
         if not settings.skip_failed_rollouts:
             if self.first_error is None:
                 self.first_error = error
@@ -385,3 +418,49 @@ class _Supervisor:
             # The budget is already blown and failures only grow: stop spending compute.
             group.cancel_scope.cancel()
         return False
+
+    def _record_failure(
+        self, index: int, context: RolloutContext, error: Exception, elapsed: float, *, timed_out: bool
+    ) -> None:
+        """Keep a rollout's final failure in its slot, log it and tell the observers."""
+        where = _describe(index, context.ref.trajectory_id)
+        failure = FailedRollout(
+            index=index,
+            exception=error,
+            elapsed=elapsed,
+            attempts=context.ref.attempt,
+            timed_out=timed_out,
+            trajectory_id=context.ref.trajectory_id,
+            time_splits=dict(context.time_splits),
+        )
+        self.results[index] = failure
+        self.failures.append(failure)
+        # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (_stragglers.py).
+        level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
+        logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
+        if self.batch.observers.wants("trajectory_finished"):
+            record = failed_record(
+                context.ref,
+                describe_error(error),
+                env_class=self._env_class(index),
+                elapsed=elapsed,
+                timed_out=timed_out,
+                step_wise=self.step_wise,
+            )
+            context.emit("trajectory_finished", record)
+        context.emit("rollout_finished", failed=True)
+
+
+def _cutoff(
+    settings: ResilienceSettings, count: int, trajectory_ids: Sequence[Any] | None, batch: BatchContext
+) -> StragglerCutoff | None:
+    """The batch's straggler cutoff, or None when ``generator.straggler_cutoff`` is off."""
+    if settings.straggler_cutoff is None:
+        return None
+    if settings.straggler_cutoff_scope == "group":
+        if trajectory_ids is None:  # generate() refuses such a batch first (validate.py)
+            raise ValueError("`generator.straggler_cutoff_scope=group` needs the batch's trajectory_ids")
+        groups: list[Any] = [str(getattr(t, "instance_id", t)) for t in trajectory_ids]
+    else:
+        groups = ["the batch"] * count
+    return StragglerCutoff(settings.straggler_cutoff, settings.straggler_grace_s, groups, batch.pauses)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 __all__ = [
     "FAILED_ROLLOUT_POLICIES",
     "FAILURE_BUDGET_ACTIONS",
+    "STRAGGLER_CUTOFF_SCOPES",
     "ChatTemplateConfig",
     "GeneratorConfig",
     "InferenceEngineConfig",
@@ -32,6 +33,8 @@ FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
 FAILED_ROLLOUT_POLICIES: tuple[str, ...] = ("placeholder", "mask_group", "fill_group_mean")
 FailureBudgetAction = Literal["raise", "warn"]
 FAILURE_BUDGET_ACTIONS: tuple[str, ...] = ("raise", "warn")
+StragglerCutoffScope = Literal["batch", "group"]
+STRAGGLER_CUTOFF_SCOPES: tuple[str, ...] = ("batch", "group")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
@@ -104,6 +107,9 @@ class ResilienceSettings:
     failed_rollout_policy: str = "placeholder"
     sampling_seed: int | None = None
     gc_tuning: bool = True
+    straggler_cutoff: float | None = None
+    straggler_grace_s: float = 0.0
+    straggler_cutoff_scope: StragglerCutoffScope = "batch"
 
 
 _KNOB_DEFAULTS = ResilienceSettings()
@@ -169,7 +175,8 @@ class GeneratorConfig:
         _KNOB_DEFAULTS.rollout_retry_backoff_s,
     )
     max_concurrent_rollouts: int | None = _help(
-        "Most rollouts (and so live environments) at once within one generate() call; null means all.",
+        "Most rollouts (and so live environments) at once, across every concurrent generate() call of one "
+        "generator (FIFO between calls); null means all.",
         _KNOB_DEFAULTS.max_concurrent_rollouts,
     )
     env_cleanup_timeout_s: float = _help(
@@ -202,6 +209,22 @@ class GeneratorConfig:
         "Raise the garbage collector's generation-0 threshold while generate() runs (restored after), so a "
         "batch does not trigger full collections of the heap; false leaves the collector as it is.",
         _KNOB_DEFAULTS.gc_tuning,
+    )
+    straggler_cutoff: float | None = _help(
+        "With skip_failed_rollouts, once this share of the batch's rollouts (or of a prompt group's, see "
+        "straggler_cutoff_scope) is final, the rest get straggler_grace_s more, then are cut: cancelled, "
+        "cleaned up, and replaced by placeholders (StragglerCutError). Within (0, 1]; null turns it off.",
+        _KNOB_DEFAULTS.straggler_cutoff,
+    )
+    straggler_grace_s: float = _help(
+        "Seconds the rollouts still running get once straggler_cutoff is reached (the clock stops while the "
+        "generator is paused); 0 cuts them at once.",
+        _KNOB_DEFAULTS.straggler_grace_s,
+    )
+    straggler_cutoff_scope: StragglerCutoffScope = _help(
+        "What straggler_cutoff counts: 'batch' (all rollouts of the generate() call) or 'group' (each prompt "
+        "group, the rollouts sharing trajectory_ids[i].instance_id, on its own).",
+        _KNOB_DEFAULTS.straggler_cutoff_scope,
     )
 
     def __post_init__(self) -> None:
@@ -355,6 +378,17 @@ _NUMERIC_KNOBS: dict[str, _NumberRule] = {
         maximum=1,
         fix="It is the largest failed share a step tolerates; 1.0 (the default) tolerates any short of all.",
     ),
+    "straggler_cutoff": _NumberRule(
+        integer=False,
+        minimum=0,
+        maximum=1,
+        strict=True,
+        null_means="no cutoff",
+        fix="It is the share of rollouts that must be final before the rest are cut, e.g. 0.95.",
+    ),
+    "straggler_grace_s": _NumberRule(
+        integer=False, minimum=0, seconds=True, fix="0 cuts the stragglers as soon as the cutoff is reached."
+    ),
 }
 
 #: The accepted values of every choice knob of :class:`ResilienceSettings`, and the fix a refusal suggests.
@@ -367,6 +401,10 @@ _CHOICE_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
         FAILED_ROLLOUT_POLICIES,
         "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
         "docs/failures.md.",
+    ),
+    "straggler_cutoff_scope": (
+        STRAGGLER_CUTOFF_SCOPES,
+        "'batch' counts the whole generate() call; 'group' counts each prompt group on its own.",
     ),
 }
 
@@ -387,6 +425,10 @@ def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
         raise invalid_value(
             "generator.skip_failed_rollouts", values["skip_failed_rollouts"], "true or false", with_type=True
         )
+    if values["failure_budget_action"] is None:
+        # The SkyRL integration's "not set" (its default): raise, unless it picked warn for the
+        # fully-async trainer before building the generator (integrations/skyrl.py).
+        values["failure_budget_action"] = defaults.failure_budget_action
     timeout = values["rollout_timeout_s"]
     if isinstance(timeout, float) and timeout == math.inf:
         values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null

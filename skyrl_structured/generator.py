@@ -17,13 +17,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Hashable
+from types import TracebackType
 from typing import Any
 from uuid import uuid4
+
+import anyio
+from anyio.lowlevel import RunVar
 
 from ._batched import generate_batched
 from ._collector import collect
 from ._env_threads import EnvThreadPool
 from ._episode import Episode
+from ._pauses import PauseClock
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
@@ -63,6 +68,23 @@ class _SessionEnd(Cleanup):
         elif outcome == "timeout":
             self._context.cleanup.finish_session_timeouts += 1
         self._context.emit("cleanup_finished", "finish_session", outcome, error)
+
+
+class _Paused:
+    """The async context manager of :meth:`StructuredGymGenerator.paused`."""
+
+    __slots__ = ("_clock",)
+
+    def __init__(self, clock: PauseClock) -> None:
+        self._clock = clock
+
+    async def __aenter__(self) -> None:
+        self._clock.pause()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._clock.resume()
 
 
 class StructuredGymGenerator:
@@ -120,6 +142,11 @@ class StructuredGymGenerator:
         # Worker threads for blocking env calls, shared by every generate() of this generator (as
         # SkyRL's env executor is); created on first use.
         self._env_pool: EnvThreadPool | None = None
+        # The max_concurrent_rollouts slots, shared by every concurrent generate() of this generator
+        # (SkyRL's fully-async trainer runs one per prompt group): one limiter per event loop.
+        self._rollout_slots: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_slots_{id(self)}")
+        #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
+        self.pauses = PauseClock()
 
     # ------------------------------------------------------------------ SkyRL's encoding attributes
     # Live views of the chat tokenizer's state, read by `get_obs_ids_from_obs` on every observation:
@@ -195,6 +222,44 @@ class StructuredGymGenerator:
         if self._env_pool is None or self._env_pool.max_workers != self.max_env_workers:
             self._env_pool = EnvThreadPool(self.max_env_workers)
         return EnvCallRunner(self._env_pool)
+
+    def _slots(self) -> anyio.CapacityLimiter | None:
+        """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded).
+
+        FIFO on both backends (anyio's asyncio limiter queues waiters in order, trio's parks them in a
+        FIFO lot), so a large call cannot starve a small one that queued first.
+        """
+        bound = self.resilience.max_concurrent_rollouts
+        if bound is None:
+            return None
+        slots = self._rollout_slots.get(None)
+        if slots is None or slots.total_tokens != bound:
+            slots = anyio.CapacityLimiter(bound)
+            self._rollout_slots.set(slots)
+        return slots
+
+    # ------------------------------------------------------------------ pauses (weight sync)
+
+    def pause(self) -> None:
+        """Stop the clocks of ``rollout_timeout_s``, ``HTTPEngine``'s request timeout and the straggler grace.
+
+        Rollouts keep running (env and engine calls in flight go on); only their deadlines stop.
+        Pauses nest: the clocks run again once :meth:`resume` has been called as often. Call it from
+        the event loop's thread.
+        """
+        self.pauses.pause()
+
+    def resume(self) -> None:
+        """Release one :meth:`pause`.
+
+        Raises:
+            RuntimeError: the generator is not paused.
+        """
+        self.pauses.resume()
+
+    def paused(self) -> _Paused:
+        """``async with generator.paused():`` holds one pause for the block."""
+        return _Paused(self.pauses)
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
@@ -296,7 +361,11 @@ class StructuredGymGenerator:
         """
         cfg = self.generator_cfg
         check_generator_input(
-            input_batch, step_wise=bool(cfg.step_wise_trajectories), policy=self.resilience.failed_rollout_policy
+            input_batch,
+            step_wise=bool(cfg.step_wise_trajectories),
+            policy=self.resilience.failed_rollout_policy,
+            straggler_groups=self.resilience.straggler_cutoff is not None
+            and self.resilience.straggler_cutoff_scope == "group",
         )
         prompts = input_batch["prompts"]
         env_classes = list(input_batch["env_classes"])
@@ -327,6 +396,8 @@ class StructuredGymGenerator:
                 observers=Observers([progress, *self.observers]),
                 sampling_seed=self.resilience.sampling_seed,
                 seed_scope=seed_scope(input_batch.get("batch_metadata")),
+                slots=self._slots(),
+                pauses=self.pauses,
             )
             try:
                 return await self._generate_rollouts(

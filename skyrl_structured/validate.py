@@ -77,6 +77,12 @@ def check_generator_config(
                 "`generator.inference_engine.enable_return_routed_experts=true`: a placeholder has no routed "
                 "expert indices to stand in for a failed rollout's. Disable one of them."
             )
+        _check_straggler_budget(settings)
+    elif settings.straggler_cutoff is not None:
+        raise ValueError(
+            f"`generator.straggler_cutoff={settings.straggler_cutoff:g}` needs `generator.skip_failed_rollouts=true`: "
+            "a cut rollout becomes a placeholder. Enable it or set straggler_cutoff to null."
+        )
     elif settings.failed_rollout_policy != "placeholder":
         raise ValueError(
             f"`generator.failed_rollout_policy={settings.failed_rollout_policy}` only acts on failed rollouts, "
@@ -143,7 +149,21 @@ def _env_registered(env_class: str) -> bool:
     return env_class in skyrl_gym.registry
 
 
-def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str) -> None:
+def _check_straggler_budget(settings: ResilienceSettings) -> None:
+    """Refuse a cutoff whose cuts alone would blow a failure budget that raises."""
+    cutoff = settings.straggler_cutoff
+    if cutoff is None or settings.failure_budget_action != "raise":
+        return
+    if settings.max_failed_rollout_fraction < 1.0 - cutoff - 1e-9:
+        raise ValueError(
+            f"`generator.straggler_cutoff={cutoff:g}` may cut up to {1.0 - cutoff:.3g} of a batch, and cut rollouts "
+            f"count as failures, but `generator.max_failed_rollout_fraction={settings.max_failed_rollout_fraction:g}` "
+            "raises above that: raise max_failed_rollout_fraction to at least 1 - straggler_cutoff, or set "
+            "failure_budget_action=warn."
+        )
+
+
+def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str, straggler_groups: bool = False) -> None:
     """Reject a malformed batch before any rollout starts.
 
     Raises:
@@ -181,6 +201,12 @@ def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str) -> 
             f"`generator.failed_rollout_policy={policy}` groups rollouts by "
             "`input_batch['trajectory_ids'][i].instance_id`, but the batch has no trajectory_ids; pass them "
             "or use failed_rollout_policy='placeholder'"
+        )
+    if straggler_groups and input_batch.get("trajectory_ids") is None:
+        raise ValueError(
+            "`generator.straggler_cutoff_scope=group` groups rollouts by "
+            "`input_batch['trajectory_ids'][i].instance_id`, but the batch has no trajectory_ids; pass them "
+            "or use straggler_cutoff_scope='batch'"
         )
     # When skyrl_gym.make has been replaced (tests often patch it), the replacement owns the names.
     if getattr(skyrl_gym.make, "__module__", None) == "skyrl_gym.envs.registration":

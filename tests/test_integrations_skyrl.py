@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
+import os
 import platform
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import types
 import typing
 from typing import Any
 
+import anyio
 import pytest
 
 from skyrl_structured import (
@@ -156,6 +159,12 @@ def test_knobs_match_skyrl_structured_generator_config():
     our_types = typing.get_type_hints(GeneratorConfig)
     their_types = typing.get_type_hints(integration.StructuredGeneratorConfig)
     for name in knobs:
+        if name == "failure_budget_action":
+            # Unset (None) in SkyRL's config, so the integration can pick warn for the fully-async trainer.
+            assert subclassed.failure_budget_action is None
+            assert their_types[name] == our_types[name] | None
+            assert added[name].metadata["help"].startswith(ours[name].metadata["help"])
+            continue
         assert getattr(subclassed, name) == getattr(library, name), name
         assert their_types[name] == our_types[name], name
         assert added[name].metadata["help"] == ours[name].metadata["help"], name
@@ -282,3 +291,189 @@ async def test_generator_built_from_skyrl_configs_contains_a_failed_rollout(anyi
     assert metrics is not None
     assert metrics["generate/failures/ConnectionError"] == 1
     assert metrics["generate/num_envs_opened"] == metrics["generate/num_envs_closed"] == n
+
+
+# ------------------------------------------------------------------ the fully-async trainer's defaults
+
+
+def _failing_group_batch(n: int) -> GeneratorInput:
+    return {
+        "prompts": [[{"role": "user", "content": "What is 2 + 2?"}]] * n,
+        "env_classes": ["gsm8k"] * n,
+        "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": "4"}} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID("q0", i) for i in range(n)],
+    }
+
+
+def _unreachable(call):
+    raise ConnectionError("sandbox lost")
+
+
+@pytest.mark.anyio
+async def test_fully_async_trainer_gets_warn_by_default_and_one_bad_prompt_trains_on(
+    anyio_backend, tokenizer, skyrl_cli_parser, caplog
+):
+    # The documented three-line swap plus skip_failed_rollouts, nothing else: a group whose every
+    # rollout fails comes back as placeholders instead of ending the run.
+    cfg = skyrl_cli_parser(
+        ["trainer.fully_async.enabled=true", "generator.skip_failed_rollouts=true", "generator.max_input_length=1024"]
+    )
+    assert cfg.generator.failure_budget_action is None
+    with caplog.at_level(logging.INFO, logger="skyrl_structured.integrations.skyrl"):
+        generator = integration.build_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
+    (line,) = [r for r in caplog.records if r.name == "skyrl_structured.integrations.skyrl"]
+    assert line.levelno == logging.INFO
+    assert line.getMessage().startswith("generator.failure_budget_action=warn (it was not set): SkyRL's fully-async")
+    assert generator.resilience.failure_budget_action == "warn"
+    output = await generator.generate(_failing_group_batch(4), disable_tqdm=True)
+    assert output["stop_reasons"] == ["rollout_error"] * 4
+    metrics = output["rollout_metrics"]
+    assert metrics is not None
+    assert metrics["generate/failure_budget_exceeded"] == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("overrides", "action"),
+    [
+        (["generator.skip_failed_rollouts=true"], "raise"),  # SkyRL's synchronous trainer
+        (
+            [
+                "trainer.fully_async.enabled=true",
+                "generator.skip_failed_rollouts=true",
+                "generator.failure_budget_action=raise",
+            ],
+            "raise",
+        ),
+        (["trainer.fully_async.enabled=true"], "raise"),  # without skip_failed_rollouts every failure raises anyway
+    ],
+)
+async def test_failure_budget_action_is_only_chosen_when_unset_under_the_fully_async_trainer(
+    anyio_backend, tokenizer, skyrl_cli_parser, caplog, overrides, action
+):
+    cfg = skyrl_cli_parser([*overrides, "generator.max_input_length=1024"])
+    with caplog.at_level(logging.INFO, logger="skyrl_structured.integrations.skyrl"):
+        generator = integration.build_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
+    assert generator.resilience.failure_budget_action == action
+    assert not [r for r in caplog.records if r.name == "skyrl_structured.integrations.skyrl"]
+    with pytest.raises((RuntimeError, ConnectionError)):
+        await generator.generate(_failing_group_batch(4), disable_tqdm=True)
+
+
+# ------------------------------------------------------------------ weight syncs pause the deadlines
+
+
+def _skyrl_sim_weight_sync() -> tuple[Any, Any]:
+    """SkyRL's own ``_SimDispatch`` and ``FullyAsyncTrainerSim.init_weight_sync_state``, from the installed source.
+
+    Their module imports the whole fully-async trainer (Ray, torchdata); the class and the method
+    need only asyncio and loguru, so they are compiled on their own (as tests/_upstream.py does).
+    """
+    import ast
+    import asyncio
+
+    from loguru import logger
+
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    path = os.path.join(os.path.dirname(spec.origin), "train", "fully_async_trainer_sim.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    body: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "_SimDispatch":
+            body.append(node)
+        if isinstance(node, ast.ClassDef) and node.name == "FullyAsyncTrainerSim":
+            body += [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "init_weight_sync_state"]
+    namespace: dict[str, Any] = {"asyncio": asyncio, "logger": logger}
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), namespace)
+    return namespace["_SimDispatch"], namespace["init_weight_sync_state"]
+
+
+class _KeepModeEngine:
+    """A client whose ``pause_generation`` freezes requests until ``resume_generation`` (vLLM's KEEP mode)."""
+
+    def __init__(self, engine: Any, sessions: int) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.running = anyio.Event()
+        self.started: set[Any] = set()
+        self.resumed = anyio.Event()
+        self.pauses = 0
+        self.weight_version = 0
+
+    async def generate(self, input_batch: Any, model: Any = None) -> Any:
+        self.started.update(input_batch.get("session_ids") or [])
+        if len(self.started) == self.sessions:
+            self.running.set()
+        await self.resumed.wait()  # frozen until the weight sync resumes generation
+        return await self.engine.generate(input_batch, model)
+
+    async def finish_session(self, session_id: Any) -> None:
+        await self.engine.finish_session(session_id)
+
+    async def pause_generation(self) -> None:
+        self.pauses += 1
+
+    async def resume_generation(self) -> None:
+        self.resumed.set()
+
+    def increment_weight_version(self) -> None:
+        self.weight_version += 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # SkyRL's trainers run on asyncio only
+@pytest.mark.parametrize("hooked", [True, False])
+@pytest.mark.anyio
+async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, tokenizer, skyrl_cli_parser, hooked):
+    from skyrl_structured.integrations._weight_sync import pause_during_weight_sync
+
+    sim_dispatch, init_weight_sync_state = _skyrl_sim_weight_sync()
+    cfg = skyrl_cli_parser(
+        [
+            "trainer.fully_async.enabled=true",
+            "trainer.fully_async.simulate_weight_sync_seconds=1.2",
+            "generator.skip_failed_rollouts=true",
+            "generator.rollout_timeout_s=0.6",
+            "generator.max_input_length=1024",
+        ]
+    )
+    client = _KeepModeEngine(ScriptedEngine(tokenizer, lambda call: "2 + 2 = 4 #### 4"), sessions=4)
+    generator = integration.build_generator(cfg, tokenizer, client)
+
+    class SimTrainer:
+        """What StructuredPPOExp._setup_trainer hands the hook: SkyRL's simulated fully-async trainer's seams."""
+
+        def __init__(self) -> None:
+            self.cfg = cfg
+            self.inference_engine_client = client
+            self.generator = generator
+
+    SimTrainer.init_weight_sync_state = init_weight_sync_state  # type: ignore[attr-defined]
+    trainer: Any = SimTrainer()
+    if hooked:
+        pause_during_weight_sync(trainer, generator.pauses)
+    trainer.init_weight_sync_state()  # installs SkyRL's _SimDispatch, as train() does first
+    assert isinstance(trainer.dispatch, sim_dispatch)
+    result: dict[str, Any] = {}
+
+    async def generate() -> None:
+        result["out"] = await generator.generate(_failing_group_batch(4), disable_tqdm=True)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(generate)
+            await client.running.wait()  # every rollout is in flight when the sync starts
+            await trainer.dispatch.save_weights_for_sampler()
+    assert client.pauses == 1
+    assert client.weight_version == 1
+    assert not generator.pauses.paused
+    out = result["out"]
+    metrics = out["rollout_metrics"]
+    assert metrics is not None
+    if hooked:
+        assert out["stop_reasons"] == ["stop"] * 4
+        assert metrics["generate/num_timed_out_rollouts"] == 0
+    else:  # what the trainer did before: the 1.2 s sync timed every rollout out
+        assert metrics["generate/num_timed_out_rollouts"] == 4

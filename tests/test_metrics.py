@@ -47,6 +47,7 @@ def test_failure_metrics_are_counts_except_the_mean_named_fraction():
         "generate/mean_failed_rollout_fraction": 0.375,
         "generate/failure_budget_exceeded": 0,
         "generate/num_timed_out_rollouts": 1,
+        "generate/num_cut_rollouts": 0,
         "generate/num_rollout_retries": 2,
         "generate/num_envs_opened": 8,
         "generate/num_envs_closed": 7,

@@ -29,6 +29,7 @@ EXPECTED = {
     "SamplingParams",
     "SkyRLGymConfig",
     "StepWiseOutput",
+    "StragglerCutError",
     "StructuredGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",

@@ -28,6 +28,7 @@ from typing import Any, Literal, Self
 
 from anyio.lowlevel import RunVar
 
+from .._pauses import PausableDeadline, current_clock
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional
@@ -100,8 +101,9 @@ class HTTPEngine(AsyncResource):
             to :meth:`generate` (SkyRL passes its policy or LoRA adapter name) takes precedence.
         tokenizer: the served model's tokenizer; only needed for requests that carry chat
             ``prompts`` instead of ``prompt_token_ids``, and exposed as ``engine.tokenizer``.
-        timeout_s: how long to wait for a server's answer (per read; a non-streaming completion
-            sends nothing until it is done, so this bounds the generation time).
+        timeout_s: how long to wait for a server's answer to a completion request (it bounds the
+            generation time); the clock stops while the generator whose rollout sent it is paused
+            (``generator.pause()``, SkyRL's weight sync).
         connect_timeout_s: how long to wait for a connection before failing over.
         default_sampling_params: used when a request's ``sampling_params`` is None (see
             :mod:`skyrl_structured.engines.sampling`).
@@ -161,7 +163,9 @@ class HTTPEngine(AsyncResource):
         if client is None:
             httpx = self._httpx
             client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s, pool=None),
+                # The answer's wait (timeout_s) is a pausable deadline around each request (see
+                # _complete), not httpx's read timeout, so a weight-sync pause does not count.
+                timeout=httpx.Timeout(None, connect=self.connect_timeout_s, pool=None),
                 limits=httpx.Limits(
                     max_connections=self.max_connections,
                     max_keepalive_connections=self.max_connections,
@@ -282,7 +286,15 @@ class HTTPEngine(AsyncResource):
         unreachable: dict[str, str] = {}
         for url in self.router.candidates(session_id):
             try:
-                response = await self._post_once_more_if_dropped(client, url, body, headers)
+                # timeout_s stops while the generator running this rollout is paused (a weight sync).
+                with PausableDeadline(current_clock(), self.timeout_s) as deadline:
+                    response = await self._post_once_more_if_dropped(client, url, body, headers)
+                if deadline.cancelled_caught:
+                    raise EngineTimeoutError(
+                        f"{url}/v1/completions did not answer within timeout_s={self.timeout_s:g}s; raise "
+                        "HTTPEngine(timeout_s=...) for long generations",
+                        url=url,
+                    )
             except (
                 httpx.ConnectError,
                 httpx.ConnectTimeout,

@@ -22,21 +22,31 @@ except ImportError as exc:
     ) from exc
 
 from ..generator import StructuredGymGenerator
+from ._weight_sync import pause_during_weight_sync
+from .skyrl import build_generator
 
 __all__ = ["StructuredPPOExp", "run", "skyrl_entrypoint"]
 
 
 class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type information
-    """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator."""
+    """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator.
+
+    For the fully-async trainer an unset ``generator.failure_budget_action`` becomes ``warn``, and on
+    every trainer the weight syncs pause the generator's deadlines.
+    """
 
     def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> StructuredGymGenerator:
-        return StructuredGymGenerator(
-            generator_cfg=cfg.generator,
-            skyrl_gym_cfg=cfg.environment.skyrl_gym,
-            inference_engine_client=inference_engine_client,
-            tokenizer=tokenizer,
-            policy_model_name=resolve_policy_model_name(cfg),
-        )
+        # failure_budget_action defaults to warn for the fully-async trainer (see build_generator).
+        return build_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
+
+    def _setup_trainer(self) -> Any:
+        trainer = super()._setup_trainer()
+        # Weight syncs (save_weights_for_sampler) pause the generator's deadlines, on the synchronous
+        # and the fully-async trainer alike; see _weight_sync.py.
+        generator = getattr(trainer, "generator", None)
+        if isinstance(generator, StructuredGymGenerator):
+            pause_during_weight_sync(trainer, generator.pauses)
+        return trainer
 
 
 @ray.remote(num_cpus=1)  # type: ignore[misc,untyped-decorator]

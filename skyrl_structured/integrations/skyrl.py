@@ -26,6 +26,7 @@ install (run as a command, it prints that and exits 1).
 # to find nested sections, and needs real classes there, not strings.
 import dataclasses
 import importlib
+import logging
 import platform
 import sys
 import textwrap
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._tokens import load_custom_chat_template
-from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, resolve_resilience
+from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, StragglerCutoffScope, resolve_resilience
+from ..generator import StructuredGymGenerator
 from ..validate import check_generator_config
 
 #: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
@@ -63,11 +65,15 @@ __all__ = [
     "StructuredGeneratorConfig",
     "StructuredPPOExp",
     "StructuredTrainConfig",
+    "build_generator",
     "check_structured_config",
+    "fully_async_failure_budget",
     "main",
     "parse_config",
     "usage",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: The fields this integration adds to SkyRL's generator config.
 STRUCTURED_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
@@ -91,10 +97,21 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     max_concurrent_rollouts: int | None = _knob("max_concurrent_rollouts")
     env_cleanup_timeout_s: float = _knob("env_cleanup_timeout_s")
     max_failed_rollout_fraction: float = _knob("max_failed_rollout_fraction")
-    failure_budget_action: FailureBudgetAction = _knob("failure_budget_action")
+    # None (not set) lets the integration choose: see fully_async_failure_budget.
+    failure_budget_action: FailureBudgetAction | None = field(
+        default=None,
+        metadata={
+            "help": _HELP["failure_budget_action"]
+            + " null (the default here): 'warn' when StructuredPPOExp builds the generator for SkyRL's fully-async "
+            "trainer with skip_failed_rollouts=true, else 'raise'."
+        },
+    )
     failed_rollout_policy: str = _knob("failed_rollout_policy")
     sampling_seed: int | None = _knob("sampling_seed")
     gc_tuning: bool = _knob("gc_tuning")
+    straggler_cutoff: float | None = _knob("straggler_cutoff")
+    straggler_grace_s: float = _knob("straggler_grace_s")
+    straggler_cutoff_scope: StragglerCutoffScope = _knob("straggler_cutoff_scope")
 
 
 @dataclass
@@ -119,6 +136,47 @@ def check_structured_config(cfg: Any) -> None:
             "`generator.vision_language_generator=true` is not supported by StructuredGymGenerator, which "
             "replaces SkyRL's text generator; run SkyRL's own entrypoint for vision-language rollouts"
         )
+
+
+def fully_async_failure_budget(cfg: Any) -> None:
+    """Default ``generator.failure_budget_action`` to ``warn`` for SkyRL's fully-async trainer, in place.
+
+    That trainer calls ``generate()`` once per prompt group, and its generation worker exits the
+    process on an exception: with ``raise``, one prompt whose every rollout failed would end the
+    run. So where the user left the action unset (None), ``skip_failed_rollouts`` is on and
+    ``trainer.fully_async.enabled`` is true, it becomes ``warn``, with one INFO line saying so. An
+    action the user set is kept.
+    """
+    generator = cfg.generator
+    if getattr(generator, "failure_budget_action", "raise") is not None:
+        return
+    fully_async = bool(getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False))
+    if fully_async and getattr(generator, "skip_failed_rollouts", False):
+        generator.failure_budget_action = "warn"
+        logger.info(
+            "generator.failure_budget_action=warn (it was not set): SkyRL's fully-async trainer calls generate() "
+            "once per prompt group, and a group whose every rollout failed returns placeholders instead of ending "
+            "the run; set generator.failure_budget_action=raise to fail instead"
+        )
+
+
+def build_generator(
+    cfg: Any, tokenizer: Any, inference_engine_client: Any, policy_model_name: str | None = None
+) -> StructuredGymGenerator:
+    """The generator ``StructuredPPOExp.get_generator`` returns for SkyRL's root config ``cfg``.
+
+    Applies :func:`fully_async_failure_budget` first. Weight syncs are wired to the generator's
+    pauses once the trainer exists (``StructuredPPOExp._setup_trainer``, see
+    :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
+    """
+    fully_async_failure_budget(cfg)
+    return StructuredGymGenerator(
+        generator_cfg=cfg.generator,
+        skyrl_gym_cfg=cfg.environment.skyrl_gym,
+        inference_engine_client=inference_engine_client,
+        tokenizer=tokenizer,
+        policy_model_name=policy_model_name,
+    )
 
 
 class SkyRLUnavailableError(ImportError):
