@@ -36,6 +36,7 @@ from .types import TrajectoryID as TrajectoryID
 from .types import TrajectoryOutput as TrajectoryOutput
 from .validate import GeneratorOutputError as GeneratorOutputError
 from .validate import validate_generator_output as validate_generator_output
+from .vlm_generator import StructuredVLMGymGenerator as StructuredVLMGymGenerator
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ __all__ = (
     "SkyRLGymConfig",
     "StepWiseOutput",
     "StructuredGymGenerator",
+    "StructuredVLMGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
     "TrajectoryStep",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._metrics import failure_metrics, rollout_metrics
+from ._vision import empty_rows_like
 from .config import FailureBudgetAction, ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded, failure_summary
@@ -26,6 +27,7 @@ __all__ = [
     "check_failure_budget",
     "collect",
     "first_trajectory",
+    "give_placeholders_vision",
     "infer_token_level_rewards",
     "make_placeholder",
     "overlong_filtered",
@@ -237,6 +239,7 @@ def collect(
             with_logprobs=get_logprobs,
             step_wise=step_wise,
         )
+        give_placeholders_vision(results, failures)
     return build_generator_output(
         results,
         generator_cfg=generator_cfg,
@@ -249,6 +252,27 @@ def collect(
         retries=retries,
         cleanup=cleanup,
     )
+
+
+def give_placeholders_vision(results: list[Any], failures: Sequence[FailedRollout]) -> None:
+    """Image-free vision fields on the placeholders of a batch whose rollouts carry images, in place.
+
+    SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
+    which need a tensor for every row; a placeholder gets fresh empty ones (no rows, the width,
+    dtype and device of the first successful rollout's), so it adds no image to the batch.
+    """
+    failed = {f.index for f in failures}
+    reference = next(
+        (r for i, r in enumerate(results) if i not in failed and getattr(r, "pixel_values", None) is not None),
+        None,
+    )
+    if reference is None:
+        return
+    for index in failed:
+        placeholder = results[index]
+        placeholder.pixel_values = empty_rows_like(reference.pixel_values)
+        if reference.image_grid_thw is not None:
+            placeholder.image_grid_thw = empty_rows_like(reference.image_grid_thw)
 
 
 class _Rows:

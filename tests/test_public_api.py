@@ -30,6 +30,7 @@ EXPECTED = {
     "SkyRLGymConfig",
     "StepWiseOutput",
     "StructuredGymGenerator",
+    "StructuredVLMGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
     "TrajectoryStep",
