@@ -100,3 +100,74 @@ def load_upstream_vlm_generator() -> Any:
     from skyrl.train.generators import skyrl_vlm_generator
 
     return skyrl_vlm_generator.SkyRLVLMGymGenerator
+
+
+def _package_without_init(name: str) -> None:
+    """Register SkyRL package ``name`` as a bare package (its ``__init__`` imports what the tests lack)."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    module = types.ModuleType(name)
+    module.__path__ = [os.path.join(os.path.dirname(spec.origin), *name.split(".")[1:])]
+    sys.modules[name] = module
+
+
+def load_upstream_training_input_conversion() -> Any:
+    """SkyRL trainer's ``RayPPOTrainer.convert_to_training_input``, compiled from the installed source.
+
+    Called as ``convert(trainer, generator_output, uids)`` with a ``trainer`` that has ``tokenizer``,
+    ``cfg``, ``dispatch`` and ``all_metrics``. The real ``TensorList``, ``TrainingInputBatch`` and
+    batch-tensor conversion run; the trainer module itself (Ray, the workers) is not imported.
+    ``jaxtyping``, used in their annotations only, gets a stand-in where it is not installed, and
+    ``skyrl.train.dataset``'s ``__init__`` (Hugging Face datasets) is bypassed.
+    """
+    import ast
+    import math
+
+    import torch
+    from loguru import logger
+
+    load_upstream_generator()
+    try:
+        importlib.import_module("jaxtyping")
+    except ImportError:
+        jaxtyping = types.ModuleType("jaxtyping")
+
+        class _Annotation:
+            def __class_getitem__(cls, _item: Any) -> Any:
+                return cls
+
+        jaxtyping.Float = jaxtyping.Integer = _Annotation  # type: ignore[attr-defined]
+        sys.modules["jaxtyping"] = jaxtyping
+    _package_without_init("skyrl.train.dataset")
+    from skyrl.backends.skyrl_train import training_batch
+    from skyrl.train.dataset import preprocess
+
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    path = os.path.join(os.path.dirname(spec.origin), "train", "trainer.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    (trainer_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer"]
+    (method,) = [
+        n for n in trainer_class.body if isinstance(n, ast.FunctionDef) and n.name == "convert_to_training_input"
+    ]
+    method.decorator_list = []
+    namespace: dict[str, Any] = {
+        "math": math,
+        "torch": torch,
+        "logger": logger,
+        "List": list,
+        "GeneratorOutput": dict,
+        "TensorList": training_batch.TensorList,
+        "TrainingInputBatch": training_batch.TrainingInputBatch,
+        "pad_training_input_batch": training_batch.pad_training_input_batch,
+        "convert_prompts_responses_to_batch_tensors": preprocess.convert_prompts_responses_to_batch_tensors,
+        "compute_prompt_boundaries": preprocess.compute_prompt_boundaries,
+        "compute_prompt_mini_batch_boundaries": preprocess.compute_prompt_mini_batch_boundaries,
+    }
+    exec(compile(ast.Module(body=[method], type_ignores=[]), path, "exec"), namespace)
+    return namespace["convert_to_training_input"]
