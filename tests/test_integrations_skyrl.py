@@ -24,11 +24,14 @@ from skyrl_structured import (
     GeneratorInput,
     ResilienceSettings,
     StructuredGymGenerator,
+    StructuredVLMGymGenerator,
     TrajectoryID,
     validate_generator_output,
 )
-from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image
+from skyrl_structured.testing.envs import SCRIPTED_ENV
 
+from ._upstream import load_upstream_validator
 from .helpers import token_rewards
 
 skyrl_config = pytest.importorskip("skyrl.train.config")
@@ -212,8 +215,10 @@ def test_parse_config_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_pa
         integration.parse_config(["generator.skip_failed_rollouts=true", "generator.batched=true"])
     with pytest.raises(ValueError, match=r"`generator.max_failed_rollout_fraction` must be within \[0, 1\]"):
         integration.parse_config(["generator.max_failed_rollout_fraction=2.0"])
-    with pytest.raises(ValueError, match=r"vision_language_generator=true` is not supported"):
-        integration.parse_config(["generator.vision_language_generator=true"])
+    # The vision-language generator is selected, with SkyRL's VLM refusals first.
+    with pytest.raises(ValueError, match=r"StructuredVLMGymGenerator does not support `generator.batched=true`"):
+        integration.parse_config(["generator.vision_language_generator=true", "generator.batched=true"])
+    assert integration.parse_config(["generator.vision_language_generator=true"]).generator.vision_language_generator
     cfg = integration.parse_config(
         ["trainer.override_entrypoint=skyrl_structured.integrations.skyrl", "generator.rollout_timeout_s=45"]
     )
@@ -282,3 +287,64 @@ async def test_generator_built_from_skyrl_configs_contains_a_failed_rollout(anyi
     assert metrics is not None
     assert metrics["generate/failures/ConnectionError"] == 1
     assert metrics["generate/num_envs_opened"] == metrics["generate/num_envs_closed"] == n
+
+
+def vlm_picture_batch(n: int) -> GeneratorInput:
+    script = [
+        {"observation": [{"type": "text", "text": "Now?"}, image_part(png_image(8, 8, seed=3))], "reward": 0.0},
+        {"observation": None, "reward": 1.0, "done": True},
+    ]
+    return {
+        "prompts": [
+            [{"role": "user", "content": [{"type": "text", "text": f"Picture {i}"}, image_part(png_image(8, 8, i))]}]
+            for i in range(n)
+        ],
+        "env_classes": [SCRIPTED_ENV] * n,
+        "env_extras": [{"script": list(script)} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
+    }
+
+
+@pytest.mark.anyio
+async def test_vision_language_generator_goes_from_skyrls_parser_to_skyrls_validation(
+    anyio_backend, skyrl_cli_parser, tokenizer
+):
+    pytest.importorskip("torch")
+    cfg = skyrl_cli_parser(
+        [
+            "generator.vision_language_generator=true",
+            "generator.skip_failed_rollouts=true",
+            "generator.max_turns=2",
+            "generator.max_input_length=2048",
+        ]
+    )
+    integration.check_structured_config(cfg)
+
+    def answer(call):
+        if call.session_id == "q1_1":
+            raise ConnectionError("replica lost")
+        return "Two. #### 2"
+
+    engine = ScriptedVLMEngine(tokenizer, answer)
+    generator = integration.structured_generator(cfg, tokenizer, engine, "policy")
+    assert type(generator) is StructuredVLMGymGenerator
+    assert type(integration.structured_generator(skyrl_cli_parser([]), tokenizer, engine)) is StructuredGymGenerator
+    n = 4
+    output = await generator.generate(vlm_picture_batch(n), disable_tqdm=True)
+    load_upstream_validator()(n, output)
+    assert output["stop_reasons"] == ["stop", "stop", "stop", "rollout_error"]
+    grids = output["image_grid_thw"]
+    assert grids is not None
+    assert [g.shape[0] for g in grids] == [2, 2, 2, 0]
+    assert {c.model for c in engine.calls} == {"policy"}
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 12) or importlib.util.find_spec("ray") is None,
+    reason="SkyRL's experiment (BasePPOExp) imports only on Python 3.12+ with its training stack",
+)
+def test_experiment_picks_the_vision_language_generator(skyrl_cli_parser, tokenizer):
+    cfg = skyrl_cli_parser(["generator.vision_language_generator=true"])
+    engine = ScriptedVLMEngine(tokenizer, lambda call: "ok")
+    generator = integration.StructuredPPOExp.get_generator(None, cfg, tokenizer, engine)
+    assert type(generator) is StructuredVLMGymGenerator

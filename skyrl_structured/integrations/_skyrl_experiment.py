@@ -22,21 +22,20 @@ except ImportError as exc:
     ) from exc
 
 from ..generator import StructuredGymGenerator
+from .skyrl import structured_generator
 
 __all__ = ["StructuredPPOExp", "run", "skyrl_entrypoint"]
 
 
 class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type information
-    """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator."""
+    """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator.
+
+    With ``generator.vision_language_generator=true``, :class:`~skyrl_structured.StructuredVLMGymGenerator`
+    (SkyRL's entrypoint picks its VLM generator on the same key).
+    """
 
     def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> StructuredGymGenerator:
-        return StructuredGymGenerator(
-            generator_cfg=cfg.generator,
-            skyrl_gym_cfg=cfg.environment.skyrl_gym,
-            inference_engine_client=inference_engine_client,
-            tokenizer=tokenizer,
-            policy_model_name=resolve_policy_model_name(cfg),
-        )
+        return structured_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
 
 
 @ray.remote(num_cpus=1)  # type: ignore[misc,untyped-decorator]

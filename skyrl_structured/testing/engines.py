@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import anyio
 
@@ -92,7 +92,7 @@ class ScriptedEngine:
     started_sessions: set[Hashable] = field(default_factory=set)
 
     @classmethod
-    def from_replies(cls, tokenizer: Any, *replies: Reply | str, **kwargs: Any) -> ScriptedEngine:
+    def from_replies(cls, tokenizer: Any, *replies: Reply | str, **kwargs: Any) -> Self:
         """An engine answering each session's k-th request with ``replies[k]`` (see :func:`replies_by_turn`)."""
         return cls(tokenizer, replies_by_turn(*replies), **kwargs)
 
