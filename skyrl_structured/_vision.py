@@ -55,13 +55,14 @@ def encode_feature_item(arrays: Mapping[str, Any]) -> str:
 
     Each value is anything ``numpy.asarray`` takes (a torch tensor on CPU included).
     """
-    header: dict[str, dict[str, Any]] = {}
+    # One header entry per array, in the order their bytes follow.
+    header: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, value in arrays.items():
         array = np.ascontiguousarray(np.asarray(value))
-        header[name] = {"dtype": array.dtype.str, "shape": list(array.shape), "nbytes": array.nbytes}
+        header.append({"name": name, "dtype": array.dtype.str, "shape": list(array.shape), "nbytes": array.nbytes})
         chunks.append(array.tobytes())
-    head = json.dumps(header, sort_keys=True).encode("utf-8")
+    head = json.dumps(header).encode("utf-8")
     raw = _MAGIC + len(head).to_bytes(4, "big") + head + b"".join(chunks)
     return base64.b64encode(raw).decode("ascii")
 
@@ -72,11 +73,12 @@ def _decode_ours(raw: bytes) -> dict[str, np.ndarray]:
     header = json.loads(body[4 : 4 + size].decode("utf-8"))
     offset = 4 + size
     out: dict[str, np.ndarray] = {}
-    for name, spec in header.items():
+    for spec in header:
         end = offset + int(spec["nbytes"])
         if end > len(body):
-            raise VisionFeatureError(f"a features item is truncated: `{name}` needs {spec['nbytes']} bytes")
-        out[name] = np.frombuffer(body[offset:end], dtype=np.dtype(spec["dtype"])).reshape(spec["shape"]).copy()
+            raise VisionFeatureError(f"a features item is truncated: `{spec['name']}` needs {spec['nbytes']} bytes")
+        array = np.frombuffer(body[offset:end], dtype=np.dtype(spec["dtype"]))
+        out[str(spec["name"])] = array.reshape(spec["shape"]).copy()
         offset = end
     return out
 

@@ -17,16 +17,26 @@ import hashlib
 import math
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._vision import encode_feature_item
+from ..engines._wrapper import EngineWrapper
 from .engines import ScriptedEngine
 
-__all__ = ["RenderCall", "ScriptedVLMEngine", "image_part", "png_image", "png_size"]
+__all__ = [
+    "RenderCall",
+    "RenderingEngine",
+    "ScriptedRenderer",
+    "ScriptedVLMEngine",
+    "encode_png",
+    "image_part",
+    "png_image",
+    "png_size",
+]
 
 #: Stands in for an image inside the rendered text; a private-use character no template produces.
 _IMAGE_MARK = "\ue000"
@@ -37,22 +47,35 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
+def encode_png(width: int, height: int, pixel: Callable[[int, int], tuple[int, int, int]]) -> bytes:
+    """An RGB PNG, ``pixel(x, y)`` giving each pixel's (r, g, b) in 0..255, as bytes (no PIL needed).
+
+    Raises:
+        ValueError: a side below 1.
+    """
+    if width < 1 or height < 1:
+        raise ValueError(f"a PNG needs width and height >= 1, got {width}x{height}")
+    rows = bytearray()
+    for y in range(height):
+        rows.append(0)  # filter type: none
+        for x in range(width):
+            rows += bytes(pixel(x, y))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return _PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(bytes(rows))) + _chunk(b"IEND", b"")
+
+
 def png_image(width: int, height: int, seed: int = 0) -> bytes:
     """A small RGB PNG whose pixels depend on ``seed`` (a gradient and a square), as bytes.
 
     Raises:
         ValueError: a side below 1.
     """
-    if width < 1 or height < 1:
-        raise ValueError(f"png_image needs width and height >= 1, got {width}x{height}")
-    rows = bytearray()
-    for y in range(height):
-        rows.append(0)  # filter type: none
-        for x in range(width):
-            inside = width // 4 <= x < 3 * width // 4 and height // 4 <= y < 3 * height // 4
-            rows += bytes(((x * 37 + seed * 11) % 256, (y * 53 + seed * 29) % 256, 255 if inside else seed % 256))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return _PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(bytes(rows))) + _chunk(b"IEND", b"")
+
+    def pixel(x: int, y: int) -> tuple[int, int, int]:
+        inside = width // 4 <= x < 3 * width // 4 and height // 4 <= y < 3 * height // 4
+        return (x * 37 + seed * 11) % 256, (y * 53 + seed * 29) % 256, 255 if inside else seed % 256
+
+    return encode_png(width, height, pixel)
 
 
 def png_size(png: bytes) -> tuple[int, int]:
@@ -92,17 +115,17 @@ class RenderCall:
 
 
 @dataclass
-class ScriptedVLMEngine(ScriptedEngine):
-    """A :class:`ScriptedEngine` that also renders conversations with images (vLLM's render endpoint).
+class ScriptedRenderer:
+    """Renders chat conversations with images as vLLM's ``/v1/chat/completions/render`` does (see the module).
 
-    Args (besides :class:`ScriptedEngine`'s):
-        model_name: what SkyRL's VLM generator puts in each render request.
+    Args:
+        tokenizer: applies the chat template and encodes the text around the images.
         patch_size: pixels per patch side; ``merge`` patches a side share one placeholder token.
         feature_dim: the width of ``pixel_values``.
         image_token_id: the placeholder token; defaults to the tokenizer's ``<|image_pad|>``, else its pad token.
     """
 
-    model_name: str = "scripted-vlm"
+    tokenizer: Any
     patch_size: int = 4
     merge: int = 2
     feature_dim: int = 8
@@ -127,7 +150,11 @@ class ScriptedVLMEngine(ScriptedEngine):
         return grid_h * grid_w // (self.merge * self.merge), pixels, [1, grid_h, grid_w]
 
     async def render_chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"token_ids": [...], "features": {...} | None}`` for ``request_payload["json"]["messages"]``."""
+        """``{"token_ids": [...], "features": {...} | None}`` for ``request_payload["json"]["messages"]``.
+
+        Raises:
+            ValueError: an image that is not a PNG data URL.
+        """
         body = request_payload["json"]
         messages: Sequence[Mapping[str, Any]] = body["messages"]
         self.renders.append(RenderCall(body.get("model"), [dict(m) for m in messages]))
@@ -168,3 +195,50 @@ class ScriptedVLMEngine(ScriptedEngine):
             "kwargs_data": {"image": items},
         }
         return {"token_ids": token_ids, "features": features}
+
+
+@dataclass
+class ScriptedVLMEngine(ScriptedEngine):
+    """A :class:`ScriptedEngine` that also renders conversations with images (vLLM's render endpoint).
+
+    Args (besides :class:`ScriptedEngine`'s):
+        model_name: what SkyRL's VLM generator puts in each render request.
+        patch_size, merge, feature_dim, image_token_id: the :class:`ScriptedRenderer`'s.
+    """
+
+    model_name: str = "scripted-vlm"
+    patch_size: int = 4
+    merge: int = 2
+    feature_dim: int = 8
+    image_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self.renderer = ScriptedRenderer(
+            self.tokenizer, self.patch_size, self.merge, self.feature_dim, self.image_token_id
+        )
+
+    @property
+    def renders(self) -> list[RenderCall]:
+        """The render requests received so far."""
+        return self.renderer.renders
+
+    async def render_chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
+        """See :meth:`ScriptedRenderer.render_chat_completion`."""
+        return await self.renderer.render_chat_completion(request_payload)
+
+
+class RenderingEngine(EngineWrapper):
+    """Any inference client plus a renderer: ``render_chat_completion`` for clients that have none.
+
+    ``generate`` goes to the wrapped client with the request unchanged; a text-only model ignores the
+    ``mm_features`` and sees the image placeholder tokens (what the CLI's offline multimodal default runs).
+    """
+
+    def __init__(self, engine: Any, renderer: Any, *, model_name: str = "scripted-vlm") -> None:
+        super().__init__(engine)
+        self.renderer = renderer
+        self.model_name = model_name
+
+    async def render_chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self.renderer.render_chat_completion(request_payload)
+        return result
