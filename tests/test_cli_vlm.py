@@ -1,4 +1,4 @@
-"""`skyrl-structured rollout generator.vision_language_generator=true`: the offline multimodal default, as a user runs it.
+"""`skyrl-structured rollout generator.vision_language_generator=true`: the offline multimodal default.
 
 A subprocess, the real tiny model behind the scripted image renderer, the picture environment.
 """
