@@ -215,3 +215,21 @@ def test_batched_generation_is_refused(tokenizer):
     gen = generator(tokenizer, ScriptedVLMEngine(tokenizer, turn_replies("One.")))
     with pytest.raises(NotImplementedError, match="does not support batched generation"):
         anyio.run(gen.generate_batched, [], [], [], 16)
+
+
+def test_the_check_kit_passes_the_vision_language_generator_through_every_fault_and_attack(tokenizer):
+    from skyrl_structured.testing import check_structured_concurrency
+
+    prompts = [
+        [{"role": "user", "content": [{"type": "text", "text": f"Picture {i}:"}, image_part(png_image(8, 8, i))]}]
+        for i in range(3)
+    ]
+    report = check_structured_concurrency(
+        SCRIPTED_ENV,
+        prompts=prompts,
+        tokenizer=tokenizer,
+        generator_class=StructuredVLMGymGenerator,
+        max_env_workers=(2,),
+    )
+    assert report.ok, report.summary()
+    assert {c.kind for c in report.cases} >= {"baseline", "fault", "cancel", "interrupt", "hang", "malformed"}
