@@ -318,8 +318,7 @@ class VLLMServer:
             values = output["response_logprobs"][0]
             logprobs = {
                 "content": [
-                    {"token": self._token_text(t), "logprob": max(float(v), -9999.0)}
-                    for t, v in zip(out_ids, values, strict=True)
+                    {"token_id": t, "logprob": max(float(v), -9999.0)} for t, v in zip(out_ids, values, strict=True)
                 ]
             }
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": output["stop_reasons"][0], "token_ids": out_ids}
