@@ -191,6 +191,24 @@ class TestVLMParity:
         # The observation's tokens that did not fit are in the response, masked out.
         assert ours["loss_masks"][0][-1] == 0
 
+    def test_zero_reward_on_non_stop_and_overlong_filtering_with_truncation(self, tokenizer, backend):
+        probe = engine(tokenizer, REPLIES)
+        first = anyio.run(probe.render_chat_completion, {"json": {"messages": picture_question(1)}})
+        cfg = GeneratorConfig(
+            max_turns=3,
+            max_input_length=len(first["token_ids"]) + 4,
+            zero_reward_on_non_stop=True,
+            apply_overlong_filtering=True,
+        )
+        # The second turn's input (a reply and another picture more) does not fit.
+        ours, _ = check_parity(tokenizer, backend, cfg, lambda: batch(3))
+        assert "length" in ours["stop_reasons"]
+        for reason, row, mask in zip(ours["stop_reasons"], ours["rewards"], ours["loss_masks"], strict=True):
+            if reason != "stop":
+                assert isinstance(row, list)
+                assert not any(row)
+                assert not any(mask)
+
     def test_prompt_longer_than_max_input_length(self, tokenizer, backend):
         cfg = GeneratorConfig(max_turns=3, max_input_length=5)
         ours, scripted = check_parity(tokenizer, backend, cfg, lambda: batch(2))
