@@ -26,8 +26,8 @@ __all__ = [
     "build_generator_output",
     "check_failure_budget",
     "collect",
+    "fill_missing_vision",
     "first_trajectory",
-    "give_placeholders_vision",
     "infer_token_level_rewards",
     "make_placeholder",
     "overlong_filtered",
@@ -239,7 +239,7 @@ def collect(
             with_logprobs=get_logprobs,
             step_wise=step_wise,
         )
-        give_placeholders_vision(results, failures)
+    fill_missing_vision(results)
     return build_generator_output(
         results,
         generator_cfg=generator_cfg,
@@ -254,25 +254,24 @@ def collect(
     )
 
 
-def give_placeholders_vision(results: list[Any], failures: Sequence[FailedRollout]) -> None:
-    """Image-free vision fields on the placeholders of a batch whose rollouts carry images, in place.
+def fill_missing_vision(results: list[Any]) -> None:
+    """Image-free vision fields on every row without them, in a batch where some row has images; in place.
 
     SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
-    which need a tensor for every row; a placeholder gets fresh empty ones (no rows, the width,
-    dtype and device of the first successful rollout's), so it adds no image to the batch.
+    which need a tensor for every row (a ``None`` fails the step). A placeholder, or a successful
+    rollout whose conversation had no image, gets fresh empty ones (no rows; the width, dtype and
+    device of the first rollout with images), so it adds no image to the batch.
     """
-    failed = {f.index for f in failures}
-    reference = next(
-        (r for i, r in enumerate(results) if i not in failed and getattr(r, "pixel_values", None) is not None),
-        None,
-    )
+    reference = next((r for r in results if getattr(r, "pixel_values", None) is not None), None)
     if reference is None:
         return
-    for index in failed:
-        placeholder = results[index]
-        placeholder.pixel_values = empty_rows_like(reference.pixel_values)
-        if reference.image_grid_thw is not None:
-            placeholder.image_grid_thw = empty_rows_like(reference.image_grid_thw)
+    for row in results:
+        if not hasattr(row, "pixel_values"):
+            continue  # a step-wise output: SkyRL has no images there
+        if row.pixel_values is None:
+            row.pixel_values = empty_rows_like(reference.pixel_values)
+        if row.image_grid_thw is None and reference.image_grid_thw is not None:
+            row.image_grid_thw = empty_rows_like(reference.image_grid_thw)
 
 
 class _Rows:

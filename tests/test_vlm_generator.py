@@ -116,6 +116,23 @@ async def test_failed_rollout_is_a_placeholder_skyrls_trainer_takes(anyio_backen
     assert metrics["generate/failures/ConnectionError"] == 1
 
 
+@pytest.mark.anyio
+async def test_a_text_only_rollout_in_an_image_batch_gets_empty_image_tensors(anyio_backend, tokenizer, ledger):
+    engine = ScriptedVLMEngine(tokenizer, turn_replies("One. #### 1"))
+    batch = picture_batch(4, ledger)
+    batch["prompts"][2] = [{"role": "user", "content": "No picture here."}]
+    batch["env_extras"][2]["script"] = [{"observation": None, "reward": 1.0, "done": True}]
+    out = await generator(tokenizer, engine).generate(batch, disable_tqdm=True)
+    pixels, grids = out["pixel_values"], out["image_grid_thw"]
+    assert pixels is not None
+    assert grids is not None
+    assert pixels[2].shape == (0, engine.feature_dim)
+    assert grids[2].shape == (0, 3)
+    assert [g.shape[0] for g in grids] == [2, 2, 0, 2]
+    batch_in = convert_to_training_input(skyrl_trainer(tokenizer, 2), out, [f"q{i // 2}" for i in range(4)])
+    assert len(batch_in["pixel_values"]) == 4
+
+
 @dataclass
 class FlakyRenderEngine(ScriptedVLMEngine):
     """Renders fail for the sessions whose prompt mentions ``fail_on``; block forever for ``hang_on``."""
