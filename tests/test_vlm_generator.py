@@ -119,9 +119,9 @@ async def test_failed_rollout_is_a_placeholder_skyrls_trainer_takes(anyio_backen
 @pytest.mark.anyio
 async def test_a_text_only_rollout_in_an_image_batch_gets_empty_image_tensors(anyio_backend, tokenizer, ledger):
     engine = ScriptedVLMEngine(tokenizer, turn_replies("One. #### 1"))
-    batch = picture_batch(4, ledger)
+    text_only = {2: {"script": [{"observation": None, "reward": 1.0, "done": True}]}}
+    batch = picture_batch(4, ledger, extras=text_only)
     batch["prompts"][2] = [{"role": "user", "content": "No picture here."}]
-    batch["env_extras"][2]["script"] = [{"observation": None, "reward": 1.0, "done": True}]
     out = await generator(tokenizer, engine).generate(batch, disable_tqdm=True)
     pixels, grids = out["pixel_values"], out["image_grid_thw"]
     assert pixels is not None
