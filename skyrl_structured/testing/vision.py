@@ -133,11 +133,11 @@ class ScriptedRenderer:
     renders: list[RenderCall] = field(default_factory=list)
 
     def _image_token(self) -> int:
-        if self.image_token_id is not None:
-            return self.image_token_id
-        vocab = self.tokenizer.get_vocab()
-        token = vocab.get("<|image_pad|>", self.tokenizer.pad_token_id)
-        return int(token if token is not None else self.tokenizer.eos_token_id)
+        if self.image_token_id is None:
+            # Looked up once: a tokenizer's get_vocab() builds the whole vocabulary dict.
+            token = self.tokenizer.get_vocab().get("<|image_pad|>", self.tokenizer.pad_token_id)
+            self.image_token_id = int(token if token is not None else self.tokenizer.eos_token_id)
+        return self.image_token_id
 
     def _image_features(self, png: bytes) -> tuple[int, Any, list[int]]:
         """(placeholder tokens, pixel_values, grid) of one image."""
