@@ -7,10 +7,12 @@ empty package modules that point at the real directories.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -171,3 +173,44 @@ def load_upstream_training_input_conversion() -> Any:
     }
     exec(compile(ast.Module(body=[method], type_ignores=[]), path, "exec"), namespace)
     return namespace["convert_to_training_input"]
+
+
+class _DecodedItem:
+    """What vLLM's ``decode_mm_kwargs_item`` returns, as far as SkyRL reads it (``get_data()``)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def get_data(self) -> dict[str, Any]:
+        return self._data
+
+
+@contextlib.contextmanager
+def vllm_item_decoder() -> Iterator[None]:
+    """vLLM's ``decode_mm_kwargs_item``, at the module path SkyRL 0.3.0 imports it from, for the scripted renderer.
+
+    vLLM is not installed here; SkyRL's ``decode_mm_kwargs`` imports the item decoder when it runs.
+    Inside the block, modules under vLLM's names decode the scripted renderer's items (our format)
+    into torch tensors, and SkyRL's own code concatenates them. The modules are removed afterwards.
+    """
+    import torch
+
+    from skyrl_structured._vision import _decode_item
+
+    names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.serve", "vllm.entrypoints.serve.disagg"]
+    serde = types.ModuleType("vllm.entrypoints.serve.disagg.mm_serde")
+    serde.decode_mm_kwargs_item = lambda item: _DecodedItem(  # type: ignore[attr-defined]
+        {k: torch.from_numpy(v) for k, v in _decode_item(item).items()}
+    )
+    modules = {name: types.ModuleType(name) for name in names}
+    modules[serde.__name__] = serde
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module

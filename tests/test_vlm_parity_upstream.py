@@ -7,15 +7,13 @@ engine must have seen the same generate requests, ``mm_features`` included. SkyR
 (it is asyncio-only); ours on asyncio and trio.
 
 SkyRL reads image features with vLLM's item decoder, which is not installed here: a module under
-vLLM's name decodes the scripted renderer's items for it, and SkyRL's own ``decode_mm_kwargs``
-concatenates them.
+vLLM's name decodes the scripted renderer's items for it (``tests._upstream.vllm_item_decoder``),
+and SkyRL's own ``decode_mm_kwargs`` concatenates them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 from collections import defaultdict
 from typing import Any
 
@@ -33,36 +31,20 @@ from skyrl_structured import (  # noqa: E402 - after the skip
     TrajectoryID,
     validate_generator_output,
 )
-from skyrl_structured._vision import _decode_item  # noqa: E402
 from skyrl_structured.testing import Reply, ScriptedVLMEngine, image_part, png_image  # noqa: E402
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger  # noqa: E402
 
-from ._upstream import load_upstream_vlm_generator  # noqa: E402
+from ._upstream import load_upstream_vlm_generator, vllm_item_decoder  # noqa: E402
 
 SkyRLVLMGymGenerator = load_upstream_vlm_generator()
 
 TIMING_KEYS = {"trajectory_generation_times", "trajectory_time_splits"}
 
 
-class _Item:
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
-
-    def get_data(self) -> dict[str, Any]:
-        return self._data
-
-
 @pytest.fixture(autouse=True)
-def vllm_item_decoder(monkeypatch):
-    """vLLM's ``decode_mm_kwargs_item`` as SkyRL 0.3.0 imports it, for the scripted renderer's items."""
-    names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.serve", "vllm.entrypoints.serve.disagg"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    serde = types.ModuleType("vllm.entrypoints.serve.disagg.mm_serde")
-    serde.decode_mm_kwargs_item = lambda item: _Item(  # type: ignore[attr-defined]
-        {k: torch.from_numpy(v) for k, v in _decode_item(item).items()}
-    )
-    monkeypatch.setitem(sys.modules, serde.__name__, serde)
+def _vllm_item_decoder():
+    with vllm_item_decoder():
+        yield
 
 
 def turn_handler(replies: dict[int, Reply | str]):
@@ -268,3 +250,11 @@ def test_same_refusals_as_skyrl(tokenizer):
         with pytest.raises(ValueError, match=rf"`generator\.{field}=") as caught:
             StructuredVLMGymGenerator(cfg, gym_cfg, engine(tokenizer, REPLIES), tokenizer)
         assert "\n" not in str(caught.value)
+
+
+def test_the_vlm_overhead_benchmark_runs_and_checks_tokens(capsys):
+    from benchmarks import vlm_overhead
+
+    assert vlm_overhead.main(["--quick"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[1] for line in table[2:]] == ["SkyRL (asyncio)", "ours (asyncio)", "ours (trio)"]
