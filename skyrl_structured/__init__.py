@@ -37,6 +37,7 @@ from .types import TrajectoryID as TrajectoryID
 from .types import TrajectoryOutput as TrajectoryOutput
 from .validate import GeneratorOutputError as GeneratorOutputError
 from .validate import validate_generator_output as validate_generator_output
+from .vlm_generator import StructuredVLMGymGenerator as StructuredVLMGymGenerator
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,7 @@ __all__ = (
     "StepWiseOutput",
     "StragglerCutError",
     "StructuredGymGenerator",
+    "StructuredVLMGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
     "TrajectoryStep",

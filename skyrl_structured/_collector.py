@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._metrics import failure_metrics, rollout_metrics
+from ._vision import empty_rows_like
 from .config import FailureBudgetAction, ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded, failure_summary
@@ -25,6 +26,7 @@ __all__ = [
     "build_generator_output",
     "check_failure_budget",
     "collect",
+    "fill_missing_vision",
     "first_trajectory",
     "infer_token_level_rewards",
     "make_placeholder",
@@ -237,6 +239,7 @@ def collect(
             with_logprobs=get_logprobs,
             step_wise=step_wise,
         )
+    fill_missing_vision(results)
     return build_generator_output(
         results,
         generator_cfg=generator_cfg,
@@ -249,6 +252,26 @@ def collect(
         retries=retries,
         cleanup=cleanup,
     )
+
+
+def fill_missing_vision(results: list[Any]) -> None:
+    """Image-free vision fields on every row without them, in a batch where some row has images; in place.
+
+    SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
+    which need a tensor for every row (a ``None`` fails the step). A placeholder, or a successful
+    rollout whose conversation had no image, gets fresh empty ones (no rows; the width, dtype and
+    device of the first rollout with images), so it adds no image to the batch.
+    """
+    reference = next((r for r in results if getattr(r, "pixel_values", None) is not None), None)
+    if reference is None:
+        return
+    for row in results:
+        if not hasattr(row, "pixel_values"):
+            continue  # a step-wise output: SkyRL has no images there
+        if row.pixel_values is None:
+            row.pixel_values = empty_rows_like(reference.pixel_values)
+        if row.image_grid_thw is None and reference.image_grid_thw is not None:
+            row.image_grid_thw = empty_rows_like(reference.image_grid_thw)
 
 
 class _Rows:

@@ -13,20 +13,36 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ._replies import read_reply
 from ._rollout import RolloutContext
 from ._tokens import ChatTokenizer
 from .types import ConversationType, StepWiseOutput, TrajectoryOutput
 
-__all__ = ["Episode", "PromptTooLongError"]
+__all__ = ["Episode", "EpisodeRunner", "PromptTooLongError"]
 
 logger = logging.getLogger(__name__)
 
 #: ``encode(new_obs, is_done)``: the token ids an observation adds (the generator's
 #: ``get_obs_ids_from_obs``, so a subclass that overrides it is honoured).
 ObservationEncoder = Callable[[ConversationType, bool], list[int]]
+
+
+class EpisodeRunner(Protocol):
+    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns)."""
+
+    async def run(
+        self,
+        env: Any,
+        prompt: ConversationType,
+        *,
+        context: RolloutContext,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None,
+        session_id: Hashable,
+        cache_salt: str | None,
+    ) -> TrajectoryOutput | StepWiseOutput: ...
 
 
 class PromptTooLongError(ValueError):

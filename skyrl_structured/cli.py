@@ -151,7 +151,14 @@ def _plan(args: argparse.Namespace) -> _Plan:
     # Before anything that may log (a dataset's environment module is imported to check it).
     logs = configure_logging(cfg.run.log_level)
     policy = chaos_policy(cfg)
-    dataset = load_dataset(cfg.data.path, default_env_class=cfg.environment.env_class, max_prompts=cfg.data.max_prompts)
+    if cfg.generator.vision_language_generator and cfg.data.path is None:
+        from ._cli.pictures import picture_dataset
+
+        dataset = picture_dataset(cfg.data.max_prompts)
+    else:
+        dataset = load_dataset(
+            cfg.data.path, default_env_class=cfg.environment.env_class, max_prompts=cfg.data.max_prompts
+        )
     dataset.env_classes = wrap_env_classes(dataset.env_classes, policy, cfg.chaos.stage)
     eval_phase = cfg.run.phase == "eval"
     samples = cfg.generator.eval_n_samples_per_prompt if eval_phase else cfg.generator.n_samples_per_prompt

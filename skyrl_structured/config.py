@@ -154,7 +154,11 @@ class GeneratorConfig:
         "Zero the loss mask of rollouts whose stop reason is not 'stop' (DAPO overlong filtering).", False
     )
     step_wise_trajectories: bool = _help("Return every turn as its own training sample.", False)
-    vision_language_generator: bool = _help("Use SkyRL's vision-language generator (not supported here).", False)
+    vision_language_generator: bool = _help(
+        "Vision-language rollouts: StructuredVLMGymGenerator (SkyRL's SkyRLVLMGymGenerator) in the SkyRL "
+        "integration and the CLI; the engine renders each conversation with its images.",
+        False,
+    )
     merge_stepwise_output: bool = _help("Prefix-merge step-wise samples in the trainer.", False)
 
     # --- structured concurrency (new) ------------------------------------------------------

@@ -27,7 +27,7 @@ from anyio.lowlevel import RunVar
 from ._batched import generate_batched
 from ._collector import collect
 from ._env_threads import EnvThreadPool
-from ._episode import Episode
+from ._episode import Episode, EpisodeRunner
 from ._pauses import PauseClock
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
@@ -130,7 +130,7 @@ class StructuredGymGenerator:
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
-        self._episode = Episode(
+        self._episode: EpisodeRunner = Episode(
             generator_cfg=generator_cfg,
             chat=self._chat,
             custom_chat_template=self.custom_chat_template,
@@ -275,6 +275,10 @@ class StructuredGymGenerator:
         if sampling_params is not None:
             return sampling_params.get("logprobs", None) is not None
         return self.generator_cfg.sampling_params.logprobs is not None
+
+    def _rewards_are_floats(self) -> bool:
+        """Whether a rollout's reward is one float (the custom chat template path), not one per token."""
+        return bool(self.custom_chat_template)
 
     def _session_end(self, context: RolloutContext, session_id: Hashable) -> Cleanup:
         """The cleanup step that tells the engine a rollout's session is over (counted and observed)."""
@@ -507,7 +511,7 @@ class StructuredGymGenerator:
             generator_cfg=cfg,
             resilience=self.resilience,
             placeholder_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
-            custom_chat_template=bool(self.custom_chat_template),
+            custom_chat_template=self._rewards_are_floats(),
             routed_experts=routed_experts_enabled(cfg),
             env_classes=env_classes,
             trajectory_ids=trajectory_ids,

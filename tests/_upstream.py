@@ -7,10 +7,12 @@ empty package modules that point at the real directories.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -53,3 +55,162 @@ def load_upstream_validator() -> Any:
     namespace: dict[str, Any] = {"np": np, "logger": logger, "GeneratorOutput": dict, "List": list, "Dict": dict}
     exec(compile(module, path, "exec"), namespace)
     return namespace["validate_generator_output"]
+
+
+def _compiled_functions(relative_path: str, names: set[str], namespace: dict[str, Any]) -> dict[str, Any]:
+    """Functions ``names`` of an installed SkyRL module, compiled from its source into ``namespace``."""
+    import ast
+
+    spec = importlib.util.find_spec("skyrl")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the parity tests need SkyRL: pip install --no-deps 'skyrl==0.3.0' loguru")
+    path = os.path.join(os.path.dirname(spec.origin), *relative_path.split("/"))
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    body: list[ast.stmt] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    module = ast.Module(body=body, type_ignores=[])
+    exec(compile(module, path, "exec"), namespace)
+    return namespace
+
+
+def load_upstream_vlm_generator() -> Any:
+    """SkyRL's own ``SkyRLVLMGymGenerator``.
+
+    Its module imports ``decode_mm_kwargs`` from ``skyrl.backends.renderer``, whose Tinker types
+    pydantic refuses on Python 3.11; that one function is compiled from SkyRL's source on its own
+    (it imports vLLM's item decoder when it runs, which the tests provide). The module also names
+    SkyRL's ``RemoteInferenceClient``, an aiohttp client not installed here, as a type annotation
+    only; where it cannot be imported, a bare class stands in for the name.
+    """
+    import torch
+
+    load_upstream_generator()
+    client_module = "skyrl.backends.skyrl_train.inference_servers.remote_inference_client"
+    try:
+        importlib.import_module(client_module)
+    except ImportError:
+        stand_in = types.ModuleType(client_module)
+        stand_in.RemoteInferenceClient = type("RemoteInferenceClient", (), {})  # type: ignore[attr-defined]
+        sys.modules[client_module] = stand_in
+    if "skyrl.backends.renderer" not in sys.modules:
+        renderer = types.ModuleType("skyrl.backends.renderer")
+        namespace = _compiled_functions(
+            "backends/renderer.py", {"decode_mm_kwargs"}, {"torch": torch, "MultiModalKwargs": dict}
+        )
+        renderer.decode_mm_kwargs = namespace["decode_mm_kwargs"]  # type: ignore[attr-defined]
+        sys.modules[renderer.__name__] = renderer
+    from skyrl.train.generators import skyrl_vlm_generator
+
+    return skyrl_vlm_generator.SkyRLVLMGymGenerator
+
+
+def _package_without_init(name: str) -> None:
+    """Register SkyRL package ``name`` as a bare package (its ``__init__`` imports what the tests lack)."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    module = types.ModuleType(name)
+    module.__path__ = [os.path.join(os.path.dirname(spec.origin), *name.split(".")[1:])]
+    sys.modules[name] = module
+
+
+def load_upstream_training_input_conversion() -> Any:
+    """SkyRL trainer's ``RayPPOTrainer.convert_to_training_input``, compiled from the installed source.
+
+    Called as ``convert(trainer, generator_output, uids)`` with a ``trainer`` that has ``tokenizer``,
+    ``cfg``, ``dispatch`` and ``all_metrics``. The real ``TensorList``, ``TrainingInputBatch`` and
+    batch-tensor conversion run; the trainer module itself (Ray, the workers) is not imported.
+    ``jaxtyping``, used in their annotations only, gets a stand-in where it is not installed, and
+    ``skyrl.train.dataset``'s ``__init__`` (Hugging Face datasets) is bypassed.
+    """
+    import ast
+    import math
+
+    import torch
+    from loguru import logger
+
+    load_upstream_generator()
+    try:
+        importlib.import_module("jaxtyping")
+    except ImportError:
+        jaxtyping = types.ModuleType("jaxtyping")
+
+        class _Annotation:
+            def __class_getitem__(cls, _item: Any) -> Any:
+                return cls
+
+        jaxtyping.Float = jaxtyping.Integer = _Annotation  # type: ignore[attr-defined]
+        sys.modules["jaxtyping"] = jaxtyping
+    _package_without_init("skyrl.train.dataset")
+    from skyrl.backends.skyrl_train import training_batch
+    from skyrl.train.dataset import preprocess
+
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    path = os.path.join(os.path.dirname(spec.origin), "train", "trainer.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    (trainer_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer"]
+    (method,) = [
+        n for n in trainer_class.body if isinstance(n, ast.FunctionDef) and n.name == "convert_to_training_input"
+    ]
+    method.decorator_list = []
+    namespace: dict[str, Any] = {
+        "math": math,
+        "torch": torch,
+        "logger": logger,
+        "List": list,
+        "GeneratorOutput": dict,
+        "TensorList": training_batch.TensorList,
+        "TrainingInputBatch": training_batch.TrainingInputBatch,
+        "pad_training_input_batch": training_batch.pad_training_input_batch,
+        "convert_prompts_responses_to_batch_tensors": preprocess.convert_prompts_responses_to_batch_tensors,
+        "compute_prompt_boundaries": preprocess.compute_prompt_boundaries,
+        "compute_prompt_mini_batch_boundaries": preprocess.compute_prompt_mini_batch_boundaries,
+    }
+    exec(compile(ast.Module(body=[method], type_ignores=[]), path, "exec"), namespace)
+    return namespace["convert_to_training_input"]
+
+
+class _DecodedItem:
+    """What vLLM's ``decode_mm_kwargs_item`` returns, as far as SkyRL reads it (``get_data()``)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def get_data(self) -> dict[str, Any]:
+        return self._data
+
+
+@contextlib.contextmanager
+def vllm_item_decoder() -> Iterator[None]:
+    """vLLM's ``decode_mm_kwargs_item``, at the module path SkyRL 0.3.0 imports it from, for the scripted renderer.
+
+    vLLM is not installed here; SkyRL's ``decode_mm_kwargs`` imports the item decoder when it runs.
+    Inside the block, modules under vLLM's names decode the scripted renderer's items (our format)
+    into torch tensors, and SkyRL's own code concatenates them. The modules are removed afterwards.
+    """
+    import torch
+
+    from skyrl_structured._vision import _decode_item
+
+    names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.serve", "vllm.entrypoints.serve.disagg"]
+    serde = types.ModuleType("vllm.entrypoints.serve.disagg.mm_serde")
+    serde.decode_mm_kwargs_item = lambda item: _DecodedItem(  # type: ignore[attr-defined]
+        {k: torch.from_numpy(v) for k, v in _decode_item(item).items()}
+    )
+    modules = {name: types.ModuleType(name) for name in names}
+    modules[serde.__name__] = serde
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module

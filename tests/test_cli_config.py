@@ -165,7 +165,14 @@ def test_yaml_errors_name_the_file(tmp_path):
         (["generator.n_samples_per_prompt=0"], r"`generator.n_samples_per_prompt` must be >= 1, got 0"),
         (["generator.sampling_params.top_p=0"], r"`generator.sampling_params.top_p` must be within \(0, 1\]"),
         (["generator.sampling_params.max_generate_length=0"], r"max_generate_length` must be >= 1"),
-        (["generator.vision_language_generator=true"], r"not supported"),
+        (
+            ["generator.vision_language_generator=true", "generator.use_conversation_multi_turn=false"],
+            r"StructuredVLMGymGenerator requires `generator.use_conversation_multi_turn=true`",
+        ),
+        (
+            ["generator.vision_language_generator=true", "engine.kind=vllm", "engine.model=m"],
+            r"`engine.kind=vllm` cannot do: use engine.kind=http",
+        ),
         (["generator.chat_template.name_or_path=nope"], r"is not a built-in template"),
         (["engine.kind=http"], r"`engine.model` is required with `engine.kind=http`"),
         (["engine.kind=http", "engine.model=m", "engine.base_urls=localhost:8000"], r"must start with http://"),

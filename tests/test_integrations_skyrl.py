@@ -27,11 +27,14 @@ from skyrl_structured import (
     GeneratorInput,
     ResilienceSettings,
     StructuredGymGenerator,
+    StructuredVLMGymGenerator,
     TrajectoryID,
     validate_generator_output,
 )
-from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image
+from skyrl_structured.testing.envs import SCRIPTED_ENV
 
+from ._upstream import load_upstream_validator
 from .helpers import token_rewards
 
 skyrl_config = pytest.importorskip("skyrl.train.config")
@@ -221,8 +224,10 @@ def test_parse_config_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_pa
         integration.parse_config(["generator.skip_failed_rollouts=true", "generator.batched=true"])
     with pytest.raises(ValueError, match=r"`generator.max_failed_rollout_fraction` must be within \[0, 1\]"):
         integration.parse_config(["generator.max_failed_rollout_fraction=2.0"])
-    with pytest.raises(ValueError, match=r"vision_language_generator=true` is not supported"):
-        integration.parse_config(["generator.vision_language_generator=true"])
+    # The vision-language generator is selected, with SkyRL's VLM refusals first.
+    with pytest.raises(ValueError, match=r"StructuredVLMGymGenerator does not support `generator.batched=true`"):
+        integration.parse_config(["generator.vision_language_generator=true", "generator.batched=true"])
+    assert integration.parse_config(["generator.vision_language_generator=true"]).generator.vision_language_generator
     cfg = integration.parse_config(
         ["trainer.override_entrypoint=skyrl_structured.integrations.skyrl", "generator.rollout_timeout_s=45"]
     )
@@ -247,7 +252,10 @@ def test_main_refuses_fully_async_and_points_at_the_three_line_edit(skyrl_cli_pa
     assert "three-line edit" in line
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="ray is installed: the experiment imports")
+@pytest.mark.skipif(
+    sys.version_info >= (3, 12) and importlib.util.find_spec("ray") is not None,
+    reason="SkyRL's experiment imports here: nothing to refuse",
+)
 def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser, capsys):
     with pytest.raises(ImportError, match=r"running SkyRL's trainer needs SkyRL with its training dependencies"):
         integration.StructuredPPOExp  # noqa: B018 - the attribute access is the import
@@ -260,6 +268,14 @@ def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli
     assert "pip install 'skyrl[fsdp]'" in line
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         integration.nope  # noqa: B018
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="SkyRL's modules import on Python 3.12+")
+def test_experiment_on_python_3_11_says_to_run_skyrl_on_3_12():
+    # SkyRL's own modules fail here with a pydantic TypedDict error (whether or not ray is installed):
+    # the experiment's import says what to do instead of showing it.
+    with pytest.raises(integration.SkyRLUnavailableError, match=r"Run SkyRL's trainer on Python 3\.12 or newer"):
+        integration.StructuredPPOExp  # noqa: B018 - the attribute access is the import
 
 
 @pytest.mark.anyio
@@ -320,7 +336,7 @@ async def test_fully_async_trainer_gets_warn_by_default_and_one_bad_prompt_train
     )
     assert cfg.generator.failure_budget_action is None
     with caplog.at_level(logging.INFO, logger="skyrl_structured.integrations.skyrl"):
-        generator = integration.build_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
+        generator = integration.structured_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
     (line,) = [r for r in caplog.records if r.name == "skyrl_structured.integrations.skyrl"]
     assert line.levelno == logging.INFO
     assert line.getMessage().startswith("generator.failure_budget_action=warn (it was not set): SkyRL's fully-async")
@@ -353,7 +369,7 @@ async def test_failure_budget_action_is_only_chosen_when_unset_under_the_fully_a
 ):
     cfg = skyrl_cli_parser([*overrides, "generator.max_input_length=1024"])
     with caplog.at_level(logging.INFO, logger="skyrl_structured.integrations.skyrl"):
-        generator = integration.build_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
+        generator = integration.structured_generator(cfg, tokenizer, ScriptedEngine(tokenizer, _unreachable))
     assert generator.resilience.failure_budget_action == action
     assert not [r for r in caplog.records if r.name == "skyrl_structured.integrations.skyrl"]
     with pytest.raises((RuntimeError, ConnectionError)):
@@ -440,7 +456,7 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
         ]
     )
     client = _KeepModeEngine(ScriptedEngine(tokenizer, lambda call: "2 + 2 = 4 #### 4"), sessions=4)
-    generator = integration.build_generator(cfg, tokenizer, client)
+    generator = integration.structured_generator(cfg, tokenizer, client)
 
     class SimTrainer:
         """What StructuredPPOExp._setup_trainer hands the hook: SkyRL's simulated fully-async trainer's seams."""
@@ -477,3 +493,64 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
         assert metrics["generate/num_timed_out_rollouts"] == 0
     else:  # what the trainer did before: the 1.2 s sync timed every rollout out
         assert metrics["generate/num_timed_out_rollouts"] == 4
+
+
+def vlm_picture_batch(n: int) -> GeneratorInput:
+    script = [
+        {"observation": [{"type": "text", "text": "Now?"}, image_part(png_image(8, 8, seed=3))], "reward": 0.0},
+        {"observation": None, "reward": 1.0, "done": True},
+    ]
+    return {
+        "prompts": [
+            [{"role": "user", "content": [{"type": "text", "text": f"Picture {i}"}, image_part(png_image(8, 8, i))]}]
+            for i in range(n)
+        ],
+        "env_classes": [SCRIPTED_ENV] * n,
+        "env_extras": [{"script": list(script)} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
+    }
+
+
+@pytest.mark.anyio
+async def test_vision_language_generator_goes_from_skyrls_parser_to_skyrls_validation(
+    anyio_backend, skyrl_cli_parser, tokenizer
+):
+    pytest.importorskip("torch")
+    cfg = skyrl_cli_parser(
+        [
+            "generator.vision_language_generator=true",
+            "generator.skip_failed_rollouts=true",
+            "generator.max_turns=2",
+            "generator.max_input_length=2048",
+        ]
+    )
+    integration.check_structured_config(cfg)
+
+    def answer(call):
+        if call.session_id == "q1_1":
+            raise ConnectionError("replica lost")
+        return "Two. #### 2"
+
+    engine = ScriptedVLMEngine(tokenizer, answer)
+    generator = integration.structured_generator(cfg, tokenizer, engine, "policy")
+    assert type(generator) is StructuredVLMGymGenerator
+    assert type(integration.structured_generator(skyrl_cli_parser([]), tokenizer, engine)) is StructuredGymGenerator
+    n = 4
+    output = await generator.generate(vlm_picture_batch(n), disable_tqdm=True)
+    load_upstream_validator()(n, output)
+    assert output["stop_reasons"] == ["stop", "stop", "stop", "rollout_error"]
+    grids = output["image_grid_thw"]
+    assert grids is not None
+    assert [g.shape[0] for g in grids] == [2, 2, 2, 0]
+    assert {c.model for c in engine.calls} == {"policy"}
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 12) or importlib.util.find_spec("ray") is None,
+    reason="SkyRL's experiment (BasePPOExp) imports only on Python 3.12+ with its training stack",
+)
+def test_experiment_picks_the_vision_language_generator(skyrl_cli_parser, tokenizer):
+    cfg = skyrl_cli_parser(["generator.vision_language_generator=true"])
+    engine = ScriptedVLMEngine(tokenizer, lambda call: "ok")
+    generator = integration.StructuredPPOExp.get_generator(None, cfg, tokenizer, engine)
+    assert type(generator) is StructuredVLMGymGenerator

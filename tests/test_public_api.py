@@ -31,6 +31,7 @@ EXPECTED = {
     "StepWiseOutput",
     "StragglerCutError",
     "StructuredGymGenerator",
+    "StructuredVLMGymGenerator",
     "TrajectoryID",
     "TrajectoryOutput",
     "TrajectoryStep",

@@ -123,6 +123,8 @@ class VLLMServer:
             # One INFO line per request received ("Received request ...") and aborted ("Aborted
             # request(s) ..."): what the cancellation and routing tests read in the log.
             "--enable-log-requests",
+            # The render and token-in generate routes (vision-language rollouts: HTTPEngine.render_chat_completion).
+            "--enable-scale-out",
         ]
 
     def environment(self) -> dict[str, str]:

@@ -28,6 +28,7 @@ from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 from .._tokens import load_custom_chat_template
 from ..config import resolve_resilience
 from ..validate import check_generator_config
+from ..vlm_generator import check_vision_language_config
 from .schema import (
     CLI_PRESET,
     ENV_SECTIONS,
@@ -420,14 +421,17 @@ def check_config(cfg: RolloutConfig) -> None:
     """
     gen = cfg.generator
     try:
+        if gen.vision_language_generator:
+            check_vision_language_config(gen)
         settings = resolve_resilience(gen)
         check_generator_config(gen, cfg.environment.skyrl_gym, settings, load_custom_chat_template(gen.chat_template))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if gen.vision_language_generator:
+    if gen.vision_language_generator and cfg.engine.kind == "vllm":
         raise ConfigError(
-            "`generator.vision_language_generator=true` is not supported: skyrl_structured replaces the "
-            "text generator (SkyRLGymGenerator) only"
+            "`generator.vision_language_generator=true` renders conversations through the engine, which "
+            "`engine.kind=vllm` cannot do: use engine.kind=http (a vLLM server's render endpoint) or "
+            "engine.kind=transformers (the offline default, with a scripted image renderer)"
         )
     _at_least("generator.n_samples_per_prompt", gen.n_samples_per_prompt, 1)
     _at_least("generator.eval_n_samples_per_prompt", gen.eval_n_samples_per_prompt, 1)

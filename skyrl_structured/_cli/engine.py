@@ -148,8 +148,14 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
             args.setdefault("tokenizer", e.tokenizer)
         engine = VLLMEngine.from_engine_args(default_sampling_params=defaults, **args)
         setup = EngineSetup(engine, tokenizer, f"vllm, {e.model}")
+    if cfg.generator.vision_language_generator and e.kind == "transformers":
+        from ..testing.vision import RenderingEngine, ScriptedRenderer
+
+        # A text model has no image processor: the scripted renderer stands in for vLLM's render endpoint.
+        setup.client = RenderingEngine(setup.engine, ScriptedRenderer(setup.tokenizer))
+        setup.description += ", scripted image renderer"
     if policy is not None and cfg.chaos.stage in (*CHAOS_ENGINE_STAGES, "any"):
-        setup.client = _chaos_module().ChaosEngine(setup.engine, policy)
+        setup.client = _chaos_module().ChaosEngine(setup.client, policy)
     return setup
 
 

@@ -26,6 +26,7 @@ import anyio
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import GeneratorInput, GeneratorOutput
+from ..vlm_generator import StructuredVLMGymGenerator
 from .engine import EngineSetup, load_engine
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
@@ -182,7 +183,10 @@ async def _load_and_generate(
     if on_engine is not None:
         on_engine(setup)
     async with setup.engine:
-        generator = StructuredGymGenerator(
+        generator_class = (
+            StructuredVLMGymGenerator if cfg.generator.vision_language_generator else StructuredGymGenerator
+        )
+        generator = generator_class(
             cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
         )
         generator.observers.append(result.tally)

@@ -153,7 +153,7 @@ async def run_asyncio(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.
 class AsyncioBridge:
     """An asyncio-only inference client made usable on asyncio and trio alike.
 
-    ``generate`` and ``finish_session`` go through :func:`run_asyncio`; other attributes
+    ``generate``, ``finish_session`` and ``render_chat_completion`` go through :func:`run_asyncio`; other attributes
     (``weight_version``, ...) are read from the wrapped client. ``async with AsyncioBridge(client)``
     opens the trio-asyncio loop under trio and enters the client's own async context (if it has
     one) inside it.
@@ -181,6 +181,11 @@ class AsyncioBridge:
 
     async def finish_session(self, session_id: Hashable) -> None:
         await run_asyncio(self.client.finish_session, session_id)
+
+    async def render_chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
+        """The client's ``render_chat_completion`` (vision-language rollouts), across the bridge."""
+        result: dict[str, Any] = await run_asyncio(self.client.render_chat_completion, request_payload)
+        return result
 
     async def __aenter__(self) -> AsyncioBridge:
         stack = AsyncExitStack()

@@ -37,6 +37,7 @@ __all__ = [
     "completion_request",
     "error_message",
     "parse_completion",
+    "sampling_fields",
     "session_header",
     "wire_cache_salt",
 ]
@@ -79,23 +80,30 @@ def completion_request(
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt_token_ids),
-        **spec.vllm_fields(),
         "return_token_ids": True,
         "stream": False,
     }
-    if spec.stop:
-        body["stop"] = list(spec.stop)
-    if spec.stop_token_ids:
-        body["stop_token_ids"] = list(spec.stop_token_ids)
-    if spec.seed is not None:
-        body["seed"] = spec.seed
-    if spec.logprobs is not None:
-        body["logprobs"] = spec.logprobs
     if cache_salt is not None:
         body["cache_salt"] = wire_cache_salt(cache_salt)
-    for key, value in spec.extra.items():
+    for key, value in sampling_fields(spec).items():
         body.setdefault(key, value)
     return body
+
+
+def sampling_fields(spec: SamplingSpec) -> dict[str, Any]:
+    """``spec`` as vLLM's request fields (``SamplingParams`` names), every one explicit, ``extra`` last."""
+    fields: dict[str, Any] = dict(spec.vllm_fields())
+    if spec.stop:
+        fields["stop"] = list(spec.stop)
+    if spec.stop_token_ids:
+        fields["stop_token_ids"] = list(spec.stop_token_ids)
+    if spec.seed is not None:
+        fields["seed"] = spec.seed
+    if spec.logprobs is not None:
+        fields["logprobs"] = spec.logprobs
+    for key, value in spec.extra.items():
+        fields.setdefault(key, value)
+    return fields
 
 
 def session_header(session_id: Hashable | None) -> dict[str, str]:

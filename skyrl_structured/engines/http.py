@@ -9,6 +9,11 @@ answers with an error status or an unusable body, or takes longer than ``timeout
 request with an :class:`~skyrl_structured.engines.EngineError` naming it. A completion request
 has no side effects on the server, so retrying it elsewhere is safe.
 
+Vision-language rollouts (:class:`~skyrl_structured.StructuredVLMGymGenerator`) also use
+:meth:`HTTPEngine.render_chat_completion` (``POST /v1/chat/completions/render``), and a prompt that
+carries image ``mm_features`` is generated through ``POST /inference/v1/generate``, the endpoint
+that takes them (wire format in :mod:`skyrl_structured.engines.render`).
+
 Cancelling the caller closes the request's connection; vLLM aborts a request whose client
 disconnected.
 
@@ -36,6 +41,15 @@ from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .completions import Completion, completion_request, error_message, parse_completion, session_header
 from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
+from .render import (
+    DETOKENIZE_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    generate_request,
+    parse_detokenized,
+    parse_generated,
+    parse_render,
+)
 from .routing import StickyRouter
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
@@ -260,7 +274,16 @@ class HTTPEngine(AsyncResource):
         served = model or self.model
         cache_salt = input_batch.get("cache_salt")
 
+        features = input_batch.get("mm_features") or [None] * len(prompts)
+        if len(features) != len(prompts):
+            raise ValueError(f"input_batch has {len(prompts)} prompts but {len(features)} mm_features")
+
         def call(i: int) -> Any:
+            if features[i] is not None:
+                # Image features travel with token ids only on vLLM's token-in generate endpoint.
+                return lambda: self._generate_with_features(
+                    prompts[i], features[i], spec, session_ids[i], served, cache_salt
+                )
             return lambda: self._complete(prompts[i], spec, session_ids[i], served, cache_salt)
 
         results = await gather_in_order([call(i) for i in range(len(prompts))])
@@ -279,19 +302,33 @@ class HTTPEngine(AsyncResource):
         model: str,
         cache_salt: str | None,
     ) -> Completion:
+        body = completion_request(prompt_ids, spec, model=model, cache_salt=cache_salt)
+        url, raw = await self._post("/v1/completions", body, session_id)
+        return parse_completion(raw, url=url, want_logprobs=spec.logprobs is not None)
+
+    async def _post(self, path: str, body: Any, session_id: Hashable | None) -> tuple[str, bytes]:
+        """POST ``body`` to ``path`` on the session's server, failing over past unreachable ones.
+
+        Returns:
+            The server's base URL and the 2xx answer's body.
+
+        Raises:
+            EngineConnectionError: no server could be reached.
+            EngineTimeoutError: the server did not answer within ``timeout_s``.
+            EngineHTTPError: the server answered with a non-2xx status.
+        """
         httpx = self._httpx
         client = self._get_client()
-        body = completion_request(prompt_ids, spec, model=model, cache_salt=cache_salt)
         headers = session_header(session_id)
         unreachable: dict[str, str] = {}
         for url in self.router.candidates(session_id):
             try:
                 # timeout_s stops while the generator running this rollout is paused (a weight sync).
                 with PausableDeadline(current_clock(), self.timeout_s) as deadline:
-                    response = await self._post_once_more_if_dropped(client, url, body, headers)
+                    response = await self._post_once_more_if_dropped(client, f"{url}{path}", body, headers)
                 if deadline.cancelled_caught:
                     raise EngineTimeoutError(
-                        f"{url}/v1/completions did not answer within timeout_s={self.timeout_s:g}s; raise "
+                        f"{url}{path} did not answer within timeout_s={self.timeout_s:g}s; raise "
                         "HTTPEngine(timeout_s=...) for long generations",
                         url=url,
                     )
@@ -309,7 +346,7 @@ class HTTPEngine(AsyncResource):
                 continue
             except httpx.TimeoutException as exc:
                 raise EngineTimeoutError(
-                    f"{url}/v1/completions did not answer within timeout_s={self.timeout_s:g}s "
+                    f"{url}{path} did not answer within timeout_s={self.timeout_s:g}s "
                     f"({type(exc).__name__}); raise HTTPEngine(timeout_s=...) for long generations",
                     url=url,
                 ) from exc
@@ -319,13 +356,13 @@ class HTTPEngine(AsyncResource):
             self.router.succeeded(session_id, url)
             if not 200 <= response.status_code < 300:
                 raise EngineHTTPError(url, response.status_code, error_message(response.content))
-            return parse_completion(response.content, url=url, want_logprobs=spec.logprobs is not None)
+            return url, bytes(response.content)
         raise EngineConnectionError(
             "no vLLM server could be reached: " + "; ".join(f"{u}: {why}" for u, why in unreachable.items()),
             failures=unreachable,
         )
 
-    async def _post_once_more_if_dropped(self, client: Any, url: str, body: Any, headers: Any) -> Any:
+    async def _post_once_more_if_dropped(self, client: Any, target: str, body: Any, headers: Any) -> Any:
         """POST, sent again once if the server dropped the connection unanswered.
 
         A kept-alive connection the server closed just as it was reused fails this way without the
@@ -334,10 +371,54 @@ class HTTPEngine(AsyncResource):
         """
         httpx = self._httpx
         try:
-            return await client.post(f"{url}/v1/completions", json=body, headers=headers)
+            return await client.post(target, json=body, headers=headers)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            logger.debug("vLLM server %s dropped the connection (%s: %s); sending again", url, type(exc).__name__, exc)
-        return await client.post(f"{url}/v1/completions", json=body, headers=headers)
+            why = f"{type(exc).__name__}: {exc}"
+            logger.debug("vLLM server dropped the connection to %s (%s); sending again", target, why)
+        return await client.post(target, json=body, headers=headers)
+
+    # ------------------------------------------------------------------ vision-language rollouts
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (SkyRL's VLM generator puts it in each render request)."""
+        return self.model
+
+    async def render_chat_completion(self, request_payload: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's ``POST /v1/chat/completions/render`` for ``request_payload["json"]`` (SkyRL's payload shape).
+
+        ``model`` defaults to :attr:`model`; a ``session_id`` in the body is sent as the routing header
+        instead, as SkyRL's client does. Returns the server's answer: ``token_ids`` and ``features``.
+
+        Raises:
+            EngineError: as :meth:`generate` (unreachable, timeout, HTTP status, unusable answer).
+        """
+        body = dict(request_payload.get("json") or {})
+        session_id = body.pop("session_id", None)
+        if body.get("model") is None:
+            body["model"] = self.model
+        url, raw = await self._post(RENDER_PATH, body, session_id)
+        return parse_render(raw, url=url)
+
+    async def _generate_with_features(
+        self,
+        prompt_ids: list[int],
+        features: Mapping[str, Any] | None,
+        spec: SamplingSpec,
+        session_id: Hashable | None,
+        model: str,
+        cache_salt: str | None,
+    ) -> Completion:
+        """One rendered prompt with its image features through ``POST /inference/v1/generate``."""
+        body = generate_request(prompt_ids, features, spec, model=model, cache_salt=cache_salt)
+        url, raw = await self._post(GENERATE_PATH, body, session_id)
+        ids, reason, logprobs = parse_generated(raw, url=url, want_logprobs=spec.logprobs is not None)
+        if self.tokenizer is not None:
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=spec.skip_special_tokens))
+        else:
+            _, answer = await self._post(DETOKENIZE_PATH, {"model": model, "tokens": ids}, session_id)
+            text = parse_detokenized(answer, url=url)
+        return Completion(text=text, token_ids=ids, stop_reason=reason, logprobs=logprobs)
 
 
 def _served_models(raw: bytes) -> tuple[str, ...] | None:

@@ -23,7 +23,7 @@ except ImportError as exc:
 
 from ..generator import StructuredGymGenerator
 from ._weight_sync import pause_during_weight_sync
-from .skyrl import build_generator
+from .skyrl import structured_generator
 
 __all__ = ["StructuredPPOExp", "run", "skyrl_entrypoint"]
 
@@ -32,12 +32,14 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
     """SkyRL's PPO experiment with :class:`~skyrl_structured.StructuredGymGenerator` as the generator.
 
     For the fully-async trainer an unset ``generator.failure_budget_action`` becomes ``warn``, and on
-    every trainer the weight syncs pause the generator's deadlines.
+    every trainer the weight syncs pause the generator's deadlines. With
+    ``generator.vision_language_generator=true``, :class:`~skyrl_structured.StructuredVLMGymGenerator`
+    (SkyRL's entrypoint picks its VLM generator on the same key).
     """
 
     def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> StructuredGymGenerator:
-        # failure_budget_action defaults to warn for the fully-async trainer (see build_generator).
-        return build_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
+        # failure_budget_action defaults to warn for the fully-async trainer (see structured_generator).
+        return structured_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
 
     def _setup_trainer(self) -> Any:
         trainer = super()._setup_trainer()

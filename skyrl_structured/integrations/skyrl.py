@@ -9,7 +9,9 @@ structured-concurrency knobs and provides the experiment and entrypoint that use
   ``failure_budget_action`` and ``failed_rollout_policy`` (the defaults of
   :class:`skyrl_structured.GeneratorConfig`);
 - :class:`StructuredTrainConfig`: SkyRL's ``SkyRLTrainConfig`` with that generator section;
-- ``StructuredPPOExp``: SkyRL's ``BasePPOExp`` whose ``get_generator`` returns the structured one;
+- ``StructuredPPOExp``: SkyRL's ``BasePPOExp`` whose ``get_generator`` returns the structured one
+  (:func:`structured_generator`: :class:`~skyrl_structured.StructuredVLMGymGenerator` with
+  ``generator.vision_language_generator=true``, as SkyRL picks its VLM generator);
 - :func:`parse_config`: the checked :class:`StructuredTrainConfig` from ``key=value`` overrides;
 - :func:`main`: the command, SkyRL's ``main`` for :class:`StructuredTrainConfig`.
 
@@ -38,6 +40,7 @@ from .._tokens import load_custom_chat_template
 from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, StragglerCutoffScope, resolve_resilience
 from ..generator import StructuredGymGenerator
 from ..validate import check_generator_config
+from ..vlm_generator import StructuredVLMGymGenerator, check_vision_language_config
 
 #: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
 INSTALL_HINT = "pip install 'skyrl[fsdp]' (Python 3.12 or newer; see SkyRL's install guide for the GPU stack)"
@@ -65,11 +68,11 @@ __all__ = [
     "StructuredGeneratorConfig",
     "StructuredPPOExp",
     "StructuredTrainConfig",
-    "build_generator",
     "check_structured_config",
     "fully_async_failure_budget",
     "main",
     "parse_config",
+    "structured_generator",
     "usage",
 ]
 
@@ -128,14 +131,35 @@ def check_structured_config(cfg: Any) -> None:
         ValueError: a knob out of range or a combination the generator cannot honour; the message
             names the ``generator.*`` field.
     """
+    if getattr(cfg.generator, "vision_language_generator", False):
+        check_vision_language_config(cfg.generator)
     settings = resolve_resilience(cfg.generator)
     template = load_custom_chat_template(cfg.generator.chat_template)
     check_generator_config(cfg.generator, cfg.environment.skyrl_gym, settings, template)
-    if cfg.generator.vision_language_generator:
-        raise ValueError(
-            "`generator.vision_language_generator=true` is not supported by StructuredGymGenerator, which "
-            "replaces SkyRL's text generator; run SkyRL's own entrypoint for vision-language rollouts"
-        )
+
+
+def structured_generator(
+    cfg: Any, tokenizer: Any, inference_engine_client: Any, policy_model_name: str | None = None
+) -> StructuredGymGenerator:
+    """The generator ``StructuredPPOExp.get_generator`` returns for ``cfg`` (SkyRL's root config).
+
+    :class:`~skyrl_structured.StructuredVLMGymGenerator` when ``generator.vision_language_generator``
+    is true, :class:`~skyrl_structured.StructuredGymGenerator` otherwise: the same choice SkyRL's
+    ``BasePPOExp.get_generator`` makes between its two generators. Applies
+    :func:`fully_async_failure_budget` first. Weight syncs are wired to the generator's pauses once
+    the trainer exists (``StructuredPPOExp._setup_trainer``, see
+    :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
+    """
+    fully_async_failure_budget(cfg)
+    vision = bool(getattr(cfg.generator, "vision_language_generator", False))
+    generator_class = StructuredVLMGymGenerator if vision else StructuredGymGenerator
+    return generator_class(
+        generator_cfg=cfg.generator,
+        skyrl_gym_cfg=cfg.environment.skyrl_gym,
+        inference_engine_client=inference_engine_client,
+        tokenizer=tokenizer,
+        policy_model_name=policy_model_name,
+    )
 
 
 def fully_async_failure_budget(cfg: Any) -> None:
@@ -158,25 +182,6 @@ def fully_async_failure_budget(cfg: Any) -> None:
             "once per prompt group, and a group whose every rollout failed returns placeholders instead of ending "
             "the run; set generator.failure_budget_action=raise to fail instead"
         )
-
-
-def build_generator(
-    cfg: Any, tokenizer: Any, inference_engine_client: Any, policy_model_name: str | None = None
-) -> StructuredGymGenerator:
-    """The generator ``StructuredPPOExp.get_generator`` returns for SkyRL's root config ``cfg``.
-
-    Applies :func:`fully_async_failure_budget` first. Weight syncs are wired to the generator's
-    pauses once the trainer exists (``StructuredPPOExp._setup_trainer``, see
-    :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
-    """
-    fully_async_failure_budget(cfg)
-    return StructuredGymGenerator(
-        generator_cfg=cfg.generator,
-        skyrl_gym_cfg=cfg.environment.skyrl_gym,
-        inference_engine_client=inference_engine_client,
-        tokenizer=tokenizer,
-        policy_model_name=policy_model_name,
-    )
 
 
 class SkyRLUnavailableError(ImportError):
@@ -318,6 +323,8 @@ def __getattr__(name: str) -> Any:
     # The experiment class subclasses SkyRL's BasePPOExp, whose module needs ray: import it on use so
     # the config classes stay usable where only `skyrl` itself is installed.
     if name in ("StructuredPPOExp", "skyrl_entrypoint"):
+        # SkyRL's own modules fail on Python 3.11 with a pydantic error: say what to do instead.
+        _require_skyrl_runtime()
         from . import _skyrl_experiment
 
         return getattr(_skyrl_experiment, name)

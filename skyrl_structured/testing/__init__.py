@@ -26,6 +26,10 @@ from .envs import Turn as Turn
 from .envs import register_scripted_env as register_scripted_env
 from .leaks import LeakTracker as LeakTracker
 from .leaks import TrackedEngine as TrackedEngine
+from .vision import RenderCall as RenderCall
+from .vision import ScriptedVLMEngine as ScriptedVLMEngine
+from .vision import image_part as image_part
+from .vision import png_image as png_image
 
 __all__ = (
     "ENGINE_STAGES",
@@ -40,12 +44,16 @@ __all__ = (
     "EngineCall",
     "EnvLedger",
     "LeakTracker",
+    "RenderCall",
     "Reply",
     "ScriptedEngine",
     "ScriptedEnv",
+    "ScriptedVLMEngine",
     "TrackedEngine",
     "Turn",
     "check_structured_concurrency",
+    "image_part",
+    "png_image",
     "register_chaos_env",
     "register_scripted_env",
     "replies_by_turn",

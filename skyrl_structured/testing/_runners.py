@@ -18,6 +18,7 @@ from .._supervisor import RolloutCancelledError
 from ..generator import StructuredGymGenerator
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
+from ..vlm_generator import StructuredVLMGymGenerator
 from ._matrix import (
     ROLLOUT_STAGES,
     THREAD_HOLD_S,
@@ -29,6 +30,7 @@ from ._matrix import (
 from ._wrappers import register_wrapper_env, unregister_wrapper_env
 from .engines import ScriptedEngine, replies_by_turn
 from .leaks import LeakTracker
+from .vision import ScriptedVLMEngine
 
 __all__ = ["run_case"]
 
@@ -288,7 +290,11 @@ async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
     env_id = register_wrapper_env(setup.env_class, hooks=[trap], ledgers=[tracker.ledger], kind="check")
     problems: list[str] = []
     try:
-        scripted = ScriptedEngine(setup.tokenizer, replies_by_turn(*setup.replies))
+        # A vision-language generator renders through its engine: the scripted one that can.
+        engine_class = (
+            ScriptedVLMEngine if issubclass(setup.generator_class, StructuredVLMGymGenerator) else ScriptedEngine
+        )
+        scripted = engine_class(setup.tokenizer, replies_by_turn(*setup.replies))
         gen = setup.generator(case, env_id, tracker.track_engine(TrappedEngine(scripted, trap)))
         batch = setup.batch(env_id)
         with anyio.move_on_after(setup.case_timeout_s) as deadline:

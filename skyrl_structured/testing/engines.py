@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import anyio
 
@@ -44,6 +44,8 @@ class EngineCall:
     sampling_params: dict[str, Any] | None
     cache_salt: str | None
     model: str | None
+    #: The request's ``mm_features`` entry for this prompt (vision-language rollouts), else None.
+    mm_features: Any = None
 
 
 Handler = Callable[[EngineCall], "Reply | str | Awaitable[Reply | str]"]
@@ -90,7 +92,7 @@ class ScriptedEngine:
     started_sessions: set[Hashable] = field(default_factory=set)
 
     @classmethod
-    def from_replies(cls, tokenizer: Any, *replies: Reply | str, **kwargs: Any) -> ScriptedEngine:
+    def from_replies(cls, tokenizer: Any, *replies: Reply | str, **kwargs: Any) -> Self:
         """An engine answering each session's k-th request with ``replies[k]`` (see :func:`replies_by_turn`)."""
         return cls(tokenizer, replies_by_turn(*replies), **kwargs)
 
@@ -103,8 +105,9 @@ class ScriptedEngine:
         ids_out: list[list[int]] = []
         reasons: list[str] = []
         logprobs_out: list[list[float]] = []
-        for prompt, session_id in zip(prompts, session_ids, strict=True):
-            call = EngineCall(list(prompt), session_id, params, input_batch.get("cache_salt"), model)
+        features = input_batch.get("mm_features") or [None] * len(prompts)
+        for prompt, session_id, mm in zip(prompts, session_ids, features, strict=True):
+            call = EngineCall(list(prompt), session_id, params, input_batch.get("cache_salt"), model, mm)
             self.calls.append(call)
             if session_id is not None:
                 self.started_sessions.add(session_id)

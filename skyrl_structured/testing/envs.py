@@ -33,7 +33,8 @@ SCRIPTED_ENV = "skyrl_structured_scripted"
 class Turn:
     """What the environment answers to one action."""
 
-    observation: str | None = None
+    #: The user message's content: text, or a list of content parts (text and images), or None.
+    observation: str | list[dict[str, Any]] | None = None
     reward: float = 0.0
     done: bool = False
     postprocessed_action: str | None = None

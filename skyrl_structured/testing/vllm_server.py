@@ -9,7 +9,10 @@ a :class:`~skyrl_structured.testing.ScriptedEngine`, ...)::
 
 It runs in the caller's event loop (asyncio or trio) on anyio and h11, answers
 ``POST /v1/completions`` (token-id or text prompts, ``return_token_ids``, ``logprobs``, the
-sampling fields), ``GET /health`` and ``GET /v1/models``, and errors as vLLM shapes them
+sampling fields), ``GET /health`` and ``GET /v1/models``, and, for vision-language rollouts,
+``POST /v1/chat/completions/render`` (an engine with ``render_chat_completion``, such as
+:class:`~skyrl_structured.testing.ScriptedVLMEngine`), ``POST /inference/v1/generate`` (token ids
+and image ``features`` in, token ids out) and ``POST /detokenize``; errors as vLLM shapes them
 (``{"error": {"message", "type", "param", "code"}}``). Like vLLM, it aborts a generation whose
 client disconnected. Every request is recorded in ``server.requests`` with its outcome, and an
 ``intercept`` hook can answer a request itself (an error status, a malformed body, a hang).
@@ -240,11 +243,93 @@ class VLLMServer:
         if record.path == "/v1/models" and record.method == "GET":
             card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
             return RawResponse(200, json.dumps({"object": "list", "data": [card]}).encode())
-        if record.path == "/v1/completions":
-            if record.method != "POST":
-                return RawResponse(405, json.dumps({"detail": "Method Not Allowed"}).encode())
-            return await self._completions(record)
-        return RawResponse(404, json.dumps({"detail": "Not Found"}).encode())
+        handlers = {
+            "/v1/completions": self._completions,
+            "/v1/chat/completions/render": self._render,
+            "/inference/v1/generate": self._generate_tokens,
+            "/detokenize": self._detokenize,
+        }
+        handler = handlers.get(record.path)
+        if handler is None:
+            return RawResponse(404, json.dumps({"detail": "Not Found"}).encode())
+        if record.method != "POST":
+            return RawResponse(405, json.dumps({"detail": "Method Not Allowed"}).encode())
+        body = record.body
+        if not isinstance(body, dict):
+            return RawResponse.vllm_error(400, "the request body is not a JSON object", "BadRequestError")
+        requested_model = body.get("model")
+        if requested_model is not None and requested_model != self.model:
+            return RawResponse.vllm_error(404, f"The model `{requested_model}` does not exist.", "NotFoundError")
+        return await handler(record)
+
+    async def _render(self, record: ServedRequest) -> RawResponse:
+        """``/v1/chat/completions/render``: the engine's ``render_chat_completion``, as vLLM's render route answers."""
+        render = getattr(self.engine, "render_chat_completion", None)
+        if render is None:
+            return RawResponse.vllm_error(400, "this server's engine cannot render chat requests", "BadRequestError")
+        body = dict(record.body)
+        if not isinstance(body.get("messages"), list):
+            return RawResponse.vllm_error(400, "`messages` must be a list of chat messages", "BadRequestError")
+        try:
+            rendered = await render({"json": body})
+        except ValueError as exc:
+            return RawResponse.vllm_error(400, str(exc), "BadRequestError")
+        payload = {
+            "request_id": f"render-{uuid.uuid4().hex}",
+            "model": self.model,
+            "token_ids": list(rendered["token_ids"]),
+            "features": rendered.get("features"),
+            "sampling_params": {},
+            "stream": False,
+        }
+        return RawResponse(200, json.dumps(payload).encode())
+
+    async def _generate_tokens(self, record: ServedRequest) -> RawResponse:
+        """``/inference/v1/generate``: token ids and the render's ``features`` in, token ids out (no text)."""
+        body = record.body
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(map(_is_token, ids)):
+            return RawResponse.vllm_error(400, "`token_ids` must be a non-empty list of token ids", "BadRequestError")
+        raw_params = body.get("sampling_params")
+        if not isinstance(raw_params, dict):
+            return RawResponse.vllm_error(400, "`sampling_params` must be an object", "BadRequestError")
+        try:
+            params = _sampling_params(raw_params)
+        except ValueError as exc:
+            return RawResponse.vllm_error(400, str(exc), "BadRequestError")
+        features = body.get("features")
+        engine_input = {
+            "prompt_token_ids": [list(ids)],
+            "sampling_params": params,
+            "session_ids": [record.headers.get("x-session-id")],
+            "mm_features": [features] if features is not None else None,
+            "cache_salt": body.get("cache_salt"),
+        }
+        try:
+            output = await self.engine.generate(engine_input, model=body.get("model") or self.model)
+        except ValueError as exc:
+            return RawResponse.vllm_error(400, str(exc), "BadRequestError")
+        except Exception as exc:
+            logger.warning("test vLLM server: the engine failed: %r", exc)
+            return RawResponse.vllm_error(500, f"{type(exc).__name__}: {exc}")
+        out_ids = list(output["response_ids"][0])
+        logprobs = None
+        if params["logprobs"] is not None:
+            values = output["response_logprobs"][0]
+            logprobs = {
+                "content": [
+                    {"token_id": t, "logprob": max(float(v), -9999.0)} for t, v in zip(out_ids, values, strict=True)
+                ]
+            }
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": output["stop_reasons"][0], "token_ids": out_ids}
+        payload = {"request_id": f"gen-{uuid.uuid4().hex}", "choices": [choice], "prompt_logprobs": None}
+        return RawResponse(200, json.dumps(payload).encode())
+
+    async def _detokenize(self, record: ServedRequest) -> RawResponse:
+        tokens = record.body.get("tokens")
+        if self.tokenizer is None or not isinstance(tokens, list) or not all(map(_is_token, tokens)):
+            return RawResponse.vllm_error(400, "`tokens` must be a list of token ids (the server needs a tokenizer)")
+        return RawResponse(200, json.dumps({"prompt": str(self.tokenizer.decode(tokens))}).encode())
 
     def _prompts(self, body: dict[str, Any]) -> list[list[int]]:
         prompt = body.get("prompt")
@@ -264,11 +349,7 @@ class VLLMServer:
 
     async def _completions(self, record: ServedRequest) -> RawResponse:
         body = record.body
-        if not isinstance(body, dict):
-            return RawResponse.vllm_error(400, "the request body is not a JSON object", "BadRequestError")
         requested_model = body.get("model")
-        if requested_model is not None and requested_model != self.model:
-            return RawResponse.vllm_error(404, f"The model `{requested_model}` does not exist.", "NotFoundError")
         if body.get("stream"):
             return RawResponse.vllm_error(400, "this test server does not stream", "BadRequestError")
         try:

@@ -25,10 +25,11 @@ from skyrl_structured import (
     SamplingParams,
     SkyRLGymConfig,
     StructuredGymGenerator,
+    StructuredVLMGymGenerator,
 )
 from skyrl_structured.engines import AsyncioBridge, BridgedCallCancelled, VLLMEngine, asyncio_loop
 from skyrl_structured.engines.bridge import bridged_client, run_asyncio
-from skyrl_structured.testing import Reply, ScriptedEngine
+from skyrl_structured.testing import Reply, ScriptedEngine, ScriptedVLMEngine, image_part, png_image
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from skyrl_structured.testing.vllm_server import serve_vllm
 
@@ -260,3 +261,53 @@ async def test_vllm_engine_under_trio_inside_a_trio_asyncio_loop():
 def test_this_process_imported_trio_asyncio():
     # The reason this file runs in its own process.
     assert "trio_asyncio" in sys.modules
+
+
+class AsyncioOnlyVLMClient:
+    """A rendering client that only runs on asyncio (its calls need a running asyncio loop), like SkyRL's."""
+
+    requires_asyncio = True
+
+    def __init__(self, engine: ScriptedVLMEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+
+    async def generate(self, input_batch, model=None):
+        await asyncio.sleep(0)
+        return await self.engine.generate(input_batch, model=model)
+
+    async def render_chat_completion(self, request_payload):
+        await asyncio.sleep(0)
+        return await self.engine.render_chat_completion(request_payload)
+
+    async def finish_session(self, session_id):
+        await asyncio.sleep(0)
+        await self.engine.finish_session(session_id)
+
+
+@pytest.mark.trio
+async def test_the_vlm_generator_bridges_an_asyncio_only_rendering_client_under_trio(tokenizer):
+    ledger = EnvLedger()
+    picture = image_part(png_image(8, 8, seed=1))
+    script = [
+        {"observation": [{"type": "text", "text": "Again:"}, picture], "reward": 0.5},
+        {"reward": 1.0, "done": True},
+    ]
+    batch: GeneratorInput = {
+        "prompts": [[{"role": "user", "content": [{"type": "text", "text": f"Q{i}?"}, picture]}] for i in range(3)],
+        "env_classes": [SCRIPTED_ENV] * 3,
+        "env_extras": [{"script": script, "ledger": ledger} for _ in range(3)],
+    }
+    engine = ScriptedVLMEngine(tokenizer, lambda call: "Two. #### 2")
+    client = AsyncioOnlyVLMClient(engine)
+    cfg = GeneratorConfig(max_turns=2)
+    output = await StructuredVLMGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), client, tokenizer).generate(
+        batch, disable_tqdm=True
+    )
+    assert output["stop_reasons"] == ["stop"] * 3
+    grids = output["image_grid_thw"]
+    assert grids is not None
+    assert [g.shape[0] for g in grids] == [2, 2, 2]
+    assert len(engine.renders) == 6
+    assert len(engine.finished_sessions) == 3
+    ledger.assert_all_closed_once()
