@@ -39,7 +39,7 @@ from ._rollout import BatchContext, RolloutContext, activate
 from .config import ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded
-from .observe import RolloutRef, failed_record, finished_record
+from .observe import RolloutObserver, RolloutRef, failed_record, finished_record
 
 __all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
 
@@ -201,13 +201,13 @@ async def run_rollouts(
     supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
     supervisor.env_classes = env_classes
     supervisor.step_wise = step_wise
-    batch.observers.emit("batch_started", count)
+    batch.observers.emit(RolloutObserver.batch_started, count)
     try:
         # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py).
         with relaxed_gc(settings.gc_tuning):
             return await _supervise(supervisor, count, batch)
     except BaseException as exc:
-        batch.observers.emit("batch_aborted", count, exc)
+        batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
         raise
 
 
@@ -230,7 +230,7 @@ async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -
     await anyio.lowlevel.checkpoint_if_cancelled()
     if supervisor.first_error is not None:
         raise supervisor.first_error
-    batch.observers.emit("batch_finished", count, len(supervisor.failures))
+    batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
     return BatchResult(
         results=supervisor.results, failures=supervisor.failures, retries=supervisor.retries, cleanup=batch.cleanup
     )
@@ -281,12 +281,12 @@ class _Supervisor:
                     continue
                 return
             self.results[index] = result
-            if self.batch.observers.wants("trajectory_finished"):
+            if self.batch.observers.wants(RolloutObserver.trajectory_finished):
                 record = finished_record(
                     context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
                 )
-                context.emit("trajectory_finished", record)
-            context.emit("rollout_finished", failed=False)
+                context.emit(RolloutObserver.trajectory_finished, record)
+            context.emit(RolloutObserver.rollout_finished, failed=False)
             return
 
     def _env_class(self, index: int) -> str:
@@ -298,10 +298,10 @@ class _Supervisor:
             await self.limiter.acquire_on_behalf_of(borrower)
         try:
             context.started = time.monotonic()
-            context.emit("attempt_started")
+            context.emit(RolloutObserver.attempt_started)
             with activate(context):
                 result = await self._within_deadline(index, context)
-            context.emit("attempt_finished", time.monotonic() - context.started)
+            context.emit(RolloutObserver.attempt_finished, time.monotonic() - context.started)
             return result
         finally:
             if self.limiter is not None:
@@ -321,7 +321,7 @@ class _Supervisor:
 
     def _propagate(self, raised: BaseException, context: RolloutContext, group: anyio.abc.TaskGroup) -> None:
         """Our own cancellation goes on up; an interrupt is held until every sibling has cleaned up."""
-        context.emit("attempt_cancelled")
+        context.emit(RolloutObserver.attempt_cancelled)
         held = _interrupt_in(raised)
         if held is None:
             raise raised
@@ -337,7 +337,7 @@ class _Supervisor:
         timed_out = isinstance(error, TimeoutError)
         where = _describe(index, context.ref.trajectory_id)
         retry = context.ref.attempt <= settings.max_rollout_retries
-        context.emit("attempt_failed", error, elapsed, timed_out=timed_out, will_retry=retry)
+        context.emit(RolloutObserver.attempt_failed, error, elapsed, timed_out=timed_out, will_retry=retry)
         if retry:
             self.retries += 1
             delay = _backoff(settings.rollout_retry_backoff_s, context.ref.attempt)
@@ -362,7 +362,7 @@ class _Supervisor:
         self.results[index] = failure
         self.failures.append(failure)
         logger.warning("%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
-        if self.batch.observers.wants("trajectory_finished"):
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
             record = failed_record(
                 context.ref,
                 describe_error(error),
@@ -371,8 +371,8 @@ class _Supervisor:
                 timed_out=timed_out,
                 step_wise=self.step_wise,
             )
-            context.emit("trajectory_finished", record)
-        context.emit("rollout_finished", failed=True)
+            context.emit(RolloutObserver.trajectory_finished, record)
+        context.emit(RolloutObserver.rollout_finished, failed=True)
         if not settings.skip_failed_rollouts:
             if self.first_error is None:
                 self.first_error = error

@@ -31,7 +31,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from ._env_threads import EnvCall, EnvThreadPool, _Waker, active_env_thread_calls
-from .observe import CleanupOutcome
+from .observe import CleanupOutcome, RolloutEmitter, RolloutObserver
 from .types import ConversationType
 
 __all__ = [
@@ -442,8 +442,8 @@ async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: Ba
             returned.outcome("ok", None)
 
 
-#: ``observe(event, *args)``: tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
-EnvObserver = Callable[..., None]
+#: Tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
+EnvObserver = RolloutEmitter
 
 
 class _OpenEnv(Cleanup):
@@ -533,7 +533,7 @@ class _OpenEnv(Cleanup):
             if late is not None and self._abandoned is not None:
                 self._abandoned.append(late)
         if self._observe is not None:
-            self._observe("cleanup_finished", "env_close", outcome, error)
+            self._observe(RolloutObserver.cleanup_finished, "env_close", outcome, error)
 
 
 def open_env(
@@ -560,5 +560,5 @@ def open_env(
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
     if observe is not None:
-        observe("env_opened")
+        observe(RolloutObserver.env_opened)
     return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, _then)

@@ -62,7 +62,7 @@ class _SessionEnd(Cleanup):
             self._context.cleanup.finish_session_errors += 1
         elif outcome == "timeout":
             self._context.cleanup.finish_session_timeouts += 1
-        self._context.emit("cleanup_finished", "finish_session", outcome, error)
+        self._context.emit(RolloutObserver.cleanup_finished, "finish_session", outcome, error)
 
 
 class StructuredGymGenerator:
@@ -260,7 +260,7 @@ class StructuredGymGenerator:
                 cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=context.cleanup,
                 abandoned=context.abandoned,
-                observe=lambda event, *args: context.emit(event, *args),
+                observe=context.emit,
                 _then=session_end,
             ) as env:
                 output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
@@ -353,7 +353,7 @@ class StructuredGymGenerator:
     ) -> GeneratorOutput:
         """The batched path, with the batch events and one ``trajectory_finished`` per row at its end."""
         observers = Observers(self.observers)
-        observers.emit("batch_started", len(prompts))
+        observers.emit(RolloutObserver.batch_started, len(prompts))
         started = time.monotonic()
         try:
             output = await generate_batched(
@@ -367,16 +367,16 @@ class StructuredGymGenerator:
                 cache_salt=cache_salt,
             )
         except BaseException as exc:
-            observers.emit("batch_aborted", len(prompts), exc)
+            observers.emit(RolloutObserver.batch_aborted, len(prompts), exc)
             raise
-        if observers.wants("trajectory_finished"):
+        if observers.wants(RolloutObserver.trajectory_finished):
             records = batched_records(
                 output, env_classes=env_classes, trajectory_ids=trajectory_ids, elapsed=time.monotonic() - started
             )
             for record in records:
                 rollout = RolloutRef(record.index, 1, record.trajectory_id)
-                observers.emit("trajectory_finished", rollout, record)
-        observers.emit("batch_finished", len(prompts), 0)
+                observers.emit(RolloutObserver.trajectory_finished, rollout, record)
+        observers.emit(RolloutObserver.batch_finished, len(prompts), 0)
         return output
 
     async def generate_batched(

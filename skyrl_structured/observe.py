@@ -17,9 +17,9 @@ it is final, so a trainer or a dashboard can consume rollouts as they land
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol
 
 from .types import ROLLOUT_ERROR_STOP_REASON
 
@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
 
 #: What a cleanup event is about: closing the environment, or finishing the inference session.
 CleanupKind = Literal["env_close", "finish_session"]
@@ -166,8 +168,19 @@ class RolloutObserver:
         """
 
 
+#: An event of a batch: a method of :class:`RolloutObserver` itself (``RolloutObserver.batch_started``).
+BatchEvent = Callable[Concatenate[RolloutObserver, _P], None]
+#: An event of one rollout: a method of :class:`RolloutObserver` whose first argument is the :class:`RolloutRef`.
+RolloutEvent = Callable[Concatenate[RolloutObserver, RolloutRef, _P], None]
+
+
 class Observers:
-    """The observers of one ``generate()`` call, each called safely."""
+    """The observers of one ``generate()`` call, each called safely.
+
+    An event is named by the base class's method itself, never by a string, so a misspelt event
+    is an ``AttributeError`` where it is written and mypy checks its arguments against the
+    method's signature: ``observers.emit(RolloutObserver.batch_started, size)``.
+    """
 
     __slots__ = ("_broken", "_hearing", "_observers")
 
@@ -175,43 +188,62 @@ class Observers:
         self._observers = list(observers)
         self._broken: set[int] = set()
         # The observers are fixed for the call: who hears an event is decided once per event.
-        self._hearing: dict[str, list[tuple[int, RolloutObserver]]] = {}
+        self._hearing: dict[Callable[..., None], tuple[str, list[tuple[int, RolloutObserver]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._observers)
 
-    def _listeners(self, event: str) -> list[tuple[int, RolloutObserver]]:
-        """(position, observer) of the observers whose class overrides ``event`` (all, for a name the base lacks)."""
-        listeners = self._hearing.get(event)
-        if listeners is None:
-            default = getattr(RolloutObserver, event, None)
-            listeners = self._hearing[event] = [
-                (position, observer)
-                for position, observer in enumerate(self._observers)
-                if default is None or getattr(type(observer), event, default) is not default
-            ]
-        return listeners
+    def _listeners(self, event: Callable[..., None]) -> tuple[str, list[tuple[int, RolloutObserver]]]:
+        """The event's name and (position, observer) of the observers whose class overrides it."""
+        hearing = self._hearing.get(event)
+        if hearing is None:
+            name = getattr(event, "__name__", "")
+            if getattr(RolloutObserver, name, None) is not event:
+                raise TypeError(f"{event!r} is not an event: pass a method of RolloutObserver itself")
+            hearing = self._hearing[event] = (
+                name,
+                [
+                    (position, observer)
+                    for position, observer in enumerate(self._observers)
+                    if getattr(type(observer), name, event) is not event
+                ],
+            )
+        return hearing
 
-    def wants(self, event: str) -> bool:
+    def wants(self, event: BatchEvent[...]) -> bool:
         """Whether any observer overrides ``event`` (so a costly argument is built only when heard)."""
-        return bool(self._listeners(event))
+        return bool(self._listeners(event)[1])
 
-    def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
+    def emit(self, event: BatchEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Call ``event`` on every observer that overrides it; one that raises is logged and skipped from then on.
 
         Observers that keep the base class's do-nothing method are not called at all (that is most
         observers for most events, several times per rollout).
+
+        Raises:
+            TypeError: ``event`` is not one of :class:`RolloutObserver`'s own methods (a bug of
+                the caller's, never of an observer's).
         """
-        for position, observer in self._listeners(event):
+        name, listeners = self._listeners(event)
+        for position, observer in listeners:
             if position in self._broken:
                 continue
             try:
-                getattr(observer, event)(*args, **kwargs)
+                getattr(observer, name)(*args, **kwargs)
             except Exception:
                 self._broken.add(position)
                 logger.exception(
-                    "observer %r raised in %s; it is skipped for the rest of this generate() call", observer, event
+                    "observer %r raised in %s; it is skipped for the rest of this generate() call", observer, name
                 )
+
+
+class RolloutEmitter(Protocol):
+    """Tells a rollout's observers an event about it: ``emit(RolloutObserver.env_opened)``.
+
+    The rollout (a :class:`RolloutRef`) is filled in; the other arguments are the event's own.
+    """
+
+    def __call__(self, event: RolloutEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None: ...
 
 
 def _ints(values: Any) -> tuple[int, ...]:
