@@ -348,6 +348,7 @@ class _Supervisor:
                 describe_error(error),
                 delay,
             )
+            context.emit(RolloutObserver.retry_backoff, delay)
             await anyio.sleep(delay)
             return True
         failure = FailedRollout(

@@ -442,7 +442,7 @@ async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: Ba
             returned.outcome("ok", None)
 
 
-#: Tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
+#: Tells the rollout's observers ``env_opened``, ``cleanup_started`` and ``cleanup_finished``.
 EnvObserver = RolloutEmitter
 
 
@@ -489,6 +489,8 @@ class _OpenEnv(Cleanup):
     ) -> None:
         env = self._env
         steps: list[Cleanup] = []
+        if self._observe is not None:
+            self._observe(RolloutObserver.cleanup_started, "env_close")
         if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
             # A close that runs inline and waits for nothing cannot be cancelled or overrun its
             # bound (no await suspends it), so it needs no shielded scope with a deadline.
@@ -553,7 +555,7 @@ def open_env(
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
     patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
-    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_finished``.
+    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_started``/``cleanup_finished``.
     (``_then`` is the generator's: its session's end, run right after the close in the same
     shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """

@@ -54,6 +54,7 @@ class _SessionEnd(Cleanup):
         return f"finish_session({self._session_id!r})"
 
     def run(self) -> Awaitable[Any]:
+        self._context.emit(RolloutObserver.cleanup_started, "finish_session")
         finishing: Awaitable[Any] = self._context.client.finish_session(self._session_id)
         return finishing
 

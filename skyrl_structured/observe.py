@@ -26,9 +26,11 @@ from .types import ROLLOUT_ERROR_STOP_REASON
 __all__ = [
     "CleanupKind",
     "CleanupOutcome",
+    "EnvMethod",
     "FinishedTrajectory",
     "RolloutObserver",
     "RolloutRef",
+    "TraceRecorder",
     "TrajectoryStep",
 ]
 
@@ -40,6 +42,8 @@ _P = ParamSpec("_P")
 CleanupKind = Literal["env_close", "finish_session"]
 #: How a cleanup ended: it ran to the end, it raised (counted, never fatal), or it overran its bound.
 CleanupOutcome = Literal["ok", "error", "timeout"]
+#: Which environment method a call event is about.
+EnvMethod = Literal["init", "step"]
 
 
 @dataclass(frozen=True)
@@ -119,11 +123,14 @@ class FinishedTrajectory:
 class RolloutObserver:
     """Base class for observers: every event is a no-op until overridden.
 
-    Events of one rollout arrive in this order: ``attempt_started``, ``env_opened``, then one of
-    ``attempt_finished`` / ``attempt_failed`` / ``attempt_cancelled`` (with ``cleanup_finished``
-    events before it, one per environment close and session finish), repeated per retry, then
-    ``trajectory_finished`` and ``rollout_finished`` once each (neither for a cancelled rollout).
-    A batch ends with ``batch_finished``, or with ``batch_aborted`` when ``generate()`` raises.
+    Events of one rollout arrive in this order: ``attempt_started``, ``env_opened``, the turns
+    (``env_call_started``/``env_call_finished`` for ``init``, then per turn ``engine_call_*`` and
+    ``env_call_*`` for ``step``), then one of ``attempt_finished`` / ``attempt_failed`` /
+    ``attempt_cancelled`` (with ``cleanup_started``/``cleanup_finished`` before it, one pair per
+    environment close and session finish), then ``retry_backoff`` before a retry, repeated per
+    retry, then ``trajectory_finished`` and ``rollout_finished`` once each (neither for a
+    cancelled rollout). A batch ends with ``batch_finished``, or with ``batch_aborted`` when
+    ``generate()`` raises.
     """
 
     def batch_started(self, size: int) -> None:
@@ -135,6 +142,25 @@ class RolloutObserver:
     def env_opened(self, rollout: RolloutRef) -> None:
         """The attempt's environment was created (``skyrl_gym.make`` returned)."""
 
+    def env_call_started(self, rollout: RolloutRef, method: EnvMethod, turn: int) -> None:
+        """The environment's ``init`` (``turn`` 0) or ``step`` (``turn`` from 0) starts."""
+
+    def env_call_finished(self, rollout: RolloutRef, method: EnvMethod, turn: int, error: BaseException | None) -> None:
+        """That call returned, or raised ``error`` (a cancellation included)."""
+
+    def engine_call_started(self, rollout: RolloutRef, turn: int, prompt_tokens: int) -> None:
+        """The rollout sends engine request ``turn`` (from 0) with ``prompt_tokens`` input ids."""
+
+    def engine_call_finished(
+        self,
+        rollout: RolloutRef,
+        turn: int,
+        response_tokens: int | None,
+        stop_reason: str | None,
+        error: BaseException | None,
+    ) -> None:
+        """The reply came back and passed its check, or (``error`` set, the rest None) the call or the check raised."""
+
     def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
         """An attempt returned its trajectory after ``elapsed`` seconds."""
 
@@ -145,6 +171,12 @@ class RolloutObserver:
 
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         """An attempt was cancelled from outside (the caller, or a sibling's failure without skip)."""
+
+    def retry_backoff(self, rollout: RolloutRef, delay: float) -> None:
+        """A failed attempt will be retried after sleeping ``delay`` seconds (after its ``attempt_failed``)."""
+
+    def cleanup_started(self, rollout: RolloutRef, kind: CleanupKind) -> None:
+        """An environment close or a session finish starts."""
 
     def cleanup_finished(
         self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
@@ -320,3 +352,7 @@ def batched_records(
             )
         )
     return records
+
+
+# Observers built on the classes above, public from here; imported last because they subclass them.
+from ._trace import TraceRecorder as TraceRecorder  # noqa: E402

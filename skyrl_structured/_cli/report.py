@@ -492,6 +492,7 @@ def write_outputs(
     when matplotlib is installed.
     """
     from .plots import write_summary_png
+    from .timeline import write_timeline
 
     output_dir.mkdir(parents=True, exist_ok=True)
     files: list[str] = []
@@ -522,6 +523,8 @@ def write_outputs(
         files.append(PLOT_FILE)
     else:
         (output_dir / PLOT_FILE).unlink(missing_ok=True)
+    if result.trace is not None:
+        files += write_timeline(output_dir, result.trace)
     files.append("summary.json")
     summary["files"] = files
     data = dict(summary, config=jsonable(cfg))

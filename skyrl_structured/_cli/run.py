@@ -24,7 +24,7 @@ from typing import Any, Literal
 import anyio
 
 from ..generator import StructuredGymGenerator
-from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput
 from .engine import EngineSetup, load_engine
 from .schema import RolloutConfig
@@ -105,6 +105,8 @@ class RunResult:
     trajectory_ids: list[Any] | None = None
     #: When the step started (UTC, ISO 8601).
     started_at: str = ""
+    #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
+    trace: TraceRecorder | None = None
 
 
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
@@ -146,6 +148,7 @@ async def run_step(
         env_classes=list(batch["env_classes"]),
         trajectory_ids=batch.get("trajectory_ids"),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        trace=TraceRecorder() if cfg.run.trace else None,
     )
     work = anyio.CancelScope()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -186,6 +189,8 @@ async def _load_and_generate(
             cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
         )
         generator.observers.append(result.tally)
+        if result.trace is not None:
+            generator.observers.append(result.trace)
         if result.trajectories is not None:
             result.trajectories.tokenizer = setup.tokenizer
             generator.observers.append(result.trajectories)

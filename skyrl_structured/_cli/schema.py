@@ -154,6 +154,10 @@ class RunSection:
         "train uses generator.sampling_params and n_samples_per_prompt; eval uses the eval_ ones.", "train"
     )
     progress: bool = _opt("Show the progress bar.", True)
+    trace: bool = _opt(
+        "Record every rollout's timeline: trace.json (Chrome trace events, open it in Perfetto) and timeline.png.",
+        True,
+    )
     log_level: Literal["debug", "info", "warning", "error"] = _opt(
         "Library log lines shown on stderr at this level and above.", "warning"
     )

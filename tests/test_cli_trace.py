@@ -1,0 +1,77 @@
+"""The rollout command's trace.json and timeline.png of a fault drill: valid, nested, retries and failures marked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .trace_check import children, spans_by_track
+
+pytestmark = pytest.mark.slow
+
+ROLLOUTS = 48
+
+
+def test_the_trace_of_a_chaos_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skyrl_structured",
+            "rollout",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "chaos.failure_rate=0.3",
+            "generator.skip_failed_rollouts=true",
+            "generator.max_rollout_retries=1",
+            "generator.rollout_retry_backoff_s=0.01",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"trace.json", "timeline.png"} <= set(summary["files"])
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    trace = json.loads((out / "trace.json").read_text())
+    tracks = spans_by_track(trace)  # every span well formed, every track's spans nested
+    assert sorted(tid for _, tid in tracks) == list(range(ROLLOUTS))
+    failures = [e for e in trace["traceEvents"] if e["ph"] == "i" and e["cat"] == "failure"]
+    assert {e["name"] for e in failures} == {"ChaosError"}
+    assert sum(e["args"]["will_retry"] for e in failures) == summary["rollout_retries"] > 0
+    assert sum(not e["args"]["will_retry"] for e in failures) == summary["rollouts_failed"] > 0
+
+    attempts: Counter[int] = Counter()
+    for spans in tracks.values():
+        (rollout,) = [s for s in spans if s["cat"] == "rollout"]
+        assert children(spans, rollout) == [s for s in spans if s is not rollout]  # all inside the rollout
+        assert not any(s["args"].get("unfinished") for s in spans)
+        tries = [s for s in spans if s["cat"] == "attempt"]
+        backoffs = [s for s in spans if s["cat"] == "backoff"]
+        assert len(backoffs) == len(tries) - 1  # a backoff before each retry
+        assert rollout["args"]["attempts"] == len(tries)
+        attempts[len(tries)] += 1
+        for attempt in tries:
+            inner = [s["name"] for s in children(spans, attempt)]
+            assert inner[0] == "env.make"
+            assert inner[-2:] == ["env.close", "finish_session"]  # every attempt cleaned up
+            assert "engine" in inner
+        if rollout["args"]["failed"]:
+            assert rollout["args"]["stop_reason"] == "rollout_error"
+            assert rollout["args"]["error"].startswith("ChaosError: chaos: injected failure")
+            assert tries[-1]["args"]["outcome"] == "failed"
+        else:
+            assert rollout["args"]["stop_reason"] == "length"
+            assert rollout["args"]["response_tokens"] == 48
+    assert attempts[2] == summary["rollout_retries"]
+    assert sum(attempts.values()) == ROLLOUTS
