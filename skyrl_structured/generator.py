@@ -24,6 +24,7 @@ from ._batched import generate_batched
 from ._collector import collect
 from ._env_threads import EnvThreadPool
 from ._episode import Episode
+from ._loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
@@ -80,6 +81,8 @@ class StructuredGymGenerator:
     Attributes:
         observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
             of every ``generate()`` call (append yours; see ``docs/observers.md``).
+        event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
+            (``generate/event_loop_lag_mean`` and ``_max`` in ``rollout_metrics``); 0 turns it off.
 
     Raises:
         ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
@@ -106,6 +109,7 @@ class StructuredGymGenerator:
         check_generator_config(generator_cfg, skyrl_gym_cfg, self.resilience, self.custom_chat_template)
         self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
         self.observers: list[RolloutObserver] = []
+        self.event_loop_lag_interval_s: float = INTERVAL_S
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
@@ -419,17 +423,21 @@ class StructuredGymGenerator:
                 cache_salt=cache_salt,
             )
 
-        result = await run_rollouts(
-            len(prompts),
-            rollout,
-            self.resilience,
-            batch,
-            trajectory_ids=trajectory_ids,
-            env_classes=env_classes,
-            step_wise=bool(cfg.step_wise_trajectories),
+        lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
+        result = await watch_loop_lag(
+            lag,
+            lambda: run_rollouts(
+                len(prompts),
+                rollout,
+                self.resilience,
+                batch,
+                trajectory_ids=trajectory_ids,
+                env_classes=env_classes,
+                step_wise=bool(cfg.step_wise_trajectories),
+            ),
         )
         pad = self.tokenizer.pad_token_id
-        return collect(
+        output = collect(
             result.results,
             result.failures,
             retries=result.retries,
@@ -443,3 +451,7 @@ class StructuredGymGenerator:
             trajectory_ids=trajectory_ids,
             get_logprobs=self._get_logprobs(sampling_params),
         )
+        if lag is not None:
+            output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
+            lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)
+        return output

@@ -54,8 +54,7 @@ async def test_a_retried_a_failed_and_a_clean_rollout_on_their_tracks(tokenizer,
         "trajectory_id": "q0_0",
         "attempts": 2,
         "stop_reason": "stop",
-        "response_tokens": 39,  # two replies of 5 tokens and the observations between them
-        "reward": 1.5,
+        "response_tokens": 10,  # two replies of 5 tokens (the last attempt's)
         "failed": False,
     }
     assert [s["name"] for s in spans if s["cat"] in ("attempt", "backoff")] == ["attempt 1", "backoff", "attempt 2"]
