@@ -28,6 +28,7 @@ __all__ = [
     "CleanupOutcome",
     "EnvMethod",
     "FinishedTrajectory",
+    "OpenTelemetryObserver",
     "RolloutObserver",
     "RolloutRef",
     "TraceRecorder",
@@ -219,14 +220,15 @@ class Observers:
     def __init__(self, observers: Sequence[RolloutObserver] = ()) -> None:
         self._observers = list(observers)
         self._broken: set[int] = set()
-        # The observers are fixed for the call: who hears an event is decided once per event.
-        self._hearing: dict[Callable[..., None], tuple[str, list[tuple[int, RolloutObserver]]]] = {}
+        # The observers are fixed for the call: who hears an event is decided once per event, and
+        # their methods are bound once (an event is emitted a few times per turn of every rollout).
+        self._hearing: dict[Callable[..., None], tuple[str, list[tuple[int, Callable[..., None]]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._observers)
 
-    def _listeners(self, event: Callable[..., None]) -> tuple[str, list[tuple[int, RolloutObserver]]]:
-        """The event's name and (position, observer) of the observers whose class overrides it."""
+    def _listeners(self, event: Callable[..., None]) -> tuple[str, list[tuple[int, Callable[..., None]]]]:
+        """The event's name and (position, bound method) of the observers whose class overrides it."""
         hearing = self._hearing.get(event)
         if hearing is None:
             name = getattr(event, "__name__", "")
@@ -235,7 +237,7 @@ class Observers:
             hearing = self._hearing[event] = (
                 name,
                 [
-                    (position, observer)
+                    (position, getattr(observer, name))
                     for position, observer in enumerate(self._observers)
                     if getattr(type(observer), name, event) is not event
                 ],
@@ -256,16 +258,18 @@ class Observers:
             TypeError: ``event`` is not one of :class:`RolloutObserver`'s own methods (a bug of
                 the caller's, never of an observer's).
         """
-        name, listeners = self._listeners(event)
-        for position, observer in listeners:
+        hearing = self._hearing.get(event) or self._listeners(event)
+        for position, method in hearing[1]:
             if position in self._broken:
                 continue
             try:
-                getattr(observer, name)(*args, **kwargs)
+                method(*args, **kwargs)
             except Exception:
                 self._broken.add(position)
                 logger.exception(
-                    "observer %r raised in %s; it is skipped for the rest of this generate() call", observer, name
+                    "observer %r raised in %s; it is skipped for the rest of this generate() call",
+                    self._observers[position],
+                    hearing[0],
                 )
 
 
@@ -355,4 +359,5 @@ def batched_records(
 
 
 # Observers built on the classes above, public from here; imported last because they subclass them.
+from ._otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
 from ._trace import TraceRecorder as TraceRecorder  # noqa: E402
