@@ -29,6 +29,7 @@ __all__ = [
     "EnvMethod",
     "FinishedTrajectory",
     "OpenTelemetryObserver",
+    "PrometheusObserver",
     "RolloutObserver",
     "RolloutRef",
     "TraceRecorder",
@@ -360,4 +361,5 @@ def batched_records(
 
 # Observers built on the classes above, public from here; imported last because they subclass them.
 from ._otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
+from ._prometheus import PrometheusObserver as PrometheusObserver  # noqa: E402
 from ._trace import TraceRecorder as TraceRecorder  # noqa: E402

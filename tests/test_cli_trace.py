@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -75,3 +80,58 @@ def test_the_trace_of_a_chaos_run(tmp_path: Path) -> None:
             assert rollout["args"]["response_tokens"] == 48
     assert attempts[2] == summary["rollout_retries"]
     assert sum(attempts.values()) == ROLLOUTS
+
+
+def _scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "skyrl_structured",
+        "rollout",
+        f"run.output_dir={tmp_path / 'out'}",
+        "run.progress=false",
+        "run.metrics_port=0",  # any free port; the command says which
+        "run.metrics_host=127.0.0.1",
+        "chaos.slow_rate=1.0",  # every engine call waits, so rollouts are seen in flight
+        "chaos.slow_s=1.0",
+    ]
+    scrapes: list[dict[str, float]] = []
+    rest: list[str] = []
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stderr:
+            match = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url is not None, "the command never said where its metrics are"
+        reader = threading.Thread(target=lambda: rest.extend(proc.stderr or ()), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            with contextlib.suppress(OSError):  # the server stops a moment before the process exits
+                scrapes.append(_scrape(url))
+            time.sleep(0.05)
+        stdout = proc.stdout.read()
+        reader.join()
+    assert proc.returncode == 0, "".join(rest)
+    assert re.search(rf"^  rollouts ok\s+{ROLLOUTS}$", stdout, re.MULTILINE), stdout
+    assert scrapes, "no scrape succeeded while the step ran"
+    assert max(s["skyrl_structured_rollouts_in_flight"] for s in scrapes) > 0
+    assert max(s["skyrl_structured_rollouts_started_total"] for s in scrapes) <= ROLLOUTS
+    with pytest.raises(OSError, match="Connection refused"):
+        _scrape(url)  # the server stopped with the step

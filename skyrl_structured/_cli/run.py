@@ -27,6 +27,7 @@ from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput
 from .engine import EngineSetup, load_engine
+from .live import env_workers_alive, serve_metrics
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
@@ -107,6 +108,8 @@ class RunResult:
     started_at: str = ""
     #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
     trace: TraceRecorder | None = None
+    #: The live metrics served at ``run.metrics_port`` while the step runs.
+    metrics: Any | None = None
 
 
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
@@ -157,6 +160,7 @@ async def run_step(
             with work:
                 try:
                     result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
+                    result.metrics = serve_metrics(cfg.run.metrics_port, cfg.run.metrics_host, say)
                     await _load_and_generate(cfg, batch, policy, result, on_engine)
                 except Exception as exc:
                     result.status = "failed"
@@ -164,6 +168,8 @@ async def run_step(
                 finally:
                     if result.trajectories is not None:
                         result.trajectories.close()
+                    if result.metrics is not None:
+                        result.metrics.close()
             watchers.cancel_scope.cancel()
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
@@ -191,6 +197,9 @@ async def _load_and_generate(
         generator.observers.append(result.tally)
         if result.trace is not None:
             generator.observers.append(result.trace)
+        if result.metrics is not None:
+            generator.observers.append(result.metrics)
+            result.metrics.count_env_workers(lambda: env_workers_alive(generator))
         if result.trajectories is not None:
             result.trajectories.tokenizer = setup.tokenizer
             generator.observers.append(result.trajectories)
