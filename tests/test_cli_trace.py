@@ -135,3 +135,30 @@ def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) ->
     assert max(s["skyrl_structured_rollouts_started_total"] for s in scrapes) <= ROLLOUTS
     with pytest.raises(OSError, match="Connection refused"):
         _scrape(url)  # the server stopped with the step
+
+
+def test_a_degenerate_panel_is_a_sentence() -> None:
+    from skyrl_structured._cli.plots import degenerate_sentences
+
+    said = degenerate_sentences(
+        prompt_rewards=[("0", 0.0), ("1", 0.0)],
+        rewards=[0.0] * 48,
+        turns=[1] * 48,
+        response_lengths=[48] * 48,
+        rollouts=48,
+        max_generate_length=48,
+    )
+    assert said == {
+        "reward": "48 of 48 rollouts: reward 0.0",
+        "turns": "48 of 48 rollouts: 1 turn each",
+        "length": "48 of 48 rollouts: length 48 = max_generate_length",
+    }
+    varied = degenerate_sentences(
+        prompt_rewards=[("0", 0.0), ("1", 1.0)],
+        rewards=[0.0, 1.0, 1.0],
+        turns=[1, 2, 2],
+        response_lengths=[30, 30, 30],
+        rollouts=4,
+        max_generate_length=48,
+    )
+    assert varied == {"reward": None, "turns": None, "length": "3 of 4 rollouts: length 30"}
