@@ -37,7 +37,8 @@ __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_out
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
 #: The ``GeneratorOutput`` fields, and the prefix of the rollout metrics, that hold wall-clock times.
 _TIMING_FIELDS = ("trajectory_generation_times", "trajectory_time_splits")
-_TIMING_METRIC_PREFIX = "generate/trajectory_time_"
+#: Wall-clock metrics (they differ run to run): written to timings.json, not generator_output.json.
+_TIMING_METRIC_PREFIX = ("generate/trajectory_time_", "generate/event_loop_lag_")
 PLOT_FILE = "summary.png"
 _FAILURE_PREFIX = "generate/failures/"
 #: Why a row is fully loss-masked, in the order the pipeline decides it (the first that applies counts).
