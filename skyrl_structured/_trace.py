@@ -13,10 +13,11 @@ spans::
 A failed attempt also gets an instant event named for its exception type (``ConnectionError``,
 ``TimeoutError``, a straggler cut's ``StragglerCutError``), in the ``failure`` category.
 
-Spans are written as complete (``"ph": "X"``) events with integer microsecond timestamps, taken
-when a span ends, so a trace never holds an unmatched begin: what is still open when a batch
-ends (a cancelled backoff, say) is closed there and marked ``unfinished``. The trace format is
-Google's "Trace Event Format" document; Perfetto (https://ui.perfetto.dev) opens the file as is.
+While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
+:class:`_TraceBuilder` replays the log into complete (``"ph": "X"``) events with integer
+microsecond timestamps, so a trace never holds an unmatched begin: what is still open when a
+batch ends (a cancelled backoff, say) is closed there and marked ``unfinished``. The trace format
+is Google's "Trace Event Format" document; Perfetto (https://ui.perfetto.dev) opens the file as is.
 """
 
 from __future__ import annotations
