@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
 
 import anyio
 
@@ -28,7 +28,7 @@ from ._env_threads import EnvCall
 from ._pauses import PauseClock
 from .config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from .envs import CleanupStats
-from .observe import Observers, RolloutRef
+from .observe import Observers, RolloutEvent, RolloutRef
 
 __all__ = [
     "BatchContext",
@@ -40,6 +40,8 @@ __all__ = [
     "sampling_params_dict",
     "seed_scope",
 ]
+
+_P = ParamSpec("_P")
 
 #: Derived seeds are below 2**63: vLLM's HTTP API takes a signed 64-bit ``seed``, torch any of them.
 _SEED_BITS = 63
@@ -163,8 +165,8 @@ class RolloutContext:
     def cleanup(self) -> CleanupStats:
         return self.batch.cleanup
 
-    def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
-        """Tell the batch's observers about this attempt."""
+    def emit(self, event: RolloutEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        """Tell the batch's observers ``event`` about this attempt (``emit(RolloutObserver.env_opened)``)."""
         if self.batch.observers:
             self.batch.observers.emit(event, self.ref, *args, **kwargs)
 

@@ -41,7 +41,7 @@ from ._stragglers import StragglerCutError, StragglerCutoff
 from .config import ResilienceSettings
 from .envs import CleanupStats
 from .failures import FailedRollout, failure_budget_exceeded
-from .observe import RolloutRef, failed_record, finished_record
+from .observe import RolloutObserver, RolloutRef, failed_record, finished_record
 
 __all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
 
@@ -207,14 +207,14 @@ async def run_rollouts(
     supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
     supervisor.env_classes = env_classes
     supervisor.step_wise = step_wise
-    batch.observers.emit("batch_started", count)
+    batch.observers.emit(RolloutObserver.batch_started, count)
     try:
         # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py). The
         # generator's pause clock is the current one for every rollout (HTTPEngine reads it).
         with relaxed_gc(settings.gc_tuning), use_clock(batch.pauses):
             return await _supervise(supervisor, count, batch)
     except BaseException as exc:
-        batch.observers.emit("batch_aborted", count, exc)
+        batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
         raise
 
 
@@ -240,7 +240,7 @@ async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -
     await anyio.lowlevel.checkpoint_if_cancelled()
     if supervisor.first_error is not None:
         raise supervisor.first_error
-    batch.observers.emit("batch_finished", count, len(supervisor.failures))
+    batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
     return BatchResult(
         results=supervisor.results, failures=supervisor.failures, retries=supervisor.retries, cleanup=batch.cleanup
     )
@@ -333,12 +333,12 @@ class _Supervisor:
             self.results[index] = result
             if self.cutoff is not None:
                 self.cutoff.finished(index, group)
-            if self.batch.observers.wants("trajectory_finished"):
+            if self.batch.observers.wants(RolloutObserver.trajectory_finished):
                 record = finished_record(
                     context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
                 )
-                context.emit("trajectory_finished", record)
-            context.emit("rollout_finished", failed=False)
+                context.emit(RolloutObserver.trajectory_finished, record)
+            context.emit(RolloutObserver.rollout_finished, failed=False)
             return
 
     def _env_class(self, index: int) -> str:
@@ -350,10 +350,10 @@ class _Supervisor:
             await self.limiter.acquire_on_behalf_of(borrower)
         try:
             context.started = time.monotonic()
-            context.emit("attempt_started")
+            context.emit(RolloutObserver.attempt_started)
             with activate(context):
                 result = await self._within_deadline(index, context)
-            context.emit("attempt_finished", time.monotonic() - context.started)
+            context.emit(RolloutObserver.attempt_finished, time.monotonic() - context.started)
             return result
         finally:
             if self.limiter is not None:
@@ -374,7 +374,7 @@ class _Supervisor:
 
     def _propagate(self, raised: BaseException, context: RolloutContext, group: anyio.abc.TaskGroup) -> None:
         """Our own cancellation goes on up; an interrupt is held until every sibling has cleaned up."""
-        context.emit("attempt_cancelled")
+        context.emit(RolloutObserver.attempt_cancelled)
         held = _interrupt_in(raised)
         if held is None:
             raise raised
@@ -390,7 +390,7 @@ class _Supervisor:
         timed_out = isinstance(error, TimeoutError)
         where = _describe(index, context.ref.trajectory_id)
         retry = context.ref.attempt <= settings.max_rollout_retries
-        context.emit("attempt_failed", error, elapsed, timed_out=timed_out, will_retry=retry)
+        context.emit(RolloutObserver.attempt_failed, error, elapsed, timed_out=timed_out, will_retry=retry)
         if retry:
             self.retries += 1
             delay = _backoff(settings.rollout_retry_backoff_s, context.ref.attempt)
@@ -401,6 +401,7 @@ class _Supervisor:
                 describe_error(error),
                 delay,
             )
+            context.emit(RolloutObserver.retry_backoff, delay)
             await anyio.sleep(delay)
             return True
         self._record_failure(index, context, error, elapsed, timed_out=timed_out)
@@ -438,7 +439,7 @@ class _Supervisor:
         # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (_stragglers.py).
         level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
         logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
-        if self.batch.observers.wants("trajectory_finished"):
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
             record = failed_record(
                 context.ref,
                 describe_error(error),
@@ -447,8 +448,8 @@ class _Supervisor:
                 timed_out=timed_out,
                 step_wise=self.step_wise,
             )
-            context.emit("trajectory_finished", record)
-        context.emit("rollout_finished", failed=True)
+            context.emit(RolloutObserver.trajectory_finished, record)
+        context.emit(RolloutObserver.rollout_finished, failed=True)
 
 
 def _cutoff(

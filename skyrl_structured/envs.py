@@ -31,7 +31,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from ._env_threads import EnvCall, EnvThreadPool, _Waker, active_env_thread_calls
-from .observe import CleanupOutcome
+from .observe import CleanupOutcome, RolloutEmitter, RolloutObserver
 from .types import ConversationType
 
 __all__ = [
@@ -442,8 +442,8 @@ async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: Ba
             returned.outcome("ok", None)
 
 
-#: ``observe(event, *args)``: tells the rollout's observers ``env_opened`` and ``cleanup_finished``.
-EnvObserver = Callable[..., None]
+#: Tells the rollout's observers ``env_opened``, ``cleanup_started`` and ``cleanup_finished``.
+EnvObserver = RolloutEmitter
 
 
 class _OpenEnv(Cleanup):
@@ -489,6 +489,8 @@ class _OpenEnv(Cleanup):
     ) -> None:
         env = self._env
         steps: list[Cleanup] = []
+        if self._observe is not None:
+            self._observe(RolloutObserver.cleanup_started, "env_close")
         if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
             # A close that runs inline and waits for nothing cannot be cancelled or overrun its
             # bound (no await suspends it), so it needs no shielded scope with a deadline.
@@ -533,7 +535,7 @@ class _OpenEnv(Cleanup):
             if late is not None and self._abandoned is not None:
                 self._abandoned.append(late)
         if self._observe is not None:
-            self._observe("cleanup_finished", "env_close", outcome, error)
+            self._observe(RolloutObserver.cleanup_finished, "env_close", outcome, error)
 
 
 def open_env(
@@ -553,12 +555,12 @@ def open_env(
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
     patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
-    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_finished``.
+    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_started``/``cleanup_finished``.
     (``_then`` is the generator's: its session's end, run right after the close in the same
     shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """
     raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
     stats.envs_opened += 1
     if observe is not None:
-        observe("env_opened")
+        observe(RolloutObserver.env_opened)
     return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, _then)

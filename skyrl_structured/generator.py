@@ -28,6 +28,7 @@ from ._batched import generate_batched
 from ._collector import collect
 from ._env_threads import EnvThreadPool
 from ._episode import Episode, EpisodeRunner
+from ._loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from ._pauses import PauseClock
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._supervisor import run_rollouts
@@ -59,6 +60,7 @@ class _SessionEnd(Cleanup):
         return f"finish_session({self._session_id!r})"
 
     def run(self) -> Awaitable[Any]:
+        self._context.emit(RolloutObserver.cleanup_started, "finish_session")
         finishing: Awaitable[Any] = self._context.client.finish_session(self._session_id)
         return finishing
 
@@ -67,7 +69,7 @@ class _SessionEnd(Cleanup):
             self._context.cleanup.finish_session_errors += 1
         elif outcome == "timeout":
             self._context.cleanup.finish_session_timeouts += 1
-        self._context.emit("cleanup_finished", "finish_session", outcome, error)
+        self._context.emit(RolloutObserver.cleanup_finished, "finish_session", outcome, error)
 
 
 class _Paused:
@@ -101,6 +103,8 @@ class StructuredGymGenerator:
     Attributes:
         observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
             of every ``generate()`` call (append yours; see ``docs/observers.md``).
+        event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
+            (``generate/event_loop_lag_mean`` and ``_max`` in ``rollout_metrics``); 0 turns it off.
 
     Raises:
         ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
@@ -127,6 +131,7 @@ class StructuredGymGenerator:
         check_generator_config(generator_cfg, skyrl_gym_cfg, self.resilience, self.custom_chat_template)
         self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
         self.observers: list[RolloutObserver] = []
+        self.event_loop_lag_interval_s: float = INTERVAL_S
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
@@ -329,7 +334,7 @@ class StructuredGymGenerator:
                 cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=context.cleanup,
                 abandoned=context.abandoned,
-                observe=lambda event, *args: context.emit(event, *args),
+                observe=context.emit,
                 _then=session_end,
             ) as env:
                 output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
@@ -428,7 +433,7 @@ class StructuredGymGenerator:
     ) -> GeneratorOutput:
         """The batched path, with the batch events and one ``trajectory_finished`` per row at its end."""
         observers = Observers(self.observers)
-        observers.emit("batch_started", len(prompts))
+        observers.emit(RolloutObserver.batch_started, len(prompts))
         started = time.monotonic()
         try:
             output = await generate_batched(
@@ -442,16 +447,16 @@ class StructuredGymGenerator:
                 cache_salt=cache_salt,
             )
         except BaseException as exc:
-            observers.emit("batch_aborted", len(prompts), exc)
+            observers.emit(RolloutObserver.batch_aborted, len(prompts), exc)
             raise
-        if observers.wants("trajectory_finished"):
+        if observers.wants(RolloutObserver.trajectory_finished):
             records = batched_records(
                 output, env_classes=env_classes, trajectory_ids=trajectory_ids, elapsed=time.monotonic() - started
             )
             for record in records:
                 rollout = RolloutRef(record.index, 1, record.trajectory_id)
-                observers.emit("trajectory_finished", rollout, record)
-        observers.emit("batch_finished", len(prompts), 0)
+                observers.emit(RolloutObserver.trajectory_finished, rollout, record)
+        observers.emit(RolloutObserver.batch_finished, len(prompts), 0)
         return output
 
     async def generate_batched(
@@ -493,17 +498,21 @@ class StructuredGymGenerator:
                 cache_salt=cache_salt,
             )
 
-        result = await run_rollouts(
-            len(prompts),
-            rollout,
-            self.resilience,
-            batch,
-            trajectory_ids=trajectory_ids,
-            env_classes=env_classes,
-            step_wise=bool(cfg.step_wise_trajectories),
+        lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
+        result = await watch_loop_lag(
+            lag,
+            lambda: run_rollouts(
+                len(prompts),
+                rollout,
+                self.resilience,
+                batch,
+                trajectory_ids=trajectory_ids,
+                env_classes=env_classes,
+                step_wise=bool(cfg.step_wise_trajectories),
+            ),
         )
         pad = self.tokenizer.pad_token_id
-        return collect(
+        output = collect(
             result.results,
             result.failures,
             retries=result.retries,
@@ -517,3 +526,7 @@ class StructuredGymGenerator:
             trajectory_ids=trajectory_ids,
             get_logprobs=self._get_logprobs(sampling_params),
         )
+        if lag is not None:
+            output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
+            lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)
+        return output

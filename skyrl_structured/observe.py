@@ -17,27 +17,35 @@ it is final, so a trainer or a dashboard can consume rollouts as they land
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol
 
 from .types import ROLLOUT_ERROR_STOP_REASON
 
 __all__ = [
     "CleanupKind",
     "CleanupOutcome",
+    "EnvMethod",
     "FinishedTrajectory",
+    "OpenTelemetryObserver",
+    "PrometheusObserver",
     "RolloutObserver",
     "RolloutRef",
+    "TraceRecorder",
     "TrajectoryStep",
 ]
 
 logger = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+
 #: What a cleanup event is about: closing the environment, or finishing the inference session.
 CleanupKind = Literal["env_close", "finish_session"]
 #: How a cleanup ended: it ran to the end, it raised (counted, never fatal), or it overran its bound.
 CleanupOutcome = Literal["ok", "error", "timeout"]
+#: Which environment method a call event is about.
+EnvMethod = Literal["init", "step"]
 
 
 @dataclass(frozen=True)
@@ -117,11 +125,14 @@ class FinishedTrajectory:
 class RolloutObserver:
     """Base class for observers: every event is a no-op until overridden.
 
-    Events of one rollout arrive in this order: ``attempt_started``, ``env_opened``, then one of
-    ``attempt_finished`` / ``attempt_failed`` / ``attempt_cancelled`` (with ``cleanup_finished``
-    events before it, one per environment close and session finish), repeated per retry, then
-    ``trajectory_finished`` and ``rollout_finished`` once each (neither for a cancelled rollout).
-    A batch ends with ``batch_finished``, or with ``batch_aborted`` when ``generate()`` raises.
+    Events of one rollout arrive in this order: ``attempt_started``, ``env_opened``, the turns
+    (``env_call_started``/``env_call_finished`` for ``init``, then per turn ``engine_call_*`` and
+    ``env_call_*`` for ``step``), then one of ``attempt_finished`` / ``attempt_failed`` /
+    ``attempt_cancelled`` (with ``cleanup_started``/``cleanup_finished`` before it, one pair per
+    environment close and session finish), then ``retry_backoff`` before a retry, repeated per
+    retry, then ``trajectory_finished`` and ``rollout_finished`` once each (neither for a
+    cancelled rollout). A batch ends with ``batch_finished``, or with ``batch_aborted`` when
+    ``generate()`` raises.
     """
 
     def batch_started(self, size: int) -> None:
@@ -133,6 +144,25 @@ class RolloutObserver:
     def env_opened(self, rollout: RolloutRef) -> None:
         """The attempt's environment was created (``skyrl_gym.make`` returned)."""
 
+    def env_call_started(self, rollout: RolloutRef, method: EnvMethod, turn: int) -> None:
+        """The environment's ``init`` (``turn`` 0) or ``step`` (``turn`` from 0) starts."""
+
+    def env_call_finished(self, rollout: RolloutRef, method: EnvMethod, turn: int, error: BaseException | None) -> None:
+        """That call returned, or raised ``error`` (a cancellation included)."""
+
+    def engine_call_started(self, rollout: RolloutRef, turn: int, prompt_tokens: int) -> None:
+        """The rollout sends engine request ``turn`` (from 0) with ``prompt_tokens`` input ids."""
+
+    def engine_call_finished(
+        self,
+        rollout: RolloutRef,
+        turn: int,
+        response_tokens: int | None,
+        stop_reason: str | None,
+        error: BaseException | None,
+    ) -> None:
+        """The reply came back and passed its check, or (``error`` set, the rest None) the call or the check raised."""
+
     def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
         """An attempt returned its trajectory after ``elapsed`` seconds."""
 
@@ -143,6 +173,12 @@ class RolloutObserver:
 
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         """An attempt was cancelled from outside (the caller, or a sibling's failure without skip)."""
+
+    def retry_backoff(self, rollout: RolloutRef, delay: float) -> None:
+        """A failed attempt will be retried after sleeping ``delay`` seconds (after its ``attempt_failed``)."""
+
+    def cleanup_started(self, rollout: RolloutRef, kind: CleanupKind) -> None:
+        """An environment close or a session finish starts."""
 
     def cleanup_finished(
         self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
@@ -166,52 +202,85 @@ class RolloutObserver:
         """
 
 
+#: An event of a batch: a method of :class:`RolloutObserver` itself (``RolloutObserver.batch_started``).
+BatchEvent = Callable[Concatenate[RolloutObserver, _P], None]
+#: An event of one rollout: a method of :class:`RolloutObserver` whose first argument is the :class:`RolloutRef`.
+RolloutEvent = Callable[Concatenate[RolloutObserver, RolloutRef, _P], None]
+
+
 class Observers:
-    """The observers of one ``generate()`` call, each called safely."""
+    """The observers of one ``generate()`` call, each called safely.
+
+    An event is named by the base class's method itself, never by a string, so a misspelt event
+    is an ``AttributeError`` where it is written and mypy checks its arguments against the
+    method's signature: ``observers.emit(RolloutObserver.batch_started, size)``.
+    """
 
     __slots__ = ("_broken", "_hearing", "_observers")
 
     def __init__(self, observers: Sequence[RolloutObserver] = ()) -> None:
         self._observers = list(observers)
         self._broken: set[int] = set()
-        # The observers are fixed for the call: who hears an event is decided once per event.
-        self._hearing: dict[str, list[tuple[int, RolloutObserver]]] = {}
+        # The observers are fixed for the call: who hears an event is decided once per event, and
+        # their methods are bound once (an event is emitted a few times per turn of every rollout).
+        self._hearing: dict[Callable[..., None], tuple[str, list[tuple[int, Callable[..., None]]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._observers)
 
-    def _listeners(self, event: str) -> list[tuple[int, RolloutObserver]]:
-        """(position, observer) of the observers whose class overrides ``event`` (all, for a name the base lacks)."""
-        listeners = self._hearing.get(event)
-        if listeners is None:
-            default = getattr(RolloutObserver, event, None)
-            listeners = self._hearing[event] = [
-                (position, observer)
-                for position, observer in enumerate(self._observers)
-                if default is None or getattr(type(observer), event, default) is not default
-            ]
-        return listeners
+    def _listeners(self, event: Callable[..., None]) -> tuple[str, list[tuple[int, Callable[..., None]]]]:
+        """The event's name and (position, bound method) of the observers whose class overrides it."""
+        hearing = self._hearing.get(event)
+        if hearing is None:
+            name = getattr(event, "__name__", "")
+            if getattr(RolloutObserver, name, None) is not event:
+                raise TypeError(f"{event!r} is not an event: pass a method of RolloutObserver itself")
+            hearing = self._hearing[event] = (
+                name,
+                [
+                    (position, getattr(observer, name))
+                    for position, observer in enumerate(self._observers)
+                    if getattr(type(observer), name, event) is not event
+                ],
+            )
+        return hearing
 
-    def wants(self, event: str) -> bool:
+    def wants(self, event: BatchEvent[...]) -> bool:
         """Whether any observer overrides ``event`` (so a costly argument is built only when heard)."""
-        return bool(self._listeners(event))
+        return bool(self._listeners(event)[1])
 
-    def emit(self, event: str, *args: Any, **kwargs: Any) -> None:
+    def emit(self, event: BatchEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Call ``event`` on every observer that overrides it; one that raises is logged and skipped from then on.
 
         Observers that keep the base class's do-nothing method are not called at all (that is most
         observers for most events, several times per rollout).
+
+        Raises:
+            TypeError: ``event`` is not one of :class:`RolloutObserver`'s own methods (a bug of
+                the caller's, never of an observer's).
         """
-        for position, observer in self._listeners(event):
+        hearing = self._hearing.get(event) or self._listeners(event)
+        for position, method in hearing[1]:
             if position in self._broken:
                 continue
             try:
-                getattr(observer, event)(*args, **kwargs)
+                method(*args, **kwargs)
             except Exception:
                 self._broken.add(position)
                 logger.exception(
-                    "observer %r raised in %s; it is skipped for the rest of this generate() call", observer, event
+                    "observer %r raised in %s; it is skipped for the rest of this generate() call",
+                    self._observers[position],
+                    hearing[0],
                 )
+
+
+class RolloutEmitter(Protocol):
+    """Tells a rollout's observers an event about it: ``emit(RolloutObserver.env_opened)``.
+
+    The rollout (a :class:`RolloutRef`) is filled in; the other arguments are the event's own.
+    """
+
+    def __call__(self, event: RolloutEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None: ...
 
 
 def _ints(values: Any) -> tuple[int, ...]:
@@ -288,3 +357,9 @@ def batched_records(
             )
         )
     return records
+
+
+# Observers built on the classes above, public from here; imported last because they subclass them.
+from ._otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
+from ._prometheus import PrometheusObserver as PrometheusObserver  # noqa: E402
+from ._trace import TraceRecorder as TraceRecorder  # noqa: E402

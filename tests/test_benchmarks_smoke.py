@@ -81,3 +81,16 @@ def test_thread_lag_runs_every_turn_through_each_pool_size(backend, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0].strip() for line in lines] == ["2 threads", "inline"]
     assert all(line.endswith("over 16 turns") for line in lines)  # every rollout's every turn came back
+
+
+def test_observability_benchmark_runs_its_three_contenders(tmp_path, capsys):
+    from benchmarks import observability
+
+    out = tmp_path / "observability.json"
+    argv = ["--n", "8", "--repeats", "1", "--tokenizer", "tiny", "--backend", "asyncio,trio", "--json", str(out)]
+    assert observability.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["asyncio", "trio"]
+    for row in rows:
+        assert row["traced_ratio"] == pytest.approx(row["traced_s"] / row["plain_s"])
+    assert "TraceRecorder x" in capsys.readouterr().out

@@ -74,7 +74,7 @@ async def test_step_wise_multi_turn_run_is_reported_row_by_row(anyio_backend, to
     # Wall-clock fields live in timings.json, so that generator_output.json is reproducible.
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert "trajectory_generation_times" not in written
-    wall_clock = ("generate/trajectory_time_", "generate/trajectory_completion_time_")
+    wall_clock = ("generate/trajectory_time_", "generate/trajectory_completion_time_", "generate/event_loop_lag_")
     assert not any(k.startswith(wall_clock) for k in written["rollout_metrics"])
     assert len(timings["trajectory_generation_times"]) == len(output["response_ids"])
     assert timings["rollout_metrics"]

@@ -156,6 +156,8 @@ def test_mask_group_run_counts_every_masked_row_and_says_why(tmp_path):
         "trajectories.jsonl",
         "timings.json",
         "summary.png",
+        "trace.json",
+        "timeline.png",
         "summary.json",
     ]
 

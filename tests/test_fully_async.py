@@ -131,7 +131,7 @@ async def test_merged_group_metrics_equal_the_whole_batch(tokenizer, anyio_backe
     ours = ours_of(whole["rollout_metrics"])
     assert ours == ours_of(merged)
     for key in sorted(ours):
-        if key.startswith("generate/trajectory_time_"):
+        if key.startswith(("generate/trajectory_time_", "generate/event_loop_lag_")):
             # Wall-clock statistics: a merged mean, p90 or max lies within the groups' own values (a
             # summed one would not).
             values = [m[key] for m in group_metrics if key in m]
@@ -203,3 +203,26 @@ async def test_with_warn_an_over_budget_group_keeps_its_successful_rollouts(toke
     (warning,) = budget_warnings(caplog)
     assert warning.startswith("2 of 4 rollouts failed (2 x ConnectionError), more than ")
     ledger.assert_all_closed_once()
+
+
+async def test_event_loop_lag_merges_as_a_mean_and_a_max(tokenizer, anyio_backend, concatenate):
+    # Group 0's env blocks the loop long (a sync sleep, inline), group 1's briefly: the merged mean is the
+    # groups' mean (SkyRL averages a key with "mean" in it) and the merged max the largest (not a sum).
+    def blocking() -> list[dict[str, Any]]:
+        return [{"observation": "keep going", "reward": 0.5, "sleep": 0.2}, {"reward": 1.0, "done": True}]
+
+    def briefly_blocking() -> list[dict[str, Any]]:
+        return [{"observation": "keep going", "reward": 0.5, "sleep": 0.06}, {"reward": 1.0, "done": True}]
+
+    gen = make_generator(tokenizer, workers=0)
+    groups = [
+        await gen.generate(group_batch(make_batch(2 * GROUP, EnvLedger(), group_size=GROUP, script=script), g))
+        for g, script in ((0, blocking), (1, briefly_blocking))
+    ]
+    means = [not_none(g["rollout_metrics"])["generate/event_loop_lag_mean"] for g in groups]
+    maxes = [not_none(g["rollout_metrics"])["generate/event_loop_lag_max"] for g in groups]
+    assert maxes[0] >= 0.18  # the blocked group's sampler woke at least that late
+    assert maxes[1] > 0  # so a summed max would differ from the largest
+    merged = concatenate(groups)["rollout_metrics"]
+    assert merged["generate/event_loop_lag_mean"] == pytest.approx(sum(means) / 2)
+    assert merged["generate/event_loop_lag_max"] == max(maxes)

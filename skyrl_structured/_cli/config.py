@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import math
 import types
 import typing
@@ -472,6 +473,12 @@ def check_config(cfg: RolloutConfig) -> None:
             importlib.import_module("trio")
         except ImportError:
             raise ConfigError("`run.backend=trio` needs trio: pip install 'skyrl-structured[trio]'") from None
+    port = cfg.run.metrics_port
+    if port is not None:
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"`run.metrics_port` must be within [0, 65535] (0: any free port) or null, got {port}")
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise ConfigError("`run.metrics_port` needs prometheus-client: pip install 'skyrl-structured[prometheus]'")
     chaos = cfg.chaos
     for name in ("failure_rate", "hang_rate", "slow_rate"):
         _rate(f"chaos.{name}", getattr(chaos, name))

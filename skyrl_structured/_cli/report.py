@@ -37,7 +37,12 @@ __all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_out
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
 #: The ``GeneratorOutput`` fields, and the prefixes of the rollout metrics, that hold wall-clock times.
 _TIMING_FIELDS = ("trajectory_generation_times", "trajectory_time_splits")
-_TIMING_METRIC_PREFIX = ("generate/trajectory_time_", "generate/trajectory_completion_time_")
+#: Wall-clock metrics (they differ run to run): written to timings.json, not generator_output.json.
+_TIMING_METRIC_PREFIX = (
+    "generate/trajectory_time_",
+    "generate/trajectory_completion_time_",
+    "generate/event_loop_lag_",
+)
 PLOT_FILE = "summary.png"
 _FAILURE_PREFIX = "generate/failures/"
 #: Why a row is fully loss-masked, in the order the pipeline decides it (the first that applies counts).
@@ -467,7 +472,14 @@ def _plot_data(summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
     failures = summary.get("failures_by_type")
     if failures is None:
         failures = dict(Counter((r.error or "").split(":")[0] for r in records if r.failed))
-    return {"prompt_rewards": prompt_rewards, "turns": turns, "response_lengths": lengths, "failures": failures}
+    return {
+        "prompt_rewards": prompt_rewards,
+        "turns": turns,
+        "response_lengths": lengths,
+        "failures": failures,
+        "rewards": [r.reward for r in ok],
+        "rollouts": summary["rollouts"],
+    }
 
 
 def _split_timings(output: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -492,6 +504,7 @@ def write_outputs(
     when matplotlib is installed.
     """
     from .plots import write_summary_png
+    from .timeline import Timeline, write_timeline
 
     output_dir.mkdir(parents=True, exist_ok=True)
     files: list[str] = []
@@ -518,10 +531,15 @@ def write_outputs(
         else:
             files.append(TRAJECTORIES_FILE)
     drawn = result.output is not None or (result.trajectories is not None and result.trajectories.kept > 0)
-    if drawn and write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **_plot_data(summary, result)):
+    timeline = Timeline.of(result.trace.events) if result.trace is not None else None
+    limit = cfg.generator.sampling_params.max_generate_length
+    plot = dict(_plot_data(summary, result), max_generate_length=limit, timeline=timeline)
+    if drawn and write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **plot):
         files.append(PLOT_FILE)
     else:
         (output_dir / PLOT_FILE).unlink(missing_ok=True)
+    if result.trace is not None:
+        files += write_timeline(output_dir, result.trace)
     files.append("summary.json")
     summary["files"] = files
     data = dict(summary, config=jsonable(cfg))

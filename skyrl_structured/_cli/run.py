@@ -24,10 +24,11 @@ from typing import Any, Literal
 import anyio
 
 from ..generator import StructuredGymGenerator
-from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput
 from ..vlm_generator import StructuredVLMGymGenerator
 from .engine import EngineSetup, load_engine
+from .live import env_workers_alive, serve_metrics
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
@@ -106,6 +107,10 @@ class RunResult:
     trajectory_ids: list[Any] | None = None
     #: When the step started (UTC, ISO 8601).
     started_at: str = ""
+    #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
+    trace: TraceRecorder | None = None
+    #: The live metrics served at ``run.metrics_port`` while the step runs.
+    metrics: Any | None = None
 
 
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
@@ -147,6 +152,7 @@ async def run_step(
         env_classes=list(batch["env_classes"]),
         trajectory_ids=batch.get("trajectory_ids"),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        trace=TraceRecorder() if cfg.run.trace else None,
     )
     work = anyio.CancelScope()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -155,6 +161,7 @@ async def run_step(
             with work:
                 try:
                     result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
+                    result.metrics = serve_metrics(cfg.run.metrics_port, cfg.run.metrics_host, say)
                     await _load_and_generate(cfg, batch, policy, result, on_engine)
                 except Exception as exc:
                     result.status = "failed"
@@ -162,6 +169,8 @@ async def run_step(
                 finally:
                     if result.trajectories is not None:
                         result.trajectories.close()
+                    if result.metrics is not None:
+                        result.metrics.close()
             watchers.cancel_scope.cancel()
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
@@ -190,6 +199,11 @@ async def _load_and_generate(
             cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
         )
         generator.observers.append(result.tally)
+        if result.trace is not None:
+            generator.observers.append(result.trace)
+        if result.metrics is not None:
+            generator.observers.append(result.metrics)
+            result.metrics.count_env_workers(lambda: env_workers_alive(generator))
         if result.trajectories is not None:
             result.trajectories.tokenizer = setup.tokenizer
             generator.observers.append(result.trajectories)

@@ -154,6 +154,16 @@ class RunSection:
         "train uses generator.sampling_params and n_samples_per_prompt; eval uses the eval_ ones.", "train"
     )
     progress: bool = _opt("Show the progress bar.", True)
+    trace: bool = _opt(
+        "Record every rollout's timeline: trace.json (Chrome trace events, open it in Perfetto) and timeline.png.",
+        True,
+    )
+    metrics_port: int | None = _opt(
+        "Serve live Prometheus metrics at http://run.metrics_host:PORT/metrics while the step runs (0: any free "
+        "port; needs skyrl-structured[prometheus]); null serves none.",
+        None,
+    )
+    metrics_host: str = _opt("Address the metrics server listens on (0.0.0.0: every interface).", "0.0.0.0")
     log_level: Literal["debug", "info", "warning", "error"] = _opt(
         "Library log lines shown on stderr at this level and above.", "warning"
     )

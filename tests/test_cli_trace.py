@@ -1,0 +1,164 @@
+"""The rollout command's trace.json and timeline.png of a fault drill: valid, nested, retries and failures marked."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .trace_check import children, spans_by_track
+
+pytestmark = pytest.mark.slow
+
+ROLLOUTS = 48
+
+
+def test_the_trace_of_a_chaos_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skyrl_structured",
+            "rollout",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "chaos.failure_rate=0.3",
+            "generator.skip_failed_rollouts=true",
+            "generator.max_rollout_retries=1",
+            "generator.rollout_retry_backoff_s=0.01",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"trace.json", "timeline.png"} <= set(summary["files"])
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    trace = json.loads((out / "trace.json").read_text())
+    tracks = spans_by_track(trace)  # every span well formed, every track's spans nested
+    assert sorted(tid for _, tid in tracks) == list(range(ROLLOUTS))
+    failures = [e for e in trace["traceEvents"] if e["ph"] == "i" and e["cat"] == "failure"]
+    assert {e["name"] for e in failures} == {"ChaosError"}
+    assert sum(e["args"]["will_retry"] for e in failures) == summary["rollout_retries"] > 0
+    assert sum(not e["args"]["will_retry"] for e in failures) == summary["rollouts_failed"] > 0
+
+    attempts: Counter[int] = Counter()
+    for spans in tracks.values():
+        (rollout,) = [s for s in spans if s["cat"] == "rollout"]
+        assert children(spans, rollout) == [s for s in spans if s is not rollout]  # all inside the rollout
+        assert not any(s["args"].get("unfinished") for s in spans)
+        tries = [s for s in spans if s["cat"] == "attempt"]
+        backoffs = [s for s in spans if s["cat"] == "backoff"]
+        assert len(backoffs) == len(tries) - 1  # a backoff before each retry
+        assert rollout["args"]["attempts"] == len(tries)
+        attempts[len(tries)] += 1
+        for attempt in tries:
+            inner = [s["name"] for s in children(spans, attempt)]
+            assert inner[0] == "env.make"
+            assert inner[-2:] == ["env.close", "finish_session"]  # every attempt cleaned up
+            assert "engine" in inner
+        if rollout["args"]["failed"]:
+            assert rollout["args"]["stop_reason"] == "rollout_error"
+            assert rollout["args"]["error"].startswith("ChaosError: chaos: injected failure")
+            assert tries[-1]["args"]["outcome"] == "failed"
+        else:
+            assert rollout["args"]["stop_reason"] == "length"
+            assert rollout["args"]["response_tokens"] == 48
+    assert attempts[2] == summary["rollout_retries"]
+    assert sum(attempts.values()) == ROLLOUTS
+
+
+def _scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "skyrl_structured",
+        "rollout",
+        f"run.output_dir={tmp_path / 'out'}",
+        "run.progress=false",
+        "run.metrics_port=0",  # any free port; the command says which
+        "run.metrics_host=127.0.0.1",
+        "chaos.slow_rate=1.0",  # every engine call waits, so rollouts are seen in flight
+        "chaos.slow_s=1.0",
+    ]
+    scrapes: list[dict[str, float]] = []
+    rest: list[str] = []
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stderr:
+            match = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url is not None, "the command never said where its metrics are"
+        reader = threading.Thread(target=lambda: rest.extend(proc.stderr or ()), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            with contextlib.suppress(OSError):  # the server stops a moment before the process exits
+                scrapes.append(_scrape(url))
+            time.sleep(0.05)
+        stdout = proc.stdout.read()
+        reader.join()
+    assert proc.returncode == 0, "".join(rest)
+    assert re.search(rf"^  rollouts ok\s+{ROLLOUTS}$", stdout, re.MULTILINE), stdout
+    assert scrapes, "no scrape succeeded while the step ran"
+    assert max(s["skyrl_structured_rollouts_in_flight"] for s in scrapes) > 0
+    assert max(s["skyrl_structured_rollouts_started_total"] for s in scrapes) <= ROLLOUTS
+    with pytest.raises(OSError, match="Connection refused"):
+        _scrape(url)  # the server stopped with the step
+
+
+def test_a_degenerate_panel_is_a_sentence() -> None:
+    from skyrl_structured._cli.plots import degenerate_sentences
+
+    said = degenerate_sentences(
+        prompt_rewards=[("0", 0.0), ("1", 0.0)],
+        rewards=[0.0] * 48,
+        turns=[1] * 48,
+        response_lengths=[48] * 48,
+        rollouts=48,
+        max_generate_length=48,
+    )
+    assert said == {
+        "reward": "48 of 48 rollouts: reward 0.0",
+        "turns": "48 of 48 rollouts: 1 turn each",
+        "length": "48 of 48 rollouts: length 48 = max_generate_length",
+    }
+    varied = degenerate_sentences(
+        prompt_rewards=[("0", 0.0), ("1", 1.0)],
+        rewards=[0.0, 1.0, 1.0],
+        turns=[1, 2, 2],
+        response_lengths=[30, 30, 30],
+        rollouts=4,
+        max_generate_length=48,
+    )
+    assert varied == {"reward": None, "turns": None, "length": "3 of 4 rollouts: length 30"}
