@@ -264,6 +264,8 @@ def summarize(
         summary["rollout_attempts_failed"] = tally.attempts_failed
         summary["envs_opened"] = tally.envs_opened
         summary["envs_closed"] = tally.envs_closed
+        summary["env_close_errors"] = tally.env_close_errors
+        summary["first_env_close_error"] = tally.first_close_error
         return summary
     metrics = output.get("rollout_metrics") or {}
     failed = int(metrics.get("generate/num_failed_rollouts", 0))
@@ -294,6 +296,7 @@ def summarize(
             "envs_opened": int(metrics.get("generate/num_envs_opened", 0)),
             "envs_closed": int(metrics.get("generate/num_envs_closed", 0)),
             "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
+            "first_env_close_error": tally.first_close_error,
             **_truth(cfg, output, result, n_samples),
             "rollout_metrics": jsonable(metrics),
         }
@@ -313,6 +316,15 @@ def _opened_closed(summary: dict[str, Any]) -> str:
     return f"{opened} opened, {closed} closed ({opened - closed} NOT CLOSED)"
 
 
+def _close_errors(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``close errors  16 (first: OSError: disk gone at my_env.py:42)``, or nothing when none raised."""
+    count = summary.get("env_close_errors") or 0
+    if not count:
+        return []
+    first = summary.get("first_env_close_error")
+    return [("close errors", f"{count}" + (f" (first: {first})" if first else ""))]
+
+
 def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
     """The summary table printed at the end of a run (interrupted runs get what was stopped and closed)."""
     head = (
@@ -327,6 +339,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ("rollouts cancelled", str(summary["rollouts_cancelled"])),
             ("attempts failed", str(summary["rollout_attempts_failed"])),
             ("environments", _opened_closed(summary)),
+            *_close_errors(summary),
             ("inference sessions", f"{summary['sessions_finished']} finished of {summary['rollout_attempts']} started"),
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
         ]
@@ -357,6 +370,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ),
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
             ("environments", _opened_closed(summary)),
+            *_close_errors(summary),
             *_truth_rows(summary),
         ]
     if output_dir is not None:

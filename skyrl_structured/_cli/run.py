@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import anyio
 
+from .._origin import describe_with_origin
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import GeneratorInput, GeneratorOutput
@@ -46,6 +47,9 @@ class Tally(RolloutObserver):
     sessions_finished: int = 0
     envs_opened: int = 0
     envs_closed: int = 0
+    env_close_errors: int = 0
+    #: The first close error as ``"OSError: message at my_env.py:42"`` (None: no close raised).
+    first_close_error: str | None = None
     #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
     running: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
@@ -81,6 +85,10 @@ class Tally(RolloutObserver):
             self.sessions_finished += 1
         elif outcome != "timeout":
             self.envs_closed += 1
+            if outcome == "error" and error is not None:
+                self.env_close_errors += 1
+                if self.first_close_error is None:
+                    self.first_close_error = describe_with_origin(error)
 
 
 @dataclass

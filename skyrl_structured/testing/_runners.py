@@ -13,9 +13,11 @@ from typing import Any
 
 import anyio
 
+from .._origin import describe_with_origin
 from .._replies import MalformedEngineReplyError
 from .._supervisor import RolloutCancelledError
 from ..generator import StructuredGymGenerator
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
 from ._matrix import (
@@ -35,6 +37,38 @@ __all__ = ["run_case"]
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+class OwnCloseErrors(RolloutObserver):
+    """The errors the environment's own close raised in one case (not the ones the kit injected)."""
+
+    def __init__(self, trap: Trap) -> None:
+        self.trap = trap
+        self.errors: list[BaseException] = []
+
+    def cleanup_finished(
+        self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
+    ) -> None:
+        if kind == "env_close" and outcome == "error" and error is not None and error is not self.trap.injected:
+            self.errors.append(error)
+
+    def problem(self, rollouts: int) -> str:
+        """One line naming the first error, its type, message and where it was raised, and how often."""
+        first = self.errors[0]
+        return (
+            f"the environment's own close raised {describe_with_origin(first)} "
+            f"({len(self.errors)} of {rollouts} closes failed): a close must not raise"
+        )
+
+
+def _not_reached(setup: Setup, stage: str | None, own: OwnCloseErrors, what: str = "injected") -> str:
+    """Why nothing was injected: the environment's own close raised first, or the stage was never reached."""
+    if stage == "close" and own.errors:
+        return (
+            f"nothing was {what} at 'close' because the environment's own close raised first: "
+            f"{describe_with_origin(own.errors[0])} (see the baseline case)"
+        )
+    return f"rollout {setup.target} never reached stage {stage!r}, so nothing was {what}"
 
 
 def _metrics(output: Any) -> Mapping[str, Any]:
@@ -91,7 +125,13 @@ def _expected_error(case: Case, trap: Trap) -> tuple[str, Callable[[BaseExceptio
 
 
 async def _run_fault(
-    case: Case, setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    case: Case,
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     problems: list[str] = []
     output, error = await _generate(gen, batch)
@@ -102,8 +142,10 @@ async def _run_fault(
         if error is not None:
             return [f"generate() raised {_describe(error)} with no fault injected"]
         problems += _check_output(output, setup, failed=set())
+        if own.errors:
+            problems.append(own.problem(len(setup.prompts)))
     elif trap.fired == 0:
-        return [f"rollout {target} never reached stage {stage!r}, so nothing was injected"]
+        return [_not_reached(setup, stage, own)]
     elif stage in ROLLOUT_STAGES and case.skip_failed_rollouts:
         if error is not None:
             return [f"generate() raised {_describe(error)} instead of returning a placeholder for rollout {target}"]
@@ -140,7 +182,9 @@ async def _run_fault(
     return problems
 
 
-async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap) -> list[str]:
+async def _run_cancel(
+    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, own: OwnCloseErrors
+) -> list[str]:
     problems: list[str] = []
     outcome: dict[str, Any] = {}
     scope = anyio.CancelScope()
@@ -174,7 +218,7 @@ async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: Generato
                 waiters.start_soon(first, reached)
                 waiters.start_soon(first, finished)
             if not reached.is_set():
-                problems.append(f"rollout {setup.target} never reached stage {trap.case.stage!r}, so nothing was held")
+                problems.append(_not_reached(setup, trap.case.stage, own, "held"))
             scope.cancel()
             # The trap cancelled generate() when the stage was reached; let that cancellation reach
             # every rollout before the held call may return.
@@ -201,14 +245,19 @@ async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: Generato
 
 
 async def _run_interrupt(
-    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     """An interrupt from inside an env call: every env closed, then that very interrupt, bare."""
     _, error = await _generate(gen, batch)
     still_open = len(tracker.ledger.never_closed())
     name = trap.case.variant
     if trap.fired == 0:
-        return [f"rollout {setup.target} never reached stage {trap.case.stage!r}, so nothing was injected"]
+        return [_not_reached(setup, trap.case.stage, own)]
     problems = []
     if error is None:
         problems.append(f"generate() returned a batch instead of re-raising the {name}")
@@ -224,7 +273,12 @@ async def _run_interrupt(
 
 
 async def _run_hang(
-    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     """A call held far past ``env_cleanup_timeout_s``: cleanup gives up on it, the env is still closed once.
 
@@ -256,7 +310,7 @@ async def _run_hang(
         while busy():  # noqa: ASYNC110
             await anyio.sleep(0.001)
     if trap.fired == 0:
-        return [f"rollout {setup.target} never reached stage {stage!r}, so nothing was held"]
+        return [_not_reached(setup, stage, own, "held")]
     problems = []
     if trap.held_in_thread and not still_held:
         problems.append(
@@ -290,16 +344,18 @@ async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
     try:
         scripted = ScriptedEngine(setup.tokenizer, replies_by_turn(*setup.replies))
         gen = setup.generator(case, env_id, tracker.track_engine(TrappedEngine(scripted, trap)))
+        own = OwnCloseErrors(trap)
+        gen.observers.append(own)
         batch = setup.batch(env_id)
         with anyio.move_on_after(setup.case_timeout_s) as deadline:
             if case.kind == "cancel":
-                problems += await _run_cancel(setup, gen, batch, trap)
+                problems += await _run_cancel(setup, gen, batch, trap, own)
             elif case.kind == "interrupt":
-                problems += await _run_interrupt(setup, gen, batch, trap, tracker)
+                problems += await _run_interrupt(setup, gen, batch, trap, tracker, own)
             elif case.kind == "hang":
-                problems += await _run_hang(setup, gen, batch, trap, tracker)
+                problems += await _run_hang(setup, gen, batch, trap, tracker, own)
             else:
-                problems += await _run_fault(case, setup, gen, batch, trap, tracker)
+                problems += await _run_fault(case, setup, gen, batch, trap, tracker, own)
         if deadline.cancelled_caught:
             problems.append(f"the case did not finish within case_timeout_s={setup.case_timeout_s:g}s")
         trap.release_all()
