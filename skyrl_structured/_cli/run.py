@@ -3,7 +3,10 @@
 The step runs inside a cancel scope; a signal receiver (``anyio.open_signal_receiver``, on asyncio
 and trio alike) cancels that scope on the first SIGINT or SIGTERM, so ``generate()`` unwinds the
 way any cancellation does: every rollout stops, every environment is closed, every inference
-session finished. A second signal exits at once, without waiting for cleanup.
+session finished. A second signal exits at once, without waiting for cleanup; one that arrives
+within :data:`DUPLICATE_SIGNAL_WINDOW_S` of the first is the same request sent twice (coreutils
+``timeout`` and many batch systems signal the process and its process group, so one stop arrives
+twice within milliseconds) and is ignored.
 
 Each rollout is appended to ``trajectories.jsonl`` in ``run.output_dir`` as it finishes (see
 :mod:`~skyrl_structured._cli.trajectories`), so an interrupted or failed step keeps what finished.
@@ -31,7 +34,10 @@ from .engine import EngineSetup, load_engine
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
-__all__ = ["RunResult", "Tally", "run_step"]
+__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "run_step"]
+
+#: A signal this soon after the first is the same stop request delivered twice, not a second request.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
 
 Status = Literal["ok", "failed", "interrupted"]
 
@@ -116,9 +122,11 @@ class RunResult:
 
 
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
+    first_at = 0.0
     async for signum in signals:
         if result.signal is None:
             result.signal = signum
+            first_at = time.monotonic()
             name = signal.Signals(signum).name
             if result.started_generating:
                 say(
@@ -128,6 +136,8 @@ async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResul
             else:
                 say(f"\n{name} received: stopping before generation started (send it again to exit now)")
             work.cancel()
+        elif time.monotonic() - first_at < DUPLICATE_SIGNAL_WINDOW_S:
+            continue  # the same stop, delivered to the process and to its group
         else:
             say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
             sys.stdout.flush()
