@@ -8,6 +8,9 @@ and the traps are described in :mod:`._matrix`.
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +23,7 @@ from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
+from ._census import thread_states
 from ._matrix import (
     ROLLOUT_STAGES,
     THREAD_HOLD_S,
@@ -28,11 +32,63 @@ from ._matrix import (
     Trap,
     TrappedEngine,
 )
-from ._wrappers import register_wrapper_env, unregister_wrapper_env
+from ._wrappers import _Instrumentation, register_wrapper_env, unregister_wrapper_env
 from .engines import ScriptedEngine, replies_by_turn
-from .leaks import LeakTracker
+from .leaks import LeakTracker, _is_tqdm_monitor
 
-__all__ = ["run_case"]
+__all__ = ["KIT_THREAD_PREFIX", "CaseTracker", "run_case"]
+
+#: The name every thread the kit itself starts begins with (never a leak of the environment's).
+KIT_THREAD_PREFIX = "skyrl_structured check"
+
+
+def _is_kit_thread(thread: threading.Thread) -> bool:
+    return thread.name.startswith(KIT_THREAD_PREFIX)
+
+
+def _wrapper_ledgers(thread: threading.Thread) -> tuple[Any, ...] | None:
+    """The ledgers of the wrapped environment call ``thread`` is inside, or None (not in one)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is _Instrumentation.call.__code__:
+            owner = frame.f_locals.get("self")
+            return tuple(getattr(owner, "ledgers", ()))
+        frame = frame.f_back
+    return None
+
+
+class CaseTracker(LeakTracker):
+    """The leak tracker of one case; ``shared``: other cases run in the same process meanwhile.
+
+    Sharing, the environment calls still running are this case's ledger's (not the process's
+    count), and a worker thread busy inside another case's environment is not this case's leak.
+    The kit's own threads are never leaks.
+    """
+
+    def __init__(self, *, shared: bool) -> None:
+        super().__init__(ignore_thread=_is_kit_thread)
+        self.shared = shared
+
+    def thread_leaks(self) -> list[str]:
+        if not self.shared:
+            return super().thread_leaks()
+        leaks = []
+        running = sum(1 for calls in dict(self.ledger.active_calls).values() if calls)
+        if running:
+            leaks.append(f"{running} environment calls are still running in worker threads")
+        for state in thread_states():
+            if _is_tqdm_monitor(state.thread) or _is_kit_thread(state.thread):
+                continue
+            if state.pool is not None:
+                if not state.busy or state.thread in self._busy:
+                    continue
+                owners = _wrapper_ledgers(state.thread)
+                if owners is not None and self.ledger not in owners:
+                    continue  # another case's environment call
+                leaks.append(f"thread still busy: {state.describe()}")
+            elif state.thread not in self._threads and state.thread.is_alive():
+                leaks.append(f"thread left running: {state.describe()}")
+        return leaks
 
 
 def _describe(exc: BaseException) -> str:
@@ -335,10 +391,33 @@ async def _run_hang(
     return problems
 
 
-async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
-    """Run one case in the current event loop and return its problems (empty: it passed)."""
+async def _settle(tracker: CaseTracker, setup: Setup, leaks: list[str]) -> tuple[list[str], list[str]]:
+    """Threads still busy after ``leak_grace_s``: wait up to ``settle_s`` more; gone by then, it was slow.
+
+    Returns the leaks left, and the slow verdict's line (naming ``leak_grace_s``) if the wait cleared them.
+    """
+    if not leaks or setup.settle_s <= setup.leak_grace_s or not tracker.thread_leaks():
+        return leaks, []
+    started = time.monotonic()
+    with anyio.move_on_after(setup.settle_s - setup.leak_grace_s):
+        # Worker threads change this state, with no event to wait on: poll.
+        while tracker.thread_leaks():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+    left = await tracker.leaks_async(grace_s=0)
+    if left:
+        return left, []
+    waited = setup.leak_grace_s + time.monotonic() - started
+    return [], [
+        f"slow, not leaked: the environment's worker threads were still busy after leak_grace_s="
+        f"{setup.leak_grace_s:g}s and went idle {waited:.1f}s after the case; pass leak_grace_s="
+        f"{math.ceil(waited + 0.5):g} to accept an environment this slow"
+    ]
+
+
+async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -> tuple[list[str], list[str]]:
+    """Run one case in the current event loop: its problems (empty: it passed), and its slow verdict."""
     trap.arm()
-    tracker = LeakTracker()
+    tracker = CaseTracker(shared=shared)
     env_id = register_wrapper_env(setup.env_class, hooks=[trap], ledgers=[tracker.ledger], kind="check")
     problems: list[str] = []
     try:
@@ -359,8 +438,9 @@ async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
         if deadline.cancelled_caught:
             problems.append(f"the case did not finish within case_timeout_s={setup.case_timeout_s:g}s")
         trap.release_all()
-        problems += await tracker.leaks_async(grace_s=setup.leak_grace_s)
+        leaks, slow = await _settle(tracker, setup, await tracker.leaks_async(grace_s=setup.leak_grace_s))
+        problems += leaks
     finally:
         trap.release_all()
         unregister_wrapper_env(env_id)
-    return problems
+    return problems, slow
