@@ -32,7 +32,16 @@ from .run import RunResult
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, jsonable
 
-__all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
+__all__ = [
+    "OUTPUT_FILES",
+    "batch_line",
+    "counted",
+    "environments_line",
+    "format_summary",
+    "jsonable",
+    "summarize",
+    "write_outputs",
+]
 
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
 #: The ``GeneratorOutput`` fields, and the prefix of the rollout metrics, that hold wall-clock times.
@@ -56,6 +65,24 @@ _PACKAGES = (
     "tokenizers",
     "vllm",
 )
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 prompt"``, ``"4 prompts"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def batch_line(prompts: int, samples: int, rollouts: int, source: str) -> str:
+    """``"12 prompts x 4 samples = 48 rollouts from ..."`` (singular where a count is 1)."""
+    return f"{counted(prompts, 'prompt')} x {counted(samples, 'sample')} = {counted(rollouts, 'rollout')} from {source}"
+
+
+def environments_line(env_classes: Sequence[str]) -> str:
+    """``"environment gsm8k"``, or ``"environments gsm8k (8 prompts), gsm8k_multi_turn (4 prompts)"``."""
+    counts = Counter(env_classes)
+    if len(counts) == 1:
+        return f"environment {next(iter(counts))}"
+    return "environments " + ", ".join(f"{name} ({counted(n, 'prompt')})" for name, n in sorted(counts.items()))
 
 
 def _final_rows(output: GeneratorOutput) -> list[int]:
@@ -328,8 +355,8 @@ def _close_errors(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
     """The summary table printed at the end of a run (interrupted runs get what was stopped and closed)."""
     head = (
-        f"{summary['prompts']} prompts x {summary['samples_per_prompt']} samples = {summary['rollouts']} rollouts "
-        f"from {summary['data']}; engine {summary['engine']}; backend {summary['backend']}"
+        f"{batch_line(summary['prompts'], summary['samples_per_prompt'], summary['rollouts'], summary['data'])}; "
+        f"engine {summary['engine']}; backend {summary['backend']}"
     )
     times = summary["wall_time_s"]
     if summary["status"] == "interrupted" or "rollouts_ok" not in summary:
@@ -546,6 +573,6 @@ def write_outputs(
 
 def _plot_title(summary: dict[str, Any]) -> str:
     return (
-        f"skyrl-structured rollout ({summary['status']}): {summary['prompts']} prompts x "
-        f"{summary['samples_per_prompt']} samples, {summary['data']}"
+        f"skyrl-structured rollout ({summary['status']}): {counted(summary['prompts'], 'prompt')} x "
+        f"{counted(summary['samples_per_prompt'], 'sample')}, {summary['data']}"
     )
