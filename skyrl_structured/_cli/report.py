@@ -272,6 +272,7 @@ def summarize(
         "engine": result.engine or cfg.engine.kind,
         "backend": cfg.run.backend,
         "wall_time_s": {"engine_load": result.load_s, "generate": result.generate_s},
+        "engine_loaded": bool(result.engine),
         "sessions_finished": tally.sessions_finished,
         "rollout_attempts": tally.attempts_started,
         **_kept(result, rollouts),
@@ -368,7 +369,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ("environments", _opened_closed(summary)),
             *_close_errors(summary),
             ("inference sessions", f"{summary['sessions_finished']} finished of {summary['rollout_attempts']} started"),
-            ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
+            ("wall time", _wall_time(summary)),
         ]
         rows.append(("trajectories kept", _kept_line(summary)))
         rows += [
@@ -404,6 +405,13 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
         files = summary.get("files") or (OUTPUT_FILES if title == "done" else OUTPUT_FILES[-1:])
         rows.append(("output", f"{output_dir}/ ({', '.join(files)})"))
     return "\n".join([f"skyrl-structured rollout: {title}", f"  {head}", *_table(rows)])
+
+
+def _wall_time(summary: dict[str, Any]) -> str:
+    times = summary["wall_time_s"]
+    if not summary.get("engine_loaded", True):
+        return f"stopped after {times['engine_load']:.1f} s loading the engine (nothing generated)"
+    return f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"
 
 
 def _kept_line(summary: dict[str, Any]) -> str:

@@ -194,8 +194,10 @@ async def _load_and_generate(
     on_engine: Callable[[EngineSetup], None] | None,
 ) -> None:
     started = time.monotonic()
-    setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
-    result.load_s = time.monotonic() - started
+    try:
+        setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
+    finally:  # also when stopped while loading: the time spent is what the report shows
+        result.load_s = time.monotonic() - started
     result.engine = setup.description
     if on_engine is not None:
         on_engine(setup)
