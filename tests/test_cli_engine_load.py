@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from types import FrameType
 
 import anyio
 import pytest
@@ -22,7 +23,7 @@ from skyrl_structured._cli.run import run_step
 def _loading() -> bool:
     """Whether some thread is inside ``load_engine`` right now."""
     for frame in sys._current_frames().values():
-        current = frame
+        current: FrameType | None = frame
         while current is not None:
             if current.f_code.co_name == "build_tiny_model":
                 return True
