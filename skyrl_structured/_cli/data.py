@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 import skyrl_gym
 
+from .._registration import register_import_path
 from .._rollout import engine_sampling_params as _engine_params
 from ..config import SamplingParams
 from ..types import BatchMetadata, GeneratorInput, TrajectoryID
@@ -136,17 +136,10 @@ def _register_entry_point(env_class: str, source: str) -> None:
     Raises:
         ConfigError: the module cannot be imported or has no such class.
     """
-    module_name, _, attribute = env_class.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module: anything it raises on import
-        raise ConfigError(
-            f"{source}: environment class {env_class!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})"
-        ) from None
-    if not callable(getattr(module, attribute, None)):
-        raise ConfigError(f"{source}: environment class {env_class!r}: {module_name!r} has no class {attribute!r}")
-    if env_class not in skyrl_gym.registry:
-        skyrl_gym.register(id=env_class, entry_point=env_class)
+        register_import_path(env_class)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _listed(labels: list[str]) -> str:
