@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -27,7 +29,7 @@ from ._cli.engine import EngineSetup, chaos_policy, preflight, wrap_env_classes
 from ._cli.help import keys_help
 from ._cli.logs import AggregatingHandler, configure_logging
 from ._cli.report import batch_line, environments_line, format_summary, jsonable, summarize, write_outputs
-from ._cli.run import RunResult, run_step
+from ._cli.run import RunResult, is_duplicate, run_step
 from ._cli.schema import RolloutConfig
 from ._supervisor import describe_error
 from .types import GeneratorInput
@@ -164,6 +166,27 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir), logs, chosen)
 
 
+def _hold_repeats(result: RunResult) -> None:
+    """Once stopped, keep a repeat of the stop from killing the process while it writes its summary.
+
+    The signal receiver is gone by now (its handlers are the defaults again), and the summary, the
+    files and ``summary.png`` still take a while: a duplicate of the stop arriving late (``timeout``
+    signals the process, then its group) is ignored, and a deliberate second signal still exits at once.
+    """
+    if result.signal is None:
+        return
+
+    def repeated(signum: int, frame: Any) -> None:
+        if is_duplicate(result):
+            return
+        _status(f"{signal.Signals(signum).name} received again: exiting without writing the summary")
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, repeated)
+
+
 def _run(plan: _Plan, debug: bool) -> RunResult | int:
     """Run the step; an exit status instead when it could not run at all."""
     cfg = plan.cfg
@@ -177,7 +200,9 @@ def _run(plan: _Plan, debug: bool) -> RunResult | int:
     def engine_ready(setup: EngineSetup) -> None:
         _status(f"engine ready: {setup.description}")
 
-    step = functools.partial(run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready)
+    step = functools.partial(
+        run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready, after_signals=_hold_repeats
+    )
     try:
         return anyio.run(step, backend=cfg.run.backend)
     except KeyboardInterrupt:  # before the signal receiver was installed

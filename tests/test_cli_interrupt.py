@@ -156,3 +156,19 @@ def test_a_stop_sent_to_the_process_and_its_group_is_one_request(tmp_path, backe
     assert summary["envs_opened"] == summary["envs_closed"]
     assert summary["trajectories_kept"] == len(_kept(path))
     assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
+
+
+def test_a_late_copy_of_the_stop_is_ignored_while_the_summary_is_written():
+    """The group's copy may land after the signal receiver closed, while summary.png is drawn."""
+    from skyrl_structured import cli
+    from skyrl_structured._cli.run import RunResult, Tally
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stopped = RunResult(status="interrupted", tally=Tally(), signal=signal.SIGTERM, signal_at=time.monotonic())
+        cli._hold_repeats(stopped)
+        os.kill(os.getpid(), signal.SIGTERM)  # a default handler here would end this very process
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, saved[signal.SIGTERM])
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

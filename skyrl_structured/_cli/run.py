@@ -34,7 +34,7 @@ from .engine import EngineSetup, load_engine
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
-__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "run_step"]
+__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "is_duplicate", "run_step"]
 
 #: A signal this soon after the first is the same stop request delivered twice, not a second request.
 DUPLICATE_SIGNAL_WINDOW_S = 1.0
@@ -106,6 +106,8 @@ class RunResult:
     output: GeneratorOutput | None = None
     error: BaseException | None = None
     signal: int | None = None
+    #: When the stop signal arrived (``time.monotonic()``).
+    signal_at: float | None = None
     engine: str = ""
     load_s: float = 0.0
     generate_s: float = 0.0
@@ -121,12 +123,16 @@ class RunResult:
     started_at: str = ""
 
 
+def is_duplicate(result: RunResult) -> bool:
+    """Whether a signal arriving now repeats ``result``'s stop (within :data:`DUPLICATE_SIGNAL_WINDOW_S`)."""
+    return result.signal_at is not None and time.monotonic() - result.signal_at < DUPLICATE_SIGNAL_WINDOW_S
+
+
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
-    first_at = 0.0
     async for signum in signals:
         if result.signal is None:
             result.signal = signum
-            first_at = time.monotonic()
+            result.signal_at = time.monotonic()
             name = signal.Signals(signum).name
             if result.started_generating:
                 say(
@@ -136,7 +142,7 @@ async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResul
             else:
                 say(f"\n{name} received: stopping before generation started (send it again to exit now)")
             work.cancel()
-        elif time.monotonic() - first_at < DUPLICATE_SIGNAL_WINDOW_S:
+        elif is_duplicate(result):
             continue  # the same stop, delivered to the process and to its group
         else:
             say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
@@ -152,10 +158,13 @@ async def run_step(
     *,
     say: Callable[[str], None],
     on_engine: Callable[[EngineSetup], None] | None = None,
+    after_signals: Callable[[RunResult], None] | None = None,
 ) -> RunResult:
     """Load the engine, run ``generate()`` once, and return how it ended; never raises ``Exception``.
 
     ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
+    ``after_signals`` is called the moment the signal receiver is gone (the signals' handlers are
+    the defaults again), so that the caller can keep a repeated stop from killing what follows.
     """
     tally = Tally()
     result = RunResult(
@@ -180,6 +189,8 @@ async def run_step(
                     if result.trajectories is not None:
                         result.trajectories.close()
             watchers.cancel_scope.cancel()
+    if after_signals is not None:
+        after_signals(result)
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
         result.output = None
