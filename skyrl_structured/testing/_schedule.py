@@ -172,7 +172,7 @@ def quiet_logs(quiet: bool) -> Iterator[None]:
         return
     package = logging.getLogger(__name__.split(".")[0])
     level = package.level
-    package.setLevel(logging.CRITICAL)
+    package.setLevel(logging.ERROR)
     try:
         yield
     finally:

@@ -28,6 +28,10 @@ behind. Each case runs in its own thread and event loop; one that does not finis
 cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned, and
 one whose event loop dies (an interrupt nothing held) is reported as crashed: nothing raised inside
 a case, not even a ``KeyboardInterrupt``, escapes the check.
+
+The baseline runs first and calibrates the kit's own deadlines to the environment; cases may then
+run at once, a close that raises fails the baseline, and threads that outlive ``leak_grace_s`` but
+go idle later make a case *slow*, not failed (see :mod:`._schedule` and :mod:`._report`).
 """
 
 from __future__ import annotations
