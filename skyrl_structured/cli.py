@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -26,8 +28,8 @@ from ._cli.data import build_batch, load_dataset
 from ._cli.engine import EngineSetup, chaos_policy, preflight, wrap_env_classes
 from ._cli.help import keys_help
 from ._cli.logs import AggregatingHandler, configure_logging
-from ._cli.report import format_summary, jsonable, summarize, write_outputs
-from ._cli.run import RunResult, run_step
+from ._cli.report import batch_line, environments_line, format_summary, jsonable, summarize, write_outputs
+from ._cli.run import RunResult, is_duplicate, run_step
 from ._cli.schema import RolloutConfig
 from ._supervisor import describe_error
 from .types import GeneratorInput
@@ -138,6 +140,8 @@ class _Plan:
     batch: GeneratorInput
     output_dir: Path
     logs: AggregatingHandler
+    #: Each prompt's environment class as the rows and ``environment.env_class`` chose it.
+    env_classes: list[str]
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -159,13 +163,35 @@ def _plan(args: argparse.Namespace) -> _Plan:
         dataset = load_dataset(
             cfg.data.path, default_env_class=cfg.environment.env_class, max_prompts=cfg.data.max_prompts
         )
+    chosen = list(dataset.env_classes)
     dataset.env_classes = wrap_env_classes(dataset.env_classes, policy, cfg.chaos.stage)
     eval_phase = cfg.run.phase == "eval"
     samples = cfg.generator.eval_n_samples_per_prompt if eval_phase else cfg.generator.n_samples_per_prompt
     params = cfg.generator.eval_sampling_params if eval_phase else cfg.generator.sampling_params
     assert params is not None  # GeneratorConfig fills eval_sampling_params at construction
     batch = build_batch(dataset, n_samples=samples, params=params, phase=cfg.run.phase)
-    return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir), logs)
+    return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir), logs, chosen)
+
+
+def _hold_repeats(result: RunResult) -> None:
+    """Once stopped, keep a repeat of the stop from killing the process while it writes its summary.
+
+    The signal receiver is gone by now (its handlers are the defaults again), and the summary, the
+    files and ``summary.png`` still take a while: a duplicate of the stop arriving late (``timeout``
+    signals the process, then its group) is ignored, and a deliberate second signal still exits at once.
+    """
+    if result.signal is None:
+        return
+
+    def repeated(signum: int, frame: Any) -> None:
+        if is_duplicate(result):
+            return
+        _status(f"{signal.Signals(signum).name} received again: exiting without writing the summary")
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, repeated)
 
 
 def _run(plan: _Plan, debug: bool) -> RunResult | int:
@@ -174,14 +200,16 @@ def _run(plan: _Plan, debug: bool) -> RunResult | int:
     if cfg.chaos.hang_rate > 0 and cfg.generator.rollout_timeout_s is None:
         _status("note: chaos.hang_rate > 0 without generator.rollout_timeout_s: hung rollouts wait for Ctrl-C")
     _status(
-        f"{PROG} rollout: {plan.prompts} prompts x {plan.samples} samples = {len(plan.batch['prompts'])} rollouts "
-        f"from {plan.source}; engine {cfg.engine.kind}; backend {cfg.run.backend}"
+        f"{PROG} rollout: {batch_line(plan.prompts, plan.samples, len(plan.batch['prompts']), plan.source)}; "
+        f"{environments_line(plan.env_classes)}; engine {cfg.engine.kind}; backend {cfg.run.backend}"
     )
 
     def engine_ready(setup: EngineSetup) -> None:
         _status(f"engine ready: {setup.description}")
 
-    step = functools.partial(run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready)
+    step = functools.partial(
+        run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready, after_signals=_hold_repeats
+    )
     try:
         return anyio.run(step, backend=cfg.run.backend)
     except KeyboardInterrupt:  # before the signal receiver was installed

@@ -9,6 +9,7 @@ from typing import Any
 
 import skyrl_gym
 
+from ._registration import is_import_path, register_import_path
 from .config import ResilienceSettings, check_number, routed_experts_enabled
 
 __all__ = [
@@ -210,13 +211,15 @@ def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str, str
         )
     # When skyrl_gym.make has been replaced (tests often patch it), the replacement owns the names.
     if getattr(skyrl_gym.make, "__module__", None) == "skyrl_gym.envs.registration":
+        for env_class in sorted({str(c) for c in input_batch["env_classes"] if is_import_path(str(c))}):
+            register_import_path(env_class)  # "package.module:EnvClass" names its class: nothing to register
         unknown = sorted({c for c in input_batch["env_classes"] if not _env_registered(str(c))})
         if unknown:
             raise ValueError(
                 f"`input_batch['env_classes']` names environments skyrl_gym does not know: {unknown}. "
                 f"Registered: {sorted(skyrl_gym.registry)}. Register yours with skyrl_gym.register(id=..., "
-                "entry_point='package.module:EnvClass') before generating (skyrl_gym.make does not import a "
-                "'module:Class' id by itself)."
+                "entry_point='package.module:EnvClass') before generating, or name it by its import path "
+                "('package.module:EnvClass' as the env_class), which is imported and registered for you."
             )
 
 

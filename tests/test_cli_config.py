@@ -74,6 +74,9 @@ def test_dotted_overrides_use_skyrls_names_and_are_typed_by_the_field():
     assert cfg.environment.skyrl_gym.max_env_workers == 0
     assert cfg.run.output_dir == "2024"
     assert cfg.run.backend == "trio"
+    # YAML would read these as booleans; a text field keeps the text as written.
+    for word in ("no", "off", "Yes"):
+        assert load_config([f"run.output_dir={word}"]).run.output_dir == word
     assert cfg.engine.base_urls == ["http://10.0.0.1:8000"]
 
 
@@ -113,6 +116,8 @@ def test_yaml_file_sits_under_the_command_line(tmp_path):
         ("generator.max_turn=3", r"unknown key `generator.max_turn`; did you mean `generator.max_turns`\?"),
         ("generator.temperature=0.5", r"did you mean `generator.sampling_params.temperature`"),
         ("genrator.max_turns=1", r"unknown section `genrator`.*did you mean `generator`\?.*Sections: generator, "),
+        ("max_turns=3", r"unknown section `max_turns` in `max_turns`; did you mean `generator.max_turns`\?"),
+        ("sampling_params.temperature=1", r"did you mean `generator.sampling_params.temperature`\?"),
         ("trainer.epochs=1", r"configures SkyRL's trainer"),
         ("generator.max_turns.x=1", r"`generator.max_turns` is a single value, not a section"),
         ("generator.max_turns=three", r"`generator.max_turns` takes int, got 'three' \(str\); default: 1"),

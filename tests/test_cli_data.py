@@ -90,11 +90,12 @@ def test_json_list_and_parquet_read_the_same_rows(tmp_path):
         ("a,b\n", "d.csv", r"unknown file type '.csv'; use .jsonl, .json or .parquet"),
         ('{"prompt": [{"role": "user", "content": "x"}]}\n{oops\n', "d.jsonl", r"d.jsonl, line 2: not valid JSON"),
         ('{"rows": []}', "d.json", r"must hold a JSON list of rows, got dict"),
-        ('{"question": "x"}\n', "d.jsonl", r"row 0: missing `prompt` \(columns: question\)"),
-        ('{"prompt": "What is 2 + 2?"}\n', "d.jsonl", r"row 0: `prompt` must be a non-empty list of chat messages"),
-        ('{"prompt": [{"content": "x"}]}\n', "d.jsonl", r"row 0: `prompt\[0\]` must be a mapping with `role`"),
+        ('{"question": "x"}\n', "d.jsonl", r"d.jsonl, line 1: missing `prompt` \(columns: question\)"),
+        ('{"prompt": "What is 2 + 2?"}\n', "d.jsonl", r"d.jsonl, line 1: `prompt` must be a non-empty list"),
+        ('{"prompt": [{"content": "x"}]}\n', "d.jsonl", r"d.jsonl, line 1: `prompt\[0\]` must be a mapping"),
         ('{"prompt": [{"role": "user", "content": "x"}], "env_class": 3}\n', "d.jsonl", r"`env_class` must be a str"),
         ("\n", "d.jsonl", r"has no rows"),
+        ('[{"prompt": [{"role": "user", "content": "x"}]}, {"q": 1}]', "d.json", r"d.json, row 2: missing `prompt`"),
     ],
 )
 def test_bad_data_is_refused_naming_file_and_row(tmp_path, content, name, message):
@@ -148,3 +149,38 @@ def test_engine_sampling_params_use_vllms_names():
     assert out["seed"] == 3
     assert out["top_p"] == 1.0  # additional kwargs never override a named parameter
     assert "max_generate_length" not in out
+
+
+def test_rows_are_numbered_one_way_whatever_the_check(tmp_path):
+    """The row a JSON error names and the row a later check names are the same line of the file."""
+    good = json.dumps(ROWS[0])
+    (tmp_path / "syntax.jsonl").write_text(f"{good}\n\n{{oops\n")
+    with pytest.raises(ConfigError, match=r"syntax\.jsonl, line 3: not valid JSON"):
+        load_dataset(str(tmp_path / "syntax.jsonl"), default_env_class=None, max_prompts=None)
+    (tmp_path / "prompt.jsonl").write_text(f'{good}\n\n{{"prompt": "x"}}\n')
+    with pytest.raises(ConfigError, match=r"prompt\.jsonl, line 3: `prompt` must be"):
+        load_dataset(str(tmp_path / "prompt.jsonl"), default_env_class=None, max_prompts=None)
+    (tmp_path / "extras.jsonl").write_text(f"{good}\n\n{json.dumps({'prompt': ROWS[0]['prompt']})}\n")
+    with pytest.raises(ConfigError, match=r"reads when it is created \(line 3\)"):
+        load_dataset(str(tmp_path / "extras.jsonl"), default_env_class=None, max_prompts=None)
+
+
+def test_a_default_env_class_fills_rows_without_one_and_the_rows_own_win(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    assert load_dataset(path, default_env_class=None, max_prompts=None).env_classes == ["gsm8k", "gsm8k"]
+    assert load_dataset(path, default_env_class="gsm8k_multi_turn", max_prompts=None).env_classes == [
+        "gsm8k",
+        "gsm8k_multi_turn",
+    ]
+
+
+def test_an_env_class_every_row_overrides_is_refused_naming_both(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_dataset(None, default_env_class="gsm8k_multi_turn", max_prompts=None)
+    assert str(caught.value) == (
+        "`environment.env_class=gsm8k_multi_turn` would be ignored: every row of embedded arithmetic.jsonl names "
+        "its own env_class (gsm8k), which wins as in SkyRL (the setting only fills rows without one). Drop the "
+        "setting, or the rows' env_class column"
+    )
+    # Naming the rows' own class is no conflict.
+    assert set(load_dataset(None, default_env_class="gsm8k", max_prompts=None).env_classes) == {"gsm8k"}

@@ -8,6 +8,7 @@ its own, so the run is mid-batch for certain once the first finished rollout is 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -26,7 +27,7 @@ ROLLOUTS = 12  # 3 prompts x 4 samples
 HUNG = sum(ChaosPolicy(hang_rate=0.5, seed=0).decide("generate", call) == "hang" for call in range(1, ROLLOUTS + 1))
 
 
-def _start(tmp_path: Path, backend: str) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, backend: str, *, own_group: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -44,6 +45,7 @@ def _start(tmp_path: Path, backend: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
 
 
@@ -121,3 +123,52 @@ def test_sigkill_mid_batch_leaves_a_valid_jsonl_prefix(tmp_path, backend):
     rows = _kept(path)
     assert 2 <= len(rows) <= ROLLOUTS - HUNG
     assert not (tmp_path / "out" / "summary.json").exists()  # killed: no summary, the rows are all there is
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stop_sent_to_the_process_and_its_group_is_one_request(tmp_path, backend):
+    """What ``timeout -s TERM`` does: SIGTERM to the process, then to its group, within milliseconds."""
+    path = tmp_path / "out" / "trajectories.jsonl"
+    proc = _start(tmp_path, backend, own_group=True)
+    try:
+        _wait_for_lines(proc, path, 1)
+        os.kill(proc.pid, signal.SIGTERM)
+        # The group's copy lands once the first was handled (a copy sent while the first is still
+        # pending merges with it in the kernel, and would test nothing).
+        assert proc.stderr is not None
+        seen, line = "", ""
+        while "SIGTERM received" not in line:
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, rest = proc.communicate(timeout=120)
+        stderr = seen + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "received again" not in stderr
+    assert stderr.count("SIGTERM received") == 1, stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["envs_opened"] == summary["envs_closed"]
+    assert summary["trajectories_kept"] == len(_kept(path))
+    assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
+
+
+def test_a_late_copy_of_the_stop_is_ignored_while_the_summary_is_written():
+    """The group's copy may land after the signal receiver closed, while summary.png is drawn."""
+    from skyrl_structured import cli
+    from skyrl_structured._cli.run import RunResult, Tally
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stopped = RunResult(status="interrupted", tally=Tally(), signal=signal.SIGTERM, signal_at=time.monotonic())
+        cli._hold_repeats(stopped)
+        os.kill(os.getpid(), signal.SIGTERM)  # a default handler here would end this very process
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, saved[signal.SIGTERM])
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

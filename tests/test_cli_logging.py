@@ -101,7 +101,7 @@ def test_library_log_lines_appear_once_and_repeated_warnings_collapse_into_a_cou
     assert re.fullmatch(
         r"WARNING chatty_env: could not parse an answer for row \d: ValueError: no '####' in the reply", parse[0]
     )
-    assert parse[1].startswith(f"  {ROLLOUTS} x WARNING chatty_env: could not parse an answer for row ")
+    assert parse[1].startswith(f"  {ROLLOUTS} x WARNING chatty_env, first: could not parse an answer for row ")
     assert "repeated log lines (1 kind; the first of each is shown in full above):" in lines
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "ok"
 
@@ -133,8 +133,8 @@ def test_aggregating_handler_counts_each_kind_and_shows_the_first_in_full():
     assert written[3:] == [f"INFO lib.http: request {i} sent" for i in range(5)]
     summary = handler.summary_lines()
     assert summary[0] == "repeated log lines (2 kinds; the first of each is shown in full above):"
-    assert summary[1].startswith("  48 x WARNING lib.http: server http://h0 unreachable (ConnectError: xxx")
+    assert summary[1].startswith("  48 x WARNING lib.http, first: server http://h0 unreachable (ConnectError: xxx")
     assert summary[1].endswith("...")
     assert len(summary[1]) < 200
-    assert summary[2] == "  3 x WARNING lib.http: server http://h0 unreachable (ReadTimeout: slow)"
+    assert summary[2] == "  3 x WARNING lib.http, first: server http://h0 unreachable (ReadTimeout: slow)"
     assert len(summary) == 3

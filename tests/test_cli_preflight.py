@@ -237,7 +237,7 @@ def test_rows_without_the_reward_spec_their_env_needs_are_refused_before_the_eng
     [error] = _refused(_rollout(tmp_path, "data.path=rows.jsonl"))
     assert error == (
         "rows.jsonl: 3 of 8 rows lack `reward_spec.ground_truth`, which environment 'gsm8k' reads when it is "
-        "created (rows 2, 5, 6); add it to every row, e.g. reward_spec: {method: rule, ground_truth: '42'}"
+        "created (lines 3, 6, 7); add it to every row, e.g. reward_spec: {method: rule, ground_truth: '42'}"
     )
 
 
@@ -252,6 +252,21 @@ def test_parquet_rows_are_checked_the_same_way(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     [error] = _refused(_rollout(tmp_path, "data.path=rows.parquet"))
     assert error.startswith(
-        "rows.parquet: 1 of 2 rows lack `db_id`, which environment 'text2sql' reads when it is created (row 1); "
+        "rows.parquet: 1 of 2 rows lack `db_id`, which environment 'text2sql' reads when it is created (row 2); "
         "1 rows lack `data` too ('text2sql'); add them to every row"
+    )
+
+
+def test_no_server_with_a_tokenizer_given_serves_the_tokenizers_model_under_the_served_name():
+    from skyrl_structured._cli.config import load_config
+    from skyrl_structured._cli.engine import preflight
+
+    port = _closed_port()
+    cfg = load_config(
+        [*_http(f"http://127.0.0.1:{port}", model="policy"), "engine.tokenizer=Qwen/Qwen2.5-1.5B-Instruct"]
+    )
+    [error] = preflight(cfg)
+    assert error.endswith(
+        f"Start it (vllm serve Qwen/Qwen2.5-1.5B-Instruct --port {port} --served-model-name policy) or fix "
+        "engine.base_urls"
     )

@@ -228,3 +228,12 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
     monkeypatch.delitem(sys.modules, "matplotlib")
     write_outputs(tmp_path, summary, cfg, batch, result)
     assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_counts_read_in_the_singular_where_they_are_one():
+    from skyrl_structured._cli.report import batch_line, environments_line
+
+    assert batch_line(1, 1, 1, "d.jsonl") == "1 prompt x 1 sample = 1 rollout from d.jsonl"
+    assert batch_line(12, 4, 48, "d.jsonl") == "12 prompts x 4 samples = 48 rollouts from d.jsonl"
+    assert environments_line(["gsm8k"] * 3) == "environment gsm8k"
+    assert environments_line(["gsm8k", "aime", "gsm8k"]) == "environments aime (1 prompt), gsm8k (2 prompts)"

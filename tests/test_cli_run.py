@@ -64,9 +64,36 @@ def _expected_failures(rate: float, seed: int = 0) -> int:
     return sum(policy.decide("generate", call) == "failure" for call in range(1, ROLLOUTS + 1))
 
 
+#: Numbers vary from run to run (times) and machine to machine (what a random model samples).
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+#: Rows whose value lists what happened (which stop reasons occurred): the label is compared alone.
+_LISTING_ROWS = ("stop reasons", "failures by type")
+
+
+def _shape(block: str, output_dir: str) -> list[tuple[str, str]]:
+    """Each line of a summary as (label, value with its numbers masked)."""
+    shaped = []
+    for line in block.replace(output_dir, "rollout_output").splitlines():
+        label, _, value = line.strip().partition("  ")
+        if label in _LISTING_ROWS:
+            value = ""
+        shaped.append((label, _NUMBER.sub("N", value.strip())))
+    return shaped
+
+
+def _quickstart_sample() -> str:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    match = re.search(r"```text\n(skyrl-structured rollout: done\n.*?)```", text, re.DOTALL)
+    assert match is not None, "docs/quickstart.md lost its sample summary"
+    return match.group(1)
+
+
 def test_default_run_is_offline_and_writes_a_valid_generator_output(tmp_path, tokenizer):
     proc = _run(tmp_path)
     assert proc.returncode == 0, proc.stderr
+    # The quickstart's sample is this run's summary, line for line (only the figures may differ).
+    assert _shape(proc.stdout, str(tmp_path / "out")) == _shape(_quickstart_sample(), "rollout_output")
+    assert "; environment gsm8k; " in proc.stderr.splitlines()[0]
     assert "Traceback" not in proc.stderr
     assert "Generating Trajectories" in proc.stderr  # the progress bar
     assert proc.stdout.startswith("skyrl-structured rollout: done\n")

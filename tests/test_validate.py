@@ -96,10 +96,16 @@ def test_step_wise_contiguity_and_boundaries():
             {},
             r"names environments skyrl_gym does not know: \['no_such_env'\]",
         ),
-        (  # skyrl_gym.make would fail on it in every rollout: it does not import "module:Class" ids
-            lambda b: b.update(env_classes=["tests.helpers:ScriptedEnv"] * 2),
+        (  # an import path is imported and registered for the caller: one that names nothing is refused
+            lambda b: b.update(env_classes=["skyrl_structured.testing.envs:NoSuchEnv"] * 2),
             {},
-            r"does not know: \['tests.helpers:ScriptedEnv'\].*does not import a 'module:Class' id",
+            r"^environment class 'skyrl_structured.testing.envs:NoSuchEnv': 'skyrl_structured.testing.envs' has no "
+            r"class 'NoSuchEnv'$",
+        ),
+        (
+            lambda b: b.update(env_classes=["no_such_package_xyz:Env"] * 2),
+            {},
+            r"^environment class 'no_such_package_xyz:Env': cannot import 'no_such_package_xyz' \(ModuleNotFoundError",
         ),
         (
             lambda b: b.pop("trajectory_ids"),
@@ -134,3 +140,23 @@ async def test_bad_batches_are_refused_before_any_rollout(tokenizer, anyio_backe
         await gen.generate(batch, disable_tqdm=True)
     assert engine.calls == []
     assert ledger.opened == 0
+
+
+@pytest.mark.anyio
+async def test_an_env_class_given_as_its_import_path_is_registered_and_runs(tokenizer, anyio_backend, ledger):
+    """What SkyRL's no-code route needs: a dataset's env_class naming the class, no registration code."""
+    import skyrl_gym
+
+    path = "skyrl_structured.testing.envs:ScriptedEnv"
+    skyrl_gym.registry.pop(path, None)
+    try:
+        gen = make_generator(tokenizer, ScriptedEngine(tokenizer, turn_replies("a", "b")))
+        batch = make_batch(2, ledger)
+        batch["env_classes"] = [path] * 2
+        out = await gen.generate(batch, disable_tqdm=True)
+        assert path in skyrl_gym.registry
+        assert out["stop_reasons"] == ["stop", "stop"]
+        assert ledger.opened == 2
+        assert ledger.closed == 2
+    finally:
+        skyrl_gym.registry.pop(path, None)

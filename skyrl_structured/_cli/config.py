@@ -148,6 +148,9 @@ def _coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
     if base is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool) and raw is not None:
+            # `run.output_dir=no` means the directory "no", not YAML's false (a text field keeps the text).
+            return raw.strip()
         if isinstance(value, int | float) and not isinstance(value, bool):
             # `run.output_dir=2024` means the directory "2024", not the number.
             return raw.strip() if raw is not None else str(value)
@@ -186,8 +189,10 @@ def _unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigEr
         foreign = _FOREIGN_SECTIONS.get(head)
         if foreign is not None:
             return ConfigError(f"unknown key `{key}`{where}: {foreign}")
-        close = difflib.get_close_matches(head, SECTIONS, n=1)
-        hint = f"; did you mean `{close[0]}`?" if close else ""
+        # `max_turns=3` is `generator.max_turns` with its section left out: name the full key.
+        nested = [p for p in specs if p.endswith(f".{key}")][:2]
+        close = nested or difflib.get_close_matches(head, SECTIONS, n=1)
+        hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
         return ConfigError(f"unknown section `{head}` in `{key}`{where}{hint} Sections: {', '.join(SECTIONS)}")
     parent = key.rpartition(".")[0]
     parent_spec = specs.get(parent)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,16 +20,19 @@ from typing import Any
 
 import skyrl_gym
 
+from .._registration import register_import_path
 from .._rollout import engine_sampling_params as _engine_params
 from ..config import SamplingParams
 from ..types import BatchMetadata, GeneratorInput, TrajectoryID
 from ..validate import missing_env_extras
 from .config import ConfigError
 
-__all__ = ["EMBEDDED_DATASET", "Dataset", "build_batch", "engine_sampling_params", "load_dataset"]
+__all__ = ["DEFAULT_ENV_CLASS", "EMBEDDED_DATASET", "Dataset", "build_batch", "engine_sampling_params", "load_dataset"]
 
 #: The embedded default dataset, inside the package.
 EMBEDDED_DATASET = "arithmetic.jsonl"
+#: The environment of rows without an ``env_class`` when ``environment.env_class`` is not set (SkyRL's default).
+DEFAULT_ENV_CLASS = "gsm8k"
 
 
 @dataclass
@@ -46,8 +48,17 @@ class Dataset:
         return len(self.prompts)
 
 
-def _read_jsonl(text: str, source: str) -> list[Any]:
-    rows = []
+#: Rows and where each came from, as error messages name it: ``"line 3"`` of a JSONL file, else ``"row 3"``.
+_Rows = tuple[list[Any], list[str]]
+
+
+def _numbered(rows: list[Any]) -> _Rows:
+    """Rows of a JSON list or a parquet table, numbered from 1 as a person counts them."""
+    return rows, [f"row {number}" for number in range(1, len(rows) + 1)]
+
+
+def _read_jsonl(text: str, source: str) -> _Rows:
+    rows, labels = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -55,7 +66,8 @@ def _read_jsonl(text: str, source: str) -> list[Any]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}, line {number}: not valid JSON ({exc.msg})") from None
-    return rows
+        labels.append(f"line {number}")  # every later message names the same line an editor shows
+    return rows, labels
 
 
 def _read_parquet(path: Path) -> list[Any]:
@@ -72,7 +84,7 @@ def _read_parquet(path: Path) -> list[Any]:
     return rows
 
 
-def _read_rows(path: str | None) -> tuple[list[Any], str]:
+def _read_rows(path: str | None) -> tuple[_Rows, str]:
     if path is None:
         text = resources.files("skyrl_structured").joinpath("data", EMBEDDED_DATASET).read_text(encoding="utf-8")
         return _read_jsonl(text, EMBEDDED_DATASET), f"embedded {EMBEDDED_DATASET}"
@@ -82,7 +94,7 @@ def _read_rows(path: str | None) -> tuple[list[Any], str]:
         raise ConfigError(f"`data.path` {path!r} {what}")
     suffix = file.suffix.lower()
     if suffix == ".parquet":
-        return _read_parquet(file), path
+        return _numbered(_read_parquet(file)), path
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -96,7 +108,7 @@ def _read_rows(path: str | None) -> tuple[list[Any], str]:
             raise ConfigError(f"`data.path` {path!r} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
         if not isinstance(data, list):
             raise ConfigError(f"`data.path` {path!r} must hold a JSON list of rows, got {type(data).__name__}")
-        return data, path
+        return _numbered(data), path
     raise ConfigError(f"`data.path` {path!r}: unknown file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet")
 
 
@@ -124,65 +136,88 @@ def _register_entry_point(env_class: str, source: str) -> None:
     Raises:
         ConfigError: the module cannot be imported or has no such class.
     """
-    module_name, _, attribute = env_class.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module: anything it raises on import
-        raise ConfigError(
-            f"{source}: environment class {env_class!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})"
-        ) from None
-    if not callable(getattr(module, attribute, None)):
-        raise ConfigError(f"{source}: environment class {env_class!r}: {module_name!r} has no class {attribute!r}")
-    if env_class not in skyrl_gym.registry:
-        skyrl_gym.register(id=env_class, entry_point=env_class)
+        register_import_path(env_class)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
-def _check_extras(source: str, env_classes: list[str], env_extras: list[dict[str, Any]]) -> None:
+def _listed(labels: list[str]) -> str:
+    """``"lines 3, 6 and 7"`` for ``["line 3", "line 6", "line 7"]`` (the first five, then how many more)."""
+    nouns = {label.rpartition(" ")[0] for label in labels}
+    if len(nouns) != 1 or len(labels) == 1:
+        numbers = labels[:5]
+        noun = ""
+    else:
+        numbers = [label.rpartition(" ")[2] for label in labels[:5]]
+        noun = f"{nouns.pop()}s "
+    more = f" and {len(labels) - 5} more" if len(labels) > 5 else ""
+    return f"{noun}{', '.join(numbers)}{more}"
+
+
+def _check_extras(source: str, env_classes: list[str], env_extras: list[dict[str, Any]], labels: list[str]) -> None:
     """Refuse rows lacking what their environment reads at creation (``reward_spec.ground_truth``, ...).
 
     One message for every row lacking the same field, instead of one failed rollout per row.
     """
-    lacking: dict[tuple[str, str], list[int]] = {}
-    for number, (env_class, extras) in enumerate(zip(env_classes, env_extras, strict=True)):
+    lacking: dict[tuple[str, str], list[str]] = {}
+    for label, env_class, extras in zip(labels, env_classes, env_extras, strict=True):
         for field in missing_env_extras(env_class, extras):
-            lacking.setdefault((env_class, field), []).append(number)
+            lacking.setdefault((env_class, field), []).append(label)
     if not lacking:
         return
     (env_class, field), rows = next(iter(lacking.items()))
-    shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    shown = _listed(rows)
     rest = list(lacking.items())[1:]
     others = "".join(f"; {len(r)} rows lack {f} too ({c!r})" for (c, f), r in rest)
     example = ", e.g. reward_spec: {method: rule, ground_truth: '42'}" if "reward_spec" in field else ""
     raise ConfigError(
         f"{source}: {len(rows)} of {len(env_classes)} rows lack {field}, which environment {env_class!r} "
-        f"reads when it is created ({'row' if len(rows) == 1 else 'rows'} {shown}){others}; add "
+        f"reads when it is created ({shown}){others}; add "
         f"{'them' if rest else 'it'} to every row{example}"
     )
 
 
-def load_dataset(path: str | Sequence[str] | None, *, default_env_class: str, max_prompts: int | None) -> Dataset:
+def load_dataset(
+    path: str | Sequence[str] | None,
+    *,
+    default_env_class: str | None,
+    max_prompts: int | None,
+) -> Dataset:
     """Read and check the rows (of several files, in order); every problem is reported before a model is loaded.
 
+    ``default_env_class`` fills the rows that have no ``env_class`` (None: :data:`DEFAULT_ENV_CLASS`),
+    as SkyRL's ``prepare_generator_input`` does; rows that carry one keep it. A default given
+    explicitly that no row would ever use, because every row carries another, is refused: the user
+    meant it to apply.
+
     Raises:
-        ConfigError: a missing or unreadable file, a malformed row (naming it), an environment
-            class ``skyrl_gym`` does not know (listing the registered ones), or rows lacking an
-            env-extras field their skyrl_gym environment needs (``reward_spec.ground_truth``, ...).
+        ConfigError: a missing or unreadable file, a malformed row (naming it by its line in a JSONL
+            file, else by its row number from 1), an environment class ``skyrl_gym`` does not know
+            (listing the registered ones), an ``environment.env_class`` every row overrides, or rows
+            lacking an env-extras field their skyrl_gym environment needs (``reward_spec.ground_truth``, ...).
     """
     if path is None or isinstance(path, str):
-        rows, source = _read_rows(path)
+        (rows, labels), source = _read_rows(path)
     else:  # SkyRL's data.train_data / data.val_data: files concatenated in order
         parts = [_read_rows(one) for one in path]
-        rows = [row for part_rows, _ in parts for row in part_rows]
+        several = len(parts) > 1
+        rows = [row for (part_rows, _), _ in parts for row in part_rows]
+        labels = [
+            f"{part_source} {label}" if several else label
+            for (_, part_labels), part_source in parts
+            for label in part_labels
+        ]
         source = " + ".join(part_source for _, part_source in parts)
     if max_prompts is not None:
-        rows = rows[:max_prompts]
+        rows, labels = rows[:max_prompts], labels[:max_prompts]
     if not rows:
         raise ConfigError(f"{source} has no rows")
     prompts: list[list[dict[str, Any]]] = []
     env_classes: list[str] = []
     env_extras: list[dict[str, Any]] = []
-    for number, row in enumerate(rows):
-        where = f"{source}, row {number}"
+    for label, row in zip(labels, rows, strict=True):
+        where = f"{source}, {label}"
         if not isinstance(row, Mapping):
             raise ConfigError(f"{where}: a row must be a mapping with `prompt`, got {type(row).__name__}")
         if "prompt" not in row:
@@ -190,7 +225,7 @@ def load_dataset(path: str | Sequence[str] | None, *, default_env_class: str, ma
         prompts.append(_check_prompt(row["prompt"], where))
         env_class = row.get("env_class")
         if env_class is None:
-            env_class = default_env_class
+            env_class = DEFAULT_ENV_CLASS if default_env_class is None else default_env_class
         if not isinstance(env_class, str):
             raise ConfigError(f"{where}: `env_class` must be a string, got {env_class!r}")
         env_classes.append(env_class)
@@ -207,7 +242,15 @@ def load_dataset(path: str | Sequence[str] | None, *, default_env_class: str, ma
             f"{', '.join(known)}. Use `environment.env_class` for rows without one, or "
             "'package.module:EnvClass' for your own environment."
         )
-    _check_extras(source, env_classes, env_extras)
+    if default_env_class is not None and all(row.get("env_class") is not None for row in rows):
+        own = sorted(set(env_classes))
+        if default_env_class not in own:
+            raise ConfigError(
+                f"`environment.env_class={default_env_class}` would be ignored: every row of {source} names its own "
+                f"env_class ({', '.join(own)}), which wins as in SkyRL (the setting only fills rows without one). "
+                "Drop the setting, or the rows' env_class column"
+            )
+    _check_extras(source, env_classes, env_extras, labels)
     return Dataset(source=source, prompts=prompts, env_classes=env_classes, env_extras=env_extras)
 
 

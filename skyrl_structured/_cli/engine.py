@@ -227,6 +227,16 @@ def _port(url: str) -> str:
     return str(port) if port is not None else "PORT"
 
 
+def _serve_command(cfg: RolloutConfig, url: str) -> str:
+    """The ``vllm serve`` line that would answer: with ``engine.tokenizer`` given, ``engine.model`` is the
+    served name of the model the tokenizer belongs to, so the tokenizer names what to serve."""
+    e = cfg.engine
+    port = _port(url)
+    if e.tokenizer is not None and e.tokenizer != e.model:
+        return f"vllm serve {e.tokenizer} --port {port} --served-model-name {e.model}"
+    return f"vllm serve {e.model} --port {port}"
+
+
 def _server_problems(cfg: RolloutConfig) -> list[str]:
     e = cfg.engine
     assert e.model is not None  # checked by check_config
@@ -244,9 +254,9 @@ def _server_problems(cfg: RolloutConfig) -> list[str]:
     for i, status in enumerate(anyio.run(probe, backend=cfg.run.backend)):
         where = f"{status.url} (engine.base_urls[{i}])"
         if status.problem == "unreachable":
+            serve = _serve_command(cfg, status.url)
             problems.append(
-                f"no vLLM server answers at {where}: {status.detail}. Start it "
-                f"(vllm serve {e.model} --port {_port(status.url)}) or fix engine.base_urls"
+                f"no vLLM server answers at {where}: {status.detail}. Start it ({serve}) or fix engine.base_urls"
             )
         elif status.problem == "unhealthy":
             problems.append(

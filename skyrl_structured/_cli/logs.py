@@ -94,7 +94,8 @@ class AggregatingHandler(logging.Handler):
         lines = [f"repeated log lines ({kinds}; the first of each is shown in full above):"]
         for kind in repeated:
             excerpt = kind.first if len(kind.first) <= _EXCERPT else kind.first[: _EXCERPT - 3] + "..."
-            lines.append(f"  {kind.count} x {kind.level} {kind.logger}: {excerpt}")
+            # The excerpt is the first instance's own text (its rollout, its attempt): say so.
+            lines.append(f"  {kind.count} x {kind.level} {kind.logger}, first: {excerpt}")
         return lines
 
 

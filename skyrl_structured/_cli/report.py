@@ -32,7 +32,16 @@ from .run import RunResult
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, jsonable
 
-__all__ = ["OUTPUT_FILES", "format_summary", "jsonable", "summarize", "write_outputs"]
+__all__ = [
+    "OUTPUT_FILES",
+    "batch_line",
+    "counted",
+    "environments_line",
+    "format_summary",
+    "jsonable",
+    "summarize",
+    "write_outputs",
+]
 
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
 #: The ``GeneratorOutput`` fields, and the prefixes of the rollout metrics, that hold wall-clock times.
@@ -61,6 +70,24 @@ _PACKAGES = (
     "tokenizers",
     "vllm",
 )
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 prompt"``, ``"4 prompts"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def batch_line(prompts: int, samples: int, rollouts: int, source: str) -> str:
+    """``"12 prompts x 4 samples = 48 rollouts from ..."`` (singular where a count is 1)."""
+    return f"{counted(prompts, 'prompt')} x {counted(samples, 'sample')} = {counted(rollouts, 'rollout')} from {source}"
+
+
+def environments_line(env_classes: Sequence[str]) -> str:
+    """``"environment gsm8k"``, or ``"environments gsm8k (8 prompts), gsm8k_multi_turn (4 prompts)"``."""
+    counts = Counter(env_classes)
+    if len(counts) == 1:
+        return f"environment {next(iter(counts))}"
+    return "environments " + ", ".join(f"{name} ({counted(n, 'prompt')})" for name, n in sorted(counts.items()))
 
 
 def _final_rows(output: GeneratorOutput) -> list[int]:
@@ -250,6 +277,7 @@ def summarize(
         "engine": result.engine or cfg.engine.kind,
         "backend": cfg.run.backend,
         "wall_time_s": {"engine_load": result.load_s, "generate": result.generate_s},
+        "engine_loaded": bool(result.engine),
         "sessions_finished": tally.sessions_finished,
         "rollout_attempts": tally.attempts_started,
         **_kept(result, rollouts),
@@ -269,6 +297,8 @@ def summarize(
         summary["rollout_attempts_failed"] = tally.attempts_failed
         summary["envs_opened"] = tally.envs_opened
         summary["envs_closed"] = tally.envs_closed
+        summary["env_close_errors"] = tally.env_close_errors
+        summary["first_env_close_error"] = tally.first_close_error
         return summary
     metrics = output.get("rollout_metrics") or {}
     failed = int(metrics.get("generate/num_failed_rollouts", 0))
@@ -299,6 +329,7 @@ def summarize(
             "envs_opened": int(metrics.get("generate/num_envs_opened", 0)),
             "envs_closed": int(metrics.get("generate/num_envs_closed", 0)),
             "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
+            "first_env_close_error": tally.first_close_error,
             **_truth(cfg, output, result, n_samples),
             "rollout_metrics": jsonable(metrics),
         }
@@ -318,11 +349,20 @@ def _opened_closed(summary: dict[str, Any]) -> str:
     return f"{opened} opened, {closed} closed ({opened - closed} NOT CLOSED)"
 
 
+def _close_errors(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``close errors  16 (first: OSError: disk gone at my_env.py:42)``, or nothing when none raised."""
+    count = summary.get("env_close_errors") or 0
+    if not count:
+        return []
+    first = summary.get("first_env_close_error")
+    return [("close errors", f"{count}" + (f" (first: {first})" if first else ""))]
+
+
 def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
     """The summary table printed at the end of a run (interrupted runs get what was stopped and closed)."""
     head = (
-        f"{summary['prompts']} prompts x {summary['samples_per_prompt']} samples = {summary['rollouts']} rollouts "
-        f"from {summary['data']}; engine {summary['engine']}; backend {summary['backend']}"
+        f"{batch_line(summary['prompts'], summary['samples_per_prompt'], summary['rollouts'], summary['data'])}; "
+        f"engine {summary['engine']}; backend {summary['backend']}"
     )
     times = summary["wall_time_s"]
     if summary["status"] == "interrupted" or "rollouts_ok" not in summary:
@@ -332,8 +372,9 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ("rollouts cancelled", str(summary["rollouts_cancelled"])),
             ("attempts failed", str(summary["rollout_attempts_failed"])),
             ("environments", _opened_closed(summary)),
+            *_close_errors(summary),
             ("inference sessions", f"{summary['sessions_finished']} finished of {summary['rollout_attempts']} started"),
-            ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
+            ("wall time", _wall_time(summary)),
         ]
         rows.append(("trajectories kept", _kept_line(summary)))
         rows += [
@@ -362,12 +403,20 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ),
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
             ("environments", _opened_closed(summary)),
+            *_close_errors(summary),
             *_truth_rows(summary),
         ]
     if output_dir is not None:
         files = summary.get("files") or (OUTPUT_FILES if title == "done" else OUTPUT_FILES[-1:])
         rows.append(("output", f"{output_dir}/ ({', '.join(files)})"))
     return "\n".join([f"skyrl-structured rollout: {title}", f"  {head}", *_table(rows)])
+
+
+def _wall_time(summary: dict[str, Any]) -> str:
+    times = summary["wall_time_s"]
+    if not summary.get("engine_loaded", True):
+        return f"stopped after {times['engine_load']:.1f} s loading the engine (nothing generated)"
+    return f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"
 
 
 def _kept_line(summary: dict[str, Any]) -> str:
@@ -550,6 +599,6 @@ def write_outputs(
 
 def _plot_title(summary: dict[str, Any]) -> str:
     return (
-        f"skyrl-structured rollout ({summary['status']}): {summary['prompts']} prompts x "
-        f"{summary['samples_per_prompt']} samples, {summary['data']}"
+        f"skyrl-structured rollout ({summary['status']}): {counted(summary['prompts'], 'prompt')} x "
+        f"{counted(summary['samples_per_prompt'], 'sample')}, {summary['data']}"
     )

@@ -3,7 +3,10 @@
 The step runs inside a cancel scope; a signal receiver (``anyio.open_signal_receiver``, on asyncio
 and trio alike) cancels that scope on the first SIGINT or SIGTERM, so ``generate()`` unwinds the
 way any cancellation does: every rollout stops, every environment is closed, every inference
-session finished. A second signal exits at once, without waiting for cleanup.
+session finished. A second signal exits at once, without waiting for cleanup; one that arrives
+within :data:`DUPLICATE_SIGNAL_WINDOW_S` of the first is the same request sent twice (coreutils
+``timeout`` and many batch systems signal the process and its process group, so one stop arrives
+twice within milliseconds) and is ignored.
 
 Each rollout is appended to ``trajectories.jsonl`` in ``run.output_dir`` as it finishes (see
 :mod:`~skyrl_structured._cli.trajectories`), so an interrupted or failed step keeps what finished.
@@ -23,6 +26,7 @@ from typing import Any, Literal
 
 import anyio
 
+from .._origin import describe_with_origin
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput
@@ -32,7 +36,10 @@ from .live import env_workers_alive, serve_metrics
 from .schema import RolloutConfig
 from .trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
-__all__ = ["RunResult", "Tally", "run_step"]
+__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "is_duplicate", "run_step"]
+
+#: A signal this soon after the first is the same stop request delivered twice, not a second request.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
 
 Status = Literal["ok", "failed", "interrupted"]
 
@@ -48,6 +55,9 @@ class Tally(RolloutObserver):
     sessions_finished: int = 0
     envs_opened: int = 0
     envs_closed: int = 0
+    env_close_errors: int = 0
+    #: The first close error as ``"OSError: message at my_env.py:42"`` (None: no close raised).
+    first_close_error: str | None = None
     #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
     running: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
@@ -83,6 +93,10 @@ class Tally(RolloutObserver):
             self.sessions_finished += 1
         elif outcome != "timeout":
             self.envs_closed += 1
+            if outcome == "error" and error is not None:
+                self.env_close_errors += 1
+                if self.first_close_error is None:
+                    self.first_close_error = describe_with_origin(error)
 
 
 @dataclass
@@ -94,6 +108,8 @@ class RunResult:
     output: GeneratorOutput | None = None
     error: BaseException | None = None
     signal: int | None = None
+    #: When the stop signal arrived (``time.monotonic()``).
+    signal_at: float | None = None
     engine: str = ""
     load_s: float = 0.0
     generate_s: float = 0.0
@@ -113,10 +129,16 @@ class RunResult:
     metrics: Any | None = None
 
 
+def is_duplicate(result: RunResult) -> bool:
+    """Whether a signal arriving now repeats ``result``'s stop (within :data:`DUPLICATE_SIGNAL_WINDOW_S`)."""
+    return result.signal_at is not None and time.monotonic() - result.signal_at < DUPLICATE_SIGNAL_WINDOW_S
+
+
 async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
     async for signum in signals:
         if result.signal is None:
             result.signal = signum
+            result.signal_at = time.monotonic()
             name = signal.Signals(signum).name
             if result.started_generating:
                 say(
@@ -126,6 +148,8 @@ async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResul
             else:
                 say(f"\n{name} received: stopping before generation started (send it again to exit now)")
             work.cancel()
+        elif is_duplicate(result):
+            continue  # the same stop, delivered to the process and to its group
         else:
             say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
             sys.stdout.flush()
@@ -140,10 +164,13 @@ async def run_step(
     *,
     say: Callable[[str], None],
     on_engine: Callable[[EngineSetup], None] | None = None,
+    after_signals: Callable[[RunResult], None] | None = None,
 ) -> RunResult:
     """Load the engine, run ``generate()`` once, and return how it ended; never raises ``Exception``.
 
     ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
+    ``after_signals`` is called the moment the signal receiver is gone (the signals' handlers are
+    the defaults again), so that the caller can keep a repeated stop from killing what follows.
     """
     tally = Tally()
     result = RunResult(
@@ -172,6 +199,8 @@ async def run_step(
                     if result.metrics is not None:
                         result.metrics.close()
             watchers.cancel_scope.cancel()
+    if after_signals is not None:
+        after_signals(result)
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
         result.output = None
@@ -186,8 +215,10 @@ async def _load_and_generate(
     on_engine: Callable[[EngineSetup], None] | None,
 ) -> None:
     started = time.monotonic()
-    setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
-    result.load_s = time.monotonic() - started
+    try:
+        setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
+    finally:  # also when stopped while loading: the time spent is what the report shows
+        result.load_s = time.monotonic() - started
     result.engine = setup.description
     if on_engine is not None:
         on_engine(setup)

@@ -83,7 +83,11 @@ ENV_SECTIONS: tuple[str, ...] = ("text2sql", "llm_as_a_judge", "search")
 class EnvironmentSection:
     """SkyRL's ``environment`` section."""
 
-    env_class: str = _opt("Environment for dataset rows that have no env_class column.", "gsm8k")
+    env_class: str | None = _opt(
+        "Environment for dataset rows that have no env_class column (null: gsm8k). Rows that name their "
+        "own keep it, as in SkyRL; a value every row overrides is refused.",
+        None,
+    )
     skyrl_gym: CLISkyRLGymConfig = _section(
         "skyrl_gym settings (worker threads, per-environment config).", CLISkyRLGymConfig
     )

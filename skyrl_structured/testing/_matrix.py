@@ -136,11 +136,14 @@ class Setup:
     case_timeout_s: float
     leak_grace_s: float
     target: int
+    #: How long threads still busy after ``leak_grace_s`` are waited for before they count as leaked
+    #: (in between the case is slow, not leaking); set from the calibrated baseline.
+    settle_s: float = 0.0
 
     @property
     def hung_after_s(self) -> float:
         # The soft deadline, then two bounded cleanups (close, finish_session), the leak grace, a margin.
-        return 1.5 * self.case_timeout_s + self.leak_grace_s + 2.0
+        return 1.5 * self.case_timeout_s + max(self.leak_grace_s, self.settle_s) + 2.0
 
     def batch(self, env_id: str) -> GeneratorInput:
         n = len(self.prompts)

@@ -8,17 +8,23 @@ and the traps are described in :mod:`._matrix`.
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
 
+from .._origin import describe_with_origin
 from .._replies import MalformedEngineReplyError
 from .._supervisor import RolloutCancelledError
 from ..generator import StructuredGymGenerator
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
 from ..vlm_generator import StructuredVLMGymGenerator
+from ._census import thread_states
 from ._matrix import (
     ROLLOUT_STAGES,
     THREAD_HOLD_S,
@@ -27,16 +33,100 @@ from ._matrix import (
     Trap,
     TrappedEngine,
 )
-from ._wrappers import register_wrapper_env, unregister_wrapper_env
+from ._wrappers import _Instrumentation, register_wrapper_env, unregister_wrapper_env
 from .engines import ScriptedEngine, replies_by_turn
-from .leaks import LeakTracker
+from .leaks import LeakTracker, _is_tqdm_monitor
 from .vision import ScriptedVLMEngine
 
-__all__ = ["run_case"]
+__all__ = ["KIT_THREAD_PREFIX", "CaseTracker", "run_case"]
+
+#: The name every thread the kit itself starts begins with (never a leak of the environment's).
+KIT_THREAD_PREFIX = "skyrl_structured check"
+
+
+def _is_kit_thread(thread: threading.Thread) -> bool:
+    return thread.name.startswith(KIT_THREAD_PREFIX)
+
+
+def _wrapper_ledgers(thread: threading.Thread) -> tuple[Any, ...] | None:
+    """The ledgers of the wrapped environment call ``thread`` is inside, or None (not in one)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is _Instrumentation.call.__code__:
+            owner = frame.f_locals.get("self")
+            return tuple(getattr(owner, "ledgers", ()))
+        frame = frame.f_back
+    return None
+
+
+class CaseTracker(LeakTracker):
+    """The leak tracker of one case; ``shared``: other cases run in the same process meanwhile.
+
+    Sharing, the environment calls still running are this case's ledger's (not the process's
+    count), and a worker thread busy inside another case's environment is not this case's leak.
+    The kit's own threads are never leaks.
+    """
+
+    def __init__(self, *, shared: bool) -> None:
+        super().__init__(ignore_thread=_is_kit_thread)
+        self.shared = shared
+
+    def thread_leaks(self) -> list[str]:
+        if not self.shared:
+            return super().thread_leaks()
+        leaks = []
+        running = sum(1 for calls in dict(self.ledger.active_calls).values() if calls)
+        if running:
+            leaks.append(f"{running} environment calls are still running in worker threads")
+        for state in thread_states():
+            if _is_tqdm_monitor(state.thread) or _is_kit_thread(state.thread):
+                continue
+            if state.pool is not None:
+                if not state.busy or state.thread in self._busy:
+                    continue
+                owners = _wrapper_ledgers(state.thread)
+                if owners is not None and self.ledger not in owners:
+                    continue  # another case's environment call
+                leaks.append(f"thread still busy: {state.describe()}")
+            elif state.thread not in self._threads and state.thread.is_alive():
+                leaks.append(f"thread left running: {state.describe()}")
+        return leaks
 
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+class OwnCloseErrors(RolloutObserver):
+    """The errors the environment's own close raised in one case (not the ones the kit injected)."""
+
+    def __init__(self, trap: Trap) -> None:
+        self.trap = trap
+        self.errors: list[BaseException] = []
+
+    def cleanup_finished(
+        self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
+    ) -> None:
+        if kind == "env_close" and outcome == "error" and error is not None and error is not self.trap.injected:
+            self.errors.append(error)
+
+    def problem(self, rollouts: int) -> str:
+        """One line naming the first error, its type, message and where it was raised, and how often."""
+        first = self.errors[0]
+        return (
+            f"the environment's own close raised {describe_with_origin(first)} "
+            f"({len(self.errors)} of {rollouts} closes failed): a close must not raise"
+        )
+
+
+def _not_reached(setup: Setup, stage: str | None, own: OwnCloseErrors, what: str = "injected") -> str:
+    """Why nothing was injected: the environment's own close raised first, or the stage was never reached."""
+    if stage == "close" and own.errors:
+        return (
+            f"nothing was {what} at 'close' because the environment's own close raised first: "
+            f"{describe_with_origin(own.errors[0])} (see the baseline case)"
+        )
+    return f"rollout {setup.target} never reached stage {stage!r}, so nothing was {what}"
 
 
 def _metrics(output: Any) -> Mapping[str, Any]:
@@ -93,7 +183,13 @@ def _expected_error(case: Case, trap: Trap) -> tuple[str, Callable[[BaseExceptio
 
 
 async def _run_fault(
-    case: Case, setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    case: Case,
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     problems: list[str] = []
     output, error = await _generate(gen, batch)
@@ -104,8 +200,10 @@ async def _run_fault(
         if error is not None:
             return [f"generate() raised {_describe(error)} with no fault injected"]
         problems += _check_output(output, setup, failed=set())
+        if own.errors:
+            problems.append(own.problem(len(setup.prompts)))
     elif trap.fired == 0:
-        return [f"rollout {target} never reached stage {stage!r}, so nothing was injected"]
+        return [_not_reached(setup, stage, own)]
     elif stage in ROLLOUT_STAGES and case.skip_failed_rollouts:
         if error is not None:
             return [f"generate() raised {_describe(error)} instead of returning a placeholder for rollout {target}"]
@@ -142,7 +240,9 @@ async def _run_fault(
     return problems
 
 
-async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap) -> list[str]:
+async def _run_cancel(
+    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, own: OwnCloseErrors
+) -> list[str]:
     problems: list[str] = []
     outcome: dict[str, Any] = {}
     scope = anyio.CancelScope()
@@ -176,7 +276,7 @@ async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: Generato
                 waiters.start_soon(first, reached)
                 waiters.start_soon(first, finished)
             if not reached.is_set():
-                problems.append(f"rollout {setup.target} never reached stage {trap.case.stage!r}, so nothing was held")
+                problems.append(_not_reached(setup, trap.case.stage, own, "held"))
             scope.cancel()
             # The trap cancelled generate() when the stage was reached; let that cancellation reach
             # every rollout before the held call may return.
@@ -203,14 +303,19 @@ async def _run_cancel(setup: Setup, gen: StructuredGymGenerator, batch: Generato
 
 
 async def _run_interrupt(
-    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     """An interrupt from inside an env call: every env closed, then that very interrupt, bare."""
     _, error = await _generate(gen, batch)
     still_open = len(tracker.ledger.never_closed())
     name = trap.case.variant
     if trap.fired == 0:
-        return [f"rollout {setup.target} never reached stage {trap.case.stage!r}, so nothing was injected"]
+        return [_not_reached(setup, trap.case.stage, own)]
     problems = []
     if error is None:
         problems.append(f"generate() returned a batch instead of re-raising the {name}")
@@ -226,7 +331,12 @@ async def _run_interrupt(
 
 
 async def _run_hang(
-    setup: Setup, gen: StructuredGymGenerator, batch: GeneratorInput, trap: Trap, tracker: LeakTracker
+    setup: Setup,
+    gen: StructuredGymGenerator,
+    batch: GeneratorInput,
+    trap: Trap,
+    tracker: LeakTracker,
+    own: OwnCloseErrors,
 ) -> list[str]:
     """A call held far past ``env_cleanup_timeout_s``: cleanup gives up on it, the env is still closed once.
 
@@ -258,7 +368,7 @@ async def _run_hang(
         while busy():  # noqa: ASYNC110
             await anyio.sleep(0.001)
     if trap.fired == 0:
-        return [f"rollout {setup.target} never reached stage {stage!r}, so nothing was held"]
+        return [_not_reached(setup, stage, own, "held")]
     problems = []
     if trap.held_in_thread and not still_held:
         problems.append(
@@ -283,10 +393,33 @@ async def _run_hang(
     return problems
 
 
-async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
-    """Run one case in the current event loop and return its problems (empty: it passed)."""
+async def _settle(tracker: CaseTracker, setup: Setup, leaks: list[str]) -> tuple[list[str], list[str]]:
+    """Threads still busy after ``leak_grace_s``: wait up to ``settle_s`` more; gone by then, it was slow.
+
+    Returns the leaks left, and the slow verdict's line (naming ``leak_grace_s``) if the wait cleared them.
+    """
+    if not leaks or setup.settle_s <= setup.leak_grace_s or not tracker.thread_leaks():
+        return leaks, []
+    started = time.monotonic()
+    with anyio.move_on_after(setup.settle_s - setup.leak_grace_s):
+        # Worker threads change this state, with no event to wait on: poll.
+        while tracker.thread_leaks():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+    left = await tracker.leaks_async(grace_s=0)
+    if left:
+        return left, []
+    waited = setup.leak_grace_s + time.monotonic() - started
+    return [], [
+        f"slow, not leaked: the environment's worker threads were still busy after leak_grace_s="
+        f"{setup.leak_grace_s:g}s and went idle {waited:.1f}s after the case; pass leak_grace_s="
+        f"{math.ceil(waited + 0.5):g} to accept an environment this slow"
+    ]
+
+
+async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -> tuple[list[str], list[str]]:
+    """Run one case in the current event loop: its problems (empty: it passed), and its slow verdict."""
     trap.arm()
-    tracker = LeakTracker()
+    tracker = CaseTracker(shared=shared)
     env_id = register_wrapper_env(setup.env_class, hooks=[trap], ledgers=[tracker.ledger], kind="check")
     problems: list[str] = []
     try:
@@ -296,21 +429,24 @@ async def run_case(case: Case, setup: Setup, trap: Trap) -> list[str]:
         )
         scripted = engine_class(setup.tokenizer, replies_by_turn(*setup.replies))
         gen = setup.generator(case, env_id, tracker.track_engine(TrappedEngine(scripted, trap)))
+        own = OwnCloseErrors(trap)
+        gen.observers.append(own)
         batch = setup.batch(env_id)
         with anyio.move_on_after(setup.case_timeout_s) as deadline:
             if case.kind == "cancel":
-                problems += await _run_cancel(setup, gen, batch, trap)
+                problems += await _run_cancel(setup, gen, batch, trap, own)
             elif case.kind == "interrupt":
-                problems += await _run_interrupt(setup, gen, batch, trap, tracker)
+                problems += await _run_interrupt(setup, gen, batch, trap, tracker, own)
             elif case.kind == "hang":
-                problems += await _run_hang(setup, gen, batch, trap, tracker)
+                problems += await _run_hang(setup, gen, batch, trap, tracker, own)
             else:
-                problems += await _run_fault(case, setup, gen, batch, trap, tracker)
+                problems += await _run_fault(case, setup, gen, batch, trap, tracker, own)
         if deadline.cancelled_caught:
             problems.append(f"the case did not finish within case_timeout_s={setup.case_timeout_s:g}s")
         trap.release_all()
-        problems += await tracker.leaks_async(grace_s=setup.leak_grace_s)
+        leaks, slow = await _settle(tracker, setup, await tracker.leaks_async(grace_s=setup.leak_grace_s))
+        problems += leaks
     finally:
         trap.release_all()
         unregister_wrapper_env(env_id)
-    return problems
+    return problems, slow

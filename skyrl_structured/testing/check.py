@@ -28,23 +28,25 @@ behind. Each case runs in its own thread and event loop; one that does not finis
 cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned, and
 one whose event loop dies (an interrupt nothing held) is reported as crashed: nothing raised inside
 a case, not even a ``KeyboardInterrupt``, escapes the check.
+
+The baseline runs first and calibrates the kit's own deadlines to the environment; cases may then
+run at once, a close that raises fails the baseline, and threads that outlive ``leak_grace_s`` but
+go idle later make a case *slow*, not failed (see :mod:`._schedule` and :mod:`._report`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import skyrl_gym
 
 from ..config import GeneratorConfig
 from ..generator import StructuredGymGenerator
-from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup, Trap
-from ._runners import run_case
+from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup
+from ._report import CaseResult, ConcurrencyReport
+from ._schedule import DEFAULT_CASE_TIMEOUT_S, default_quiet, run_all
 from .engines import Reply
 
 __all__ = [
@@ -79,92 +81,6 @@ DEFAULT_REPLIES: tuple[str, ...] = ("Let me think step by step. #### 7", "Let me
 MATRICES: tuple[str, ...] = ("fault", "cancel", "attack", *ATTACK_KINDS)
 
 
-@dataclass
-class CaseResult:
-    """One case: what ran, and every problem found (none: it passed).
-
-    ``variant`` refines an attack case: the interrupt raised, or how the reply was malformed.
-    """
-
-    name: str
-    backend: str
-    kind: str
-    stage: str | None
-    skip_failed_rollouts: bool
-    max_env_workers: int
-    problems: list[str]
-    seconds: float
-    variant: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass
-class ConcurrencyReport:
-    """Every case :func:`check_structured_concurrency` ran, with its problems."""
-
-    env_class: str
-    cases: list[CaseResult] = field(default_factory=list)
-
-    @property
-    def failures(self) -> list[CaseResult]:
-        return [c for c in self.cases if not c.ok]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def summary(self) -> str:
-        """One line for the whole run, then each distinct problem once: how often, and in which cases.
-
-        A leak in every rollout of every case is one entry with its count, not a line per rollout
-        per case; ``failures`` keeps every case's own list.
-        """
-        grouped = _group_problems(self.failures)
-        lines = [
-            f"check_structured_concurrency({self.env_class!r}): {len(self.cases)} cases, {len(self.failures)} failed"
-            + (f", {len(grouped)} distinct problems" if len(grouped) > 1 else "")
-        ]
-        for problem, seen in grouped.items():
-            lines.append(f"- {problem}")
-            lines.append(f"    {_where(seen)}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-
-#: How many cases a summary names for one problem before it only counts the rest.
-_CASES_SHOWN = 3
-
-
-def _label(case: CaseResult) -> str:
-    return f"[{case.backend}] {case.name}"
-
-
-def _group_problems(cases: Sequence[CaseResult]) -> dict[str, dict[str, int]]:
-    """Each distinct problem (in order of first appearance) -> the cases it occurs in -> how often."""
-    grouped: dict[str, dict[str, int]] = {}
-    for case in cases:
-        for problem in case.problems:
-            seen = grouped.setdefault(problem, {})
-            seen[_label(case)] = seen.get(_label(case), 0) + 1
-    return grouped
-
-
-def _where(seen: Mapping[str, int]) -> str:
-    """``"in [asyncio] baseline (...)"``, or ``"12 times in 4 cases: ... and 1 more"``."""
-    total = sum(seen.values())
-    named = [label + (f" (x{count})" if count > 1 else "") for label, count in list(seen.items())[:_CASES_SHOWN]]
-    more = f" and {len(seen) - _CASES_SHOWN} more" if len(seen) > _CASES_SHOWN else ""
-    if total == 1:
-        return f"in {named[0]}"
-    cases = "1 case" if len(seen) == 1 else f"{len(seen)} cases"
-    return f"{total} times in {cases}: {'; '.join(named)}{more}"
-
-
 _tokenizer_lock = threading.Lock()
 _default_tokenizer: Any = None
 
@@ -197,48 +113,6 @@ def _cases(stages: Sequence[str], matrices: Sequence[str], workers: Sequence[int
     return cases
 
 
-def _run_isolated(backend: str, case: Case, setup: Setup) -> CaseResult:
-    trap = Trap(
-        case,
-        target_tag=setup.target,
-        target_session=setup.session_of(setup.target),
-        # A hung call lets go on its own halfway through the case: a generator that waits for it is
-        # then seen waiting, rather than merely running out of time.
-        hold_s=setup.case_timeout_s / 2 if case.kind == "hang" else setup.case_timeout_s,
-    )
-    found: list[list[str]] = []
-
-    def main() -> None:
-        try:
-            found.append(anyio.run(run_case, case, setup, trap, backend=backend))
-        except BaseException as exc:  # report anything, even an escaped cancellation, as a problem
-            found.append([f"the case crashed: {type(exc).__name__}: {exc}"])
-
-    started = time.monotonic()
-    thread = threading.Thread(target=main, name=f"skyrl_structured check: {case.name}", daemon=True)
-    thread.start()
-    thread.join(setup.hung_after_s)
-    if thread.is_alive():
-        trap.release.set()
-        problems = [
-            f"hung: still running after {setup.hung_after_s:g}s and abandoned (a cancellation swallowed in "
-            "a loop, or a call that never returns?)"
-        ]
-    else:
-        problems = found[0]
-    return CaseResult(
-        name=case.name,
-        backend=backend,
-        kind=case.kind,
-        stage=case.stage,
-        skip_failed_rollouts=case.skip_failed_rollouts,
-        max_env_workers=case.max_env_workers,
-        problems=problems,
-        seconds=time.monotonic() - started,
-        variant=case.variant,
-    )
-
-
 def _check_arguments(
     env_class: str,
     prompts: Sequence[Any],
@@ -248,8 +122,9 @@ def _check_arguments(
     matrices: Sequence[str],
     max_env_workers: Sequence[int],
     replies: Sequence[Reply | str],
-    case_timeout_s: float,
+    case_timeout_s: float | None,
     leak_grace_s: float,
+    jobs: int | None,
 ) -> list[Mapping[str, Any]]:
     if not isinstance(env_class, str) or env_class not in skyrl_gym.registry:
         raise ValueError(
@@ -287,8 +162,10 @@ def _check_arguments(
         raise ValueError(f"`max_env_workers` must be a non-empty sequence of integers >= 0, got {max_env_workers!r}")
     if not replies:
         raise ValueError("`engine_replies` must hold at least one reply")
-    if not case_timeout_s > 0:
-        raise ValueError(f"`case_timeout_s` must be > 0, got {case_timeout_s!r}")
+    if case_timeout_s is not None and not case_timeout_s > 0:
+        raise ValueError(f"`case_timeout_s` must be > 0 (or None: fitted to the baseline), got {case_timeout_s!r}")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"`jobs` must be an integer >= 1 (or None: chosen from the baseline), got {jobs!r}")
     if not leak_grace_s >= 0:
         raise ValueError(f"`leak_grace_s` must be >= 0, got {leak_grace_s!r}")
     return per_rollout
@@ -328,13 +205,6 @@ def _build_setup(
     )
 
 
-def _run_all(setup: Setup, backends: Sequence[str], cases: Sequence[Case]) -> ConcurrencyReport:
-    report = ConcurrencyReport(setup.env_class)
-    for backend in backends:
-        report.cases.extend(_run_isolated(backend, case, setup) for case in cases)
-    return report
-
-
 def check_structured_concurrency(
     env_class: str,
     *,
@@ -350,8 +220,11 @@ def check_structured_concurrency(
     env_config: Any = None,
     generator_overrides: Mapping[str, Any] | None = None,
     generator_class: type[StructuredGymGenerator] = StructuredGymGenerator,
-    case_timeout_s: float = 20.0,
+    case_timeout_s: float | None = None,
     leak_grace_s: float = 1.0,
+    jobs: int | None = None,
+    progress: bool = True,
+    quiet: bool | None = None,
     raise_on_failure: bool = True,
 ) -> ConcurrencyReport:
     """Run ``env_class`` through the fault, cancellation and attack matrices; see the module docstring.
@@ -375,8 +248,22 @@ def check_structured_concurrency(
             retries, timeouts and cleanup bounds itself.
         generator_class: a ``StructuredGymGenerator`` subclass to check instead (your hooks run).
         case_timeout_s: the most one case may take (cleanups get a quarter of it, 0.025 s in a hang
-            case); a case still running at ``1.5 * case_timeout_s + leak_grace_s + 2`` is hung.
-        leak_grace_s: how long a case waits for worker threads to go idle before calling them leaks.
+            case); a case still running at ``1.5 * case_timeout_s + W + 2`` is hung, where ``W`` is
+            how long slow threads are waited for: ``leak_grace_s``, or for a baseline slower than
+            0.25 s, two baseline batches plus a second (whole seconds) if that is longer.
+            None (the default): fitted to the environment, ten times its measured baseline batch
+            (at least 20 s; more when cases share the machine).
+        leak_grace_s: how long worker threads may stay busy after a case. For an environment whose
+            baseline batch is slow (0.25 s or more), threads that go idle within two baselines and a
+            second are reported as **slow, not leaked** (the case holds; the summary names the value
+            that would accept them); later than that, or for a fast environment, they are leaks.
+        jobs: how many cases run at once. None (the default): one per case up to 8 when the
+            baseline mostly waits (a slow sandbox call), else one at a time. A thread problem seen
+            while cases share the process is confirmed by running that case again alone.
+        progress: show a tqdm bar of the cases (``k/N``) that ends as the report's first line.
+        quiet: hold back the generator's own log lines while the check runs (each injected failure
+            logs a WARNING). None (the default): quiet outside pytest; inside it, the logs are
+            captured and shown only for a failing test.
         raise_on_failure: raise one AssertionError summarising every failing case.
 
     Returns:
@@ -389,13 +276,21 @@ def check_structured_concurrency(
     """
     per_rollout = _check_arguments(
         env_class, prompts, env_extras, backends, stages, matrices, max_env_workers, engine_replies, case_timeout_s,
-        leak_grace_s,
+        leak_grace_s, jobs,
     )  # fmt: skip
     setup = _build_setup(
         env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config, generator_overrides,
-        generator_class, case_timeout_s, leak_grace_s,
+        generator_class, DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s, leak_grace_s,
     )  # fmt: skip
-    report = _run_all(setup, backends, _cases(stages, matrices, max_env_workers))
+    report = run_all(
+        setup,
+        backends,
+        _cases(stages, matrices, max_env_workers),
+        jobs=jobs,
+        case_timeout_given=case_timeout_s is not None,
+        progress=progress,
+        quiet=default_quiet() if quiet is None else quiet,
+    )
     if raise_on_failure and not report.ok:
         raise AssertionError(report.summary())
     return report

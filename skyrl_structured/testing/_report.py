@@ -1,0 +1,122 @@
+"""The concurrency check's report: each case's verdict, and one summary of the whole run.
+
+A case passed (no problem), failed (at least one problem), or was **slow**: it held, but its
+environment's worker threads were still busy past ``leak_grace_s`` and went idle later on their
+own (a slow close, not a leak). Slow cases do not fail the check; the summary names them and the
+knob that would accept them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["CaseResult", "ConcurrencyReport"]
+
+
+@dataclass
+class CaseResult:
+    """One case: what ran, and every problem found (none: it passed).
+
+    ``variant`` refines an attack case: the interrupt raised, or how the reply was malformed.
+    """
+
+    name: str
+    backend: str
+    kind: str
+    stage: str | None
+    skip_failed_rollouts: bool
+    max_env_workers: int
+    problems: list[str]
+    seconds: float
+    variant: str | None = None
+    #: Why the case was slow but not leaking (empty: it was not slow); see :attr:`verdict`.
+    slow: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        """``"failed"``, ``"slow"`` (held, but its threads outlasted ``leak_grace_s``) or ``"passed"``."""
+        if self.problems:
+            return "failed"
+        return "slow" if self.slow else "passed"
+
+
+@dataclass
+class ConcurrencyReport:
+    """Every case :func:`check_structured_concurrency` ran, with its problems."""
+
+    env_class: str
+    cases: list[CaseResult] = field(default_factory=list)
+    #: Seconds the calibrating baseline batch took, per ``max_env_workers`` value.
+    baseline_s: dict[int, float] = field(default_factory=dict)
+    #: The case timeout each ``max_env_workers`` value ran under (fitted to its baseline unless given).
+    case_timeouts: dict[int, float] = field(default_factory=dict)
+    #: How many cases ran at once.
+    lanes: int = 1
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def slow(self) -> list[CaseResult]:
+        """Cases that held but whose worker threads went idle only after ``leak_grace_s``."""
+        return [c for c in self.cases if c.verdict == "slow"]
+
+    def summary(self) -> str:
+        """One line for the whole run, then each distinct problem once: how often, and in which cases.
+
+        A leak in every rollout of every case is one entry with its count, not a line per rollout
+        per case; ``failures`` keeps every case's own list.
+        """
+        grouped = _group_problems(self.failures, lambda c: c.problems)
+        slow = _group_problems(self.slow, lambda c: c.slow)
+        lines = [
+            f"check_structured_concurrency({self.env_class!r}): {len(self.cases)} cases, {len(self.failures)} failed"
+            + (f", {len(grouped)} distinct problems" if len(grouped) > 1 else "")
+            + (f", {len(self.slow)} slow (not leaked)" if slow else "")
+        ]
+        for problem, seen in [*grouped.items(), *slow.items()]:
+            lines.append(f"- {problem}")
+            lines.append(f"    {_where(seen)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+#: How many cases a summary names for one problem before it only counts the rest.
+_CASES_SHOWN = 3
+
+
+def _label(case: CaseResult) -> str:
+    return f"[{case.backend}] {case.name}"
+
+
+def _group_problems(cases: Sequence[CaseResult], lines: Callable[[CaseResult], list[str]]) -> dict[str, dict[str, int]]:
+    """Each distinct line (in order of first appearance) -> the cases it occurs in -> how often."""
+    grouped: dict[str, dict[str, int]] = {}
+    for case in cases:
+        for problem in lines(case):
+            seen = grouped.setdefault(problem, {})
+            seen[_label(case)] = seen.get(_label(case), 0) + 1
+    return grouped
+
+
+def _where(seen: Mapping[str, int]) -> str:
+    """``"in [asyncio] baseline (...)"``, or ``"12 times in 4 cases: ... and 1 more"``."""
+    total = sum(seen.values())
+    named = [label + (f" (x{count})" if count > 1 else "") for label, count in list(seen.items())[:_CASES_SHOWN]]
+    more = f" and {len(seen) - _CASES_SHOWN} more" if len(seen) > _CASES_SHOWN else ""
+    if total == 1:
+        return f"in {named[0]}"
+    cases = "1 case" if len(seen) == 1 else f"{len(seen)} cases"
+    return f"{total} times in {cases}: {'; '.join(named)}{more}"
