@@ -36,9 +36,11 @@ class Stragglers:
         self.held = set(held)
         self.release = anyio.Event()
         self.aborted: list[Any] = []
+        self.entered: set[Any] = set()
         self.replies = turn_replies("first #### 7", "second #### 8")
 
     async def __call__(self, call: EngineCall) -> str:
+        self.entered.add(call.session_id)
         try:
             if call.session_id in self.hung:
                 await anyio.sleep_forever()
@@ -210,7 +212,8 @@ async def test_cancelling_generate_during_the_grace_cleans_up_and_reraises(token
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as group:
                 group.start_soon(run)
-                while ledger.closed < 2:  # noqa: ASYNC110 - the cutoff is reached, the grace is running
+                # The cutoff is reached and both hung requests are in the engine: the grace is running.
+                while ledger.closed < 2 or not handler.hung <= handler.entered:  # noqa: ASYNC110
                     await anyio.sleep(0.01)
                 scope.cancel()
     assert scope.cancelled_caught
