@@ -5,7 +5,9 @@
 :mod:`skyrl_structured._env_threads`), or inline when ``max_env_workers`` is 0, as SkyRL does. An
 environment that already speaks the async protocol (``__aenter__``/``__aexit__`` and ``async``
 ``init``/``step``) is used as is; one with async ``init``/``step`` but a plain ``close`` gets that
-close run in a worker thread, never on the event loop.
+close run in a worker thread, never on the event loop. Where the env lives is the executor's
+(:mod:`skyrl_structured._env_executors`, ``env_executor``): with ``process`` or ``ray`` it is an async
+handle to an env in a worker, and the rules for abandoned work are that module's.
 
 Cleanup is shielded from cancellation and bounded in time: if the rollout was cancelled while a
 worker thread was still inside ``step``, cleanup first waits for that call so that ``close``
@@ -30,6 +32,7 @@ import anyio
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
+from ._env_executors import EnvExecutor
 from ._env_threads import EnvCall, EnvThreadPool, _Waker, active_env_thread_calls
 from .observe import CleanupOutcome
 from .types import ConversationType
@@ -79,13 +82,29 @@ class CleanupStats:
     env_cleanup_timeouts: int = 0
     finish_session_errors: int = 0
     finish_session_timeouts: int = 0
+    #: Env worker processes or actors killed because a call overran its deadline (not threads: they cannot be).
+    env_workers_killed: int = 0
+    #: Env workers that died on their own (segfault, ``os._exit``, the OOM killer).
+    env_worker_crashes: int = 0
+    #: Environments whose close could not run because their worker had died.
+    envs_lost_with_worker: int = 0
 
 
-class EnvCallRunner:
-    """Runs blocking environment calls inline, or in the generator's :class:`EnvThreadPool`."""
+class EnvCallRunner(EnvExecutor):
+    """The thread executor: envs in this process, blocking calls inline or in an :class:`EnvThreadPool`."""
+
+    kind = "thread"
 
     def __init__(self, pool: EnvThreadPool | None) -> None:
         self.pool = pool
+
+    @property
+    def bound(self) -> int:
+        return 0 if self.pool is None else self.pool.max_workers
+
+    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+        # Looked up on the module at call time (as SkyRL does), so registering or patching later works.
+        return skyrl_gym.make(env_class, env_config=env_config, extras=extras)
 
     @property
     def inline(self) -> bool:
@@ -316,9 +335,11 @@ def is_async_env(env: Any) -> bool:
     )
 
 
-def _wrap(env: Any, runner: EnvCallRunner) -> Any:
+def _wrap(env: Any, runner: EnvExecutor) -> Any:
     if is_async_env(env):
-        return env
+        return env  # also every env handle of a process or Ray executor
+    if not isinstance(runner, EnvCallRunner):  # pragma: no cover - remote executors hand out async handles
+        raise TypeError(f"the {runner.kind} env executor returned a synchronous env: {env!r}")
     if inspect.iscoroutinefunction(getattr(env, "step", None)):
         return _AwaitingEnvAdapter(env, runner)
     return SyncEnvAdapter(env, runner)
@@ -459,7 +480,7 @@ class _OpenEnv(Cleanup):
         self,
         env_class: str,
         raw: Any,
-        runner: EnvCallRunner,
+        runner: EnvExecutor,
         cleanup_timeout: float,
         stats: CleanupStats,
         abandoned: list[EnvCall[Any]] | None,
@@ -541,7 +562,7 @@ def open_env(
     *,
     env_config: Any,
     extras: dict[str, Any],
-    runner: EnvCallRunner,
+    runner: EnvExecutor,
     cleanup_timeout: float,
     stats: CleanupStats,
     abandoned: list[EnvCall[Any]] | None = None,
@@ -557,7 +578,7 @@ def open_env(
     (``_then`` is the generator's: its session's end, run right after the close in the same
     shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """
-    raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
+    raw = runner.make_env(env_class, env_config=env_config, extras=extras, stats=stats)
     stats.envs_opened += 1
     if observe is not None:
         observe("env_opened")

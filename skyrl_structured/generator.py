@@ -29,6 +29,7 @@ from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
+from ._env_executors import EnvExecutor, check_envs, make_executor
 from .envs import Cleanup, EnvCallRunner, env_config_for, open_env, run_cleanups
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
@@ -120,6 +121,8 @@ class StructuredGymGenerator:
         # Worker threads for blocking env calls, shared by every generate() of this generator (as
         # SkyRL's env executor is); created on first use.
         self._env_pool: EnvThreadPool | None = None
+        # Or worker processes / Ray actors (environment.skyrl_gym.env_executor), started on first use.
+        self._env_executor: EnvExecutor | None = make_executor(skyrl_gym_cfg, self.max_env_workers)
 
     # ------------------------------------------------------------------ SkyRL's encoding attributes
     # Live views of the chat tokenizer's state, read by `get_obs_ids_from_obs` on every observation:
@@ -189,7 +192,9 @@ class StructuredGymGenerator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _env_runner(self) -> EnvCallRunner:
+    def _env_runner(self) -> EnvExecutor:
+        if self._env_executor is not None:
+            return self._env_executor
         if self.max_env_workers <= 0:
             return EnvCallRunner(None)
         if self._env_pool is None or self._env_pool.max_workers != self.max_env_workers:
@@ -303,6 +308,8 @@ class StructuredGymGenerator:
         env_extras = input_batch.get("env_extras")
         if env_extras is None:
             env_extras = [{} for _ in prompts]
+        if self._env_executor is not None:
+            check_envs(self._env_executor, self.skyrl_gym_cfg, env_classes, env_extras)
         sampling_params = input_batch.get("sampling_params", None)
         cache_salt = self._compute_cache_salt()
 
@@ -340,6 +347,14 @@ class StructuredGymGenerator:
                 )
             finally:
                 progress.close()
+
+    async def aclose(self) -> None:
+        """Stop the generator's env workers (``env_executor`` process or ray); threads need nothing.
+
+        Also run at garbage collection and at interpreter exit; call it when done with the generator.
+        """
+        if self._env_executor is not None:
+            await self._env_executor.aclose()
 
     async def _generate_batched_observed(
         self,
