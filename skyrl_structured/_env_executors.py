@@ -125,7 +125,7 @@ def env_executor_kind(skyrl_gym_cfg: Any) -> str:
     return str(kind)
 
 
-def make_executor(skyrl_gym_cfg: Any, workers: int) -> EnvExecutor | None:
+def make_executor(skyrl_gym_cfg: Any, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
     """The executor ``skyrl_gym_cfg`` asks for, or None for threads (the generator's own pool).
 
     ``max_env_workers=0`` means inline calls whatever the executor: there is no worker to host an env.
@@ -136,11 +136,13 @@ def make_executor(skyrl_gym_cfg: Any, workers: int) -> EnvExecutor | None:
     if kind == "process":
         from ._env_process import ProcessEnvExecutor
 
-        return ProcessEnvExecutor(workers)
+        return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s)
     from ._env_ray import RayEnvExecutor
 
     num_cpus = getattr(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
-    return RayEnvExecutor(workers, num_cpus=float(1.0 if num_cpus is None else num_cpus))
+    return RayEnvExecutor(
+        workers, cleanup_timeout_s=cleanup_timeout_s, num_cpus=float(1.0 if num_cpus is None else num_cpus)
+    )
 
 
 def check_envs(executor: EnvExecutor, skyrl_gym_cfg: Any, env_classes: list[str], env_extras: list[Any]) -> None:

@@ -1,23 +1,24 @@
 """``env_executor="process"``: environments in spawned worker processes that can be killed.
 
-Each worker is a ``spawn``-started process (never ``fork``: the generator has threads and an event
-loop) running :func:`~skyrl_structured._env_worker.process_main`. The generator talks to it over one
-pipe, through two daemon threads of its own: a writer that sends every request queued since its
-last send as one message (a burst of a thousand cheap calls is a handful of messages) and a reader
-that resolves replies and wakes the event loop once per burst (the coalescing waker shared with the
+Each worker is a process forked by multiprocessing's fork server (``forkserver``, where the platform
+has it, else ``spawn``; never a bare ``fork`` of the generator, which has threads and an event loop)
+running :func:`~skyrl_structured._env_worker.process_main`. The generator talks to it over one pipe,
+through two daemon threads of its own: a writer that sends every request queued since its last send
+as one message (a burst of a thousand cheap calls is a handful of messages) and a reader that
+resolves replies and wakes the event loop once per burst (the coalescing waker shared with the
 thread pool). That link is the same on asyncio and trio, needs no task of the event loop's, and
 costs nothing while a worker is idle; ``benchmarks/env_executors.py`` measures it against threads.
 
-A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF
-it watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit.
+A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF it
+watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import sys
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL for a worker being killed.
 KILL_GRACE_S = 0.5
+#: What the fork server imports before forking workers (``__main__`` only when it is a file).
+FORKSERVER_PRELOAD = ("__main__", "skyrl_gym", "skyrl_structured._env_worker")
 
 
 def _signal_name(number: int) -> str:
@@ -55,9 +58,7 @@ class ProcessWorker(Transport):
         self._conn, child_conn = context.Pipe(duplex=True)
         lifeline_r, self._lifeline = context.Pipe(duplex=False)
         self._child_ends = (child_conn, lifeline_r)
-        self.process = context.Process(
-            target=process_main, args=(child_conn, lifeline_r, os.getpid()), name=self.name, daemon=True
-        )
+        self.process = context.Process(target=process_main, args=(child_conn, lifeline_r), name=self.name, daemon=True)
         self._cond = threading.Condition(threading.Lock())
         self._queue: collections.deque[tuple[int, str, int, Any]] = collections.deque()
         #: Requests sent and not answered, in the order the worker runs them (the first one is running).
@@ -68,6 +69,7 @@ class ProcessWorker(Transport):
         self._timer: threading.Timer | None = None
         self._started = threading.Event()
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -87,7 +89,8 @@ class ProcessWorker(Transport):
         self.name = f"{self.name} (pid {self.process.pid})"
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
         self._reader.start()
-        threading.Thread(target=self._write, name=f"{self.name}-writer", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name=f"{self.name}-writer", daemon=True)
+        self._writer.start()
         with self._cond:
             self._started.set()
             doomed = self._kill_reason is not None
@@ -190,14 +193,12 @@ class ProcessWorker(Transport):
         self._close_pipes()
 
     def _shutting_down(self) -> bool:
-        return self.process.exitcode == 0
+        return bool(self.process.exitcode == 0)
 
     def _close_pipes(self) -> None:
         for conn in (self._conn, self._lifeline):
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:  # pragma: no cover
-                pass
 
     def _terminate(self, reason: str) -> None:
         with self._cond:
@@ -217,10 +218,8 @@ class ProcessWorker(Transport):
 
     def _force_kill(self) -> None:
         if self.death is None:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # already gone
                 self.process.kill()
-            except (OSError, ValueError):  # pragma: no cover - already gone
-                pass
 
     def shutdown(self, timeout_s: float) -> None:
         if not self._started.wait(timeout_s) or self._reader is None:
@@ -237,12 +236,11 @@ class ProcessWorker(Transport):
                 self.process.kill()
                 self.process.join(timeout_s)
         # The reader sees the EOF, reports the death and closes the pipes: nothing is left open.
-        if self._reader is not None:
-            self._reader.join(timeout_s)
-        try:
+        for thread in (self._reader, self._writer):
+            if thread is not None:
+                thread.join(timeout_s)
+        with contextlib.suppress(ValueError):  # still running after kill + join: left to the OS
             self.process.close()
-        except ValueError:  # pragma: no cover - still running after kill + join
-            pass
 
 
 def env_recipe(env_class: str) -> EnvRecipe:
@@ -341,11 +339,17 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
 
     kind = "process"
 
-    def __init__(self, workers: int, *, start_method: str = "spawn") -> None:
-        if start_method == "fork":
-            raise ValueError("env worker processes start with 'spawn' or 'forkserver', never 'fork'")
+    def __init__(self, workers: int, *, cleanup_timeout_s: float = 30.0, start_method: str | None = None) -> None:
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"env worker processes start with 'spawn' or 'forkserver', never {start_method!r}")
         context = multiprocessing.get_context(start_method)
-        pool = WorkerPool(workers, lambda index: ProcessWorker(index, context))
+        if start_method == "forkserver":
+            # The fork server imports these once; each worker forked from it then starts in milliseconds
+            # (a spawned one imports skyrl_gym afresh: about a second). No effect once the server runs.
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        pool = WorkerPool(workers, lambda index: ProcessWorker(index, context), cleanup_timeout_s=cleanup_timeout_s)
         super().__init__(pool)
         _live_pools.add(pool)
         # At garbage collection or interpreter exit, whichever comes first (aclose() makes it a no-op).

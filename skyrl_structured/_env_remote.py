@@ -121,6 +121,11 @@ class Transport(abc.ABC):
     def dead(self) -> bool:
         return self.death is not None
 
+    @property
+    def usable(self) -> bool:
+        """False once dead or being killed: no new env is placed on it."""
+        return self.death is None and not self._killed
+
     @abc.abstractmethod
     def start(self) -> None:
         """Start the worker without blocking the event loop (requests may be submitted at once)."""
@@ -157,8 +162,10 @@ class Transport(abc.ABC):
 class WorkerPool:
     """At most ``size`` workers built by ``factory(index)``, started on demand, replaced when they die."""
 
-    def __init__(self, size: int, factory: Callable[[int], Transport]) -> None:
+    def __init__(self, size: int, factory: Callable[[int], Transport], *, cleanup_timeout_s: float = 30.0) -> None:
         self.size = size
+        #: Bounds the close of an env whose start was cancelled (the generator's env_cleanup_timeout_s).
+        self.cleanup_timeout_s = cleanup_timeout_s
         self._factory = factory
         self._workers: list[Transport] = []
         self._started = 0
@@ -169,9 +176,9 @@ class WorkerPool:
         """The worker for a new env (see the module docstring); starts one if the rule says so."""
         if self.closed:
             raise RuntimeError("the generator's env workers were shut down (aclose() was called)")
-        live = [w for w in self._workers if not w.dead]
+        live = [w for w in self._workers if w.usable]
         if len(live) != len(self._workers):
-            self._workers = live
+            self._workers = [w for w in self._workers if not w.dead]
         if len(live) < self.size and (not live or min(w.load for w in live) > 0):
             self._started += 1
             worker = self._factory(self._started)
@@ -224,9 +231,10 @@ class WorkerEnv:
         try:
             await self._await(worker, reply, cleanup=False)
         except BaseException:
-            if not reply.done and not worker.dead:
-                # Still being built: close it once it is (requests run in order); nobody waits for that.
-                self._submit(worker, "close", None)
+            if not worker.dead and (not reply.done or reply.ok):
+                # Cancelled while (or just after) it was built: it exists, or will, so close it (requests
+                # run in order), shielded and bounded as any cleanup.
+                await self._close_unentered(worker)
             self._release()
             raise
         self._make = None
@@ -260,6 +268,17 @@ class WorkerEnv:
             reply.result()
         finally:
             self._release()
+
+    async def _close_unentered(self, worker: Transport) -> None:
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self._pool.cleanup_timeout_s
+            close = self._submit(worker, "close", None)
+            try:
+                await self._await(worker, close, cleanup=True)
+            except Exception as exc:  # pragma: no cover - the close failed: it is logged, like any close error
+                logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, exc)
+        if close.done and not close.ok and not isinstance(close.value, EnvWorkerError):
+            logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, close.value)
 
     async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
         result: tuple[Any, dict[str, Any]] = await self._call("init", prompt)

@@ -11,6 +11,7 @@ when it cannot be pickled).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -104,8 +105,13 @@ class EnvHost:
         return True
 
 
-def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
-    """Exit when the generator's process dies, even by SIGKILL: a parent-death signal and a pipe watchdog."""
+def _die_with_parent(lifeline: Any) -> None:
+    """Exit when the generator's process dies, even by SIGKILL: a parent-death signal and a pipe watchdog.
+
+    The parent is the generator (spawn) or multiprocessing's fork server, which exits when the
+    generator does; the lifeline pipe's other end is the generator's alone, whichever it is.
+    """
+    parent_pid = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -116,10 +122,8 @@ def _die_with_parent(parent_pid: int, lifeline: Any) -> None:
         os._exit(70)
 
     def watch() -> None:
-        try:
+        with contextlib.suppress(OSError, EOFError):
             lifeline.poll(None)  # the generator never writes: this returns at EOF, when it is gone
-        except (OSError, EOFError):
-            pass
         os._exit(70)
 
     threading.Thread(target=watch, name="skyrl-structured-env-lifeline", daemon=True).start()
@@ -139,9 +143,9 @@ def _sender(conn: Any) -> Callable[[list[Any]], None]:
     return send
 
 
-def process_main(conn: Any, lifeline: Any, parent_pid: int) -> None:
+def process_main(conn: Any, lifeline: Any) -> None:
     """A worker process's whole life: serve requests until ``exit`` or until the generator is gone."""
-    _die_with_parent(parent_pid, lifeline)
+    _die_with_parent(lifeline)
     # Ctrl-C reaches the whole process group; the generator decides what stops, and closes the envs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = EnvHost()

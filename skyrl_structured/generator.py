@@ -22,6 +22,7 @@ from uuid import uuid4
 
 from ._batched import generate_batched
 from ._collector import collect
+from ._env_executors import EnvExecutor, check_envs, make_executor
 from ._env_threads import EnvThreadPool
 from ._episode import Episode
 from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
@@ -29,7 +30,6 @@ from ._supervisor import run_rollouts
 from ._tokens import ChatTokenizer, load_custom_chat_template
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from ._env_executors import EnvExecutor, check_envs, make_executor
 from .envs import Cleanup, EnvCallRunner, env_config_for, open_env, run_cleanups
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
@@ -122,7 +122,9 @@ class StructuredGymGenerator:
         # SkyRL's env executor is); created on first use.
         self._env_pool: EnvThreadPool | None = None
         # Or worker processes / Ray actors (environment.skyrl_gym.env_executor), started on first use.
-        self._env_executor: EnvExecutor | None = make_executor(skyrl_gym_cfg, self.max_env_workers)
+        self._env_executor: EnvExecutor | None = make_executor(
+            skyrl_gym_cfg, self.max_env_workers, cleanup_timeout_s=self.resilience.env_cleanup_timeout_s
+        )
 
     # ------------------------------------------------------------------ SkyRL's encoding attributes
     # Live views of the chat tokenizer's state, read by `get_obs_ids_from_obs` on every observation:
