@@ -103,11 +103,18 @@ class ProcessWorker(Transport):
                 error = self.death
             else:
                 self._ids += 1
+                reply.call_id = self._ids
                 self._pending[self._ids] = reply
                 self._queue.append((self._ids, op, key, payload))
                 self._cond.notify()
                 return
         reply.resolve(False, error)
+
+    def skip(self, reply: Reply) -> None:
+        with self._cond:
+            if reply.call_id in self._pending and self.death is None:
+                self._queue.append((0, "skip", 0, reply.call_id))
+                self._cond.notify()
 
     def _write(self) -> None:
         conn, cond, queue = self._conn, self._cond, self._queue

@@ -31,6 +31,7 @@ import abc
 import asyncio
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -52,9 +53,11 @@ _keys = itertools.count(1)
 class Reply:
     """One request's answer, set from any thread, awaited on the event loop (asyncio or trio)."""
 
-    __slots__ = ("_callbacks", "_lock", "_waker", "done", "ok", "value", "what")
+    __slots__ = ("_callbacks", "_lock", "_waker", "call_id", "done", "ok", "value", "what")
 
     def __init__(self, what: str, waker: _Waker | None) -> None:
+        #: The transport's id for the request (to skip it), once submitted.
+        self.call_id: int = 0
         #: ``"step of 'env'"``: names the call in a worker's death message.
         self.what = what
         self.done = False
@@ -133,6 +136,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
         """Queue one request; ``reply`` is resolved when it is answered or the worker dies."""
+
+    def skip(self, reply: Reply) -> None:  # noqa: B027
+        """Ask the worker not to start ``reply``'s request if it has not yet (best effort; a no-op here)."""
 
     @abc.abstractmethod
     def _terminate(self, reason: str) -> None:
@@ -327,11 +333,13 @@ class WorkerEnv:
             await reply.wait()
         except BaseException:
             if not reply.done:
-                if cleanup or anyio.current_time() >= deadline:
+                # -inf: already cancelled when it was sent, by whatever scope: the close settles it.
+                if cleanup or (deadline != -math.inf and anyio.current_time() >= deadline):
                     why = "env_cleanup_timeout_s" if cleanup else "its rollout's deadline (rollout_timeout_s)"
                     if worker.kill(f"{reply.what} was still running past {why}"):
                         self._stats.env_workers_killed += 1
                 else:
+                    worker.skip(reply)  # not started yet: it never will; started: the close waits for it
                     self._in_flight = reply
             raise
         if reply is self._in_flight:

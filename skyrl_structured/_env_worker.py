@@ -11,6 +11,7 @@ when it cannot be pickled).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -26,7 +27,7 @@ from typing import Any
 
 import skyrl_gym
 
-__all__ = ["EnvHost", "process_main"]
+__all__ = ["CallSkipped", "EnvHost", "process_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +63,16 @@ class EnvHost:
                 skyrl_gym.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
             self.envs[key] = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
             return None
+        if op == "close":
+            env = self.envs.pop(key, None)
+            if env is not None:  # None: its make was skipped, nothing to close
+                env.close()
+            return None
         env = self.envs[key]
         if op == "init":
             return env.init(payload), self._metrics(env)
         if op == "step":
             return env.step(payload), self._metrics(env)
-        if op == "close":
-            del self.envs[key]
-            env.close()
-            return None
         raise ValueError(f"unknown env worker request {op!r}")
 
     @staticmethod
@@ -81,27 +83,35 @@ class EnvHost:
         except Exception as exc:
             return False, _portable(exc)
 
-    def run(self, requests: list[tuple[int, str, int, Any]], send: Callable[[list[Any]], None]) -> bool:
-        """Run a batch of requests, sending replies in bursts; False after an ``exit`` request."""
-        out: list[Any] = []
-        first = 0.0
-        for call_id, op, key, payload in requests:
-            if op == "exit":
-                if out:
-                    send(out)
-                return False
-            try:
-                out.append((call_id, True, self.handle(op, key, payload)))
-            except BaseException as exc:  # an env's SystemExit is its call's failure, not the worker's end
-                out.append((call_id, False, _portable(exc)))
-            now = time.monotonic()
-            if len(out) == 1:
-                first = now
-            if now - first >= _FLUSH_AFTER_S:
-                send(out)
-                out = []
-        if out:
-            send(out)
+
+class CallSkipped(Exception):
+    """The reply to a request skipped before it started: its rollout had given up on it."""
+
+
+class _Inbox:
+    """A worker's requests in arrival order, and the ids of those to skip (``skip`` requests)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.queue: collections.deque[tuple[Any, str, int, Any]] = collections.deque()
+        self.skipped: set[Any] = set()
+
+    def absorb(self, requests: list[tuple[Any, str, int, Any]]) -> None:
+        for request in requests:
+            if request[1] == "skip":
+                self.skipped.add(request[3])
+            else:
+                self.queue.append(request)
+
+    def fill(self, *, block: bool) -> bool:
+        """Take what the pipe holds (waiting for something if ``block``); False at EOF."""
+        try:
+            if block and not self.queue:
+                self.absorb(self._conn.recv())
+            while self._conn.poll(0):
+                self.absorb(self._conn.recv())
+        except (EOFError, OSError):
+            return False
         return True
 
 
@@ -144,17 +154,46 @@ def _sender(conn: Any) -> Callable[[list[Any]], None]:
 
 
 def process_main(conn: Any, lifeline: Any) -> None:
-    """A worker process's whole life: serve requests until ``exit`` or until the generator is gone."""
+    """A worker process's whole life: serve requests until ``exit`` or until the generator is gone.
+
+    Before each call it reads what the pipe holds, so a ``skip`` sent after its request was queued
+    here still stops that call from starting. Replies go out in bursts: once the worker has nothing
+    left to run, or after ``_FLUSH_AFTER_S``.
+    """
     _die_with_parent(lifeline)
     # Ctrl-C reaches the whole process group; the generator decides what stops, and closes the envs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = EnvHost()
     send = _sender(conn)
+    inbox = _Inbox(conn)
     conn.send([("ready", True, os.getpid())])
+    out: list[Any] = []
+    first = 0.0
     while True:
-        try:
-            requests = conn.recv()
-        except (EOFError, OSError):
+        if not inbox.fill(block=not out):
             return
-        if not host.run(requests, send):
+        if not inbox.queue:
+            send(out)  # nothing more to run now: answer what is done
+            out = []
+            continue
+        call_id, op, key, payload = inbox.queue.popleft()
+        if op == "exit":
+            if out:
+                send(out)
             return
+        if len(inbox.skipped) > 1024:  # skips that came after their call had run: ids only grow
+            inbox.skipped = {i for i in inbox.skipped if i >= call_id}
+        if call_id in inbox.skipped:
+            inbox.skipped.discard(call_id)
+            out.append((call_id, False, CallSkipped()))
+        else:
+            try:
+                out.append((call_id, True, host.handle(op, key, payload)))
+            except BaseException as exc:  # an env's SystemExit is its call's failure, not the worker's end
+                out.append((call_id, False, _portable(exc)))
+        now = time.monotonic()
+        if len(out) == 1:
+            first = now
+        if now - first >= _FLUSH_AFTER_S:
+            send(out)
+            out = []

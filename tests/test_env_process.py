@@ -60,7 +60,7 @@ def batch(n: int, ledger: Path, special: dict[int, dict[str, Any]] | None = None
 
 
 def metrics(out: GeneratorOutput) -> dict[str, Any]:
-    return not_none(metrics(out))
+    return not_none(out["rollout_metrics"])
 
 
 def alive(pid: int) -> bool:
