@@ -211,3 +211,19 @@ def connect() -> None:
             f"({type(exc).__name__}: {exc}); start one (`ray start --head`, or ray.init() in your entrypoint) "
             "or use env_executor='process'"
         ) from None
+
+
+def start_local_ray_if_needed(skyrl_gym_cfg: Any) -> None:
+    """The CLI's rule: ``env_executor='ray'`` with no Ray to join starts a local one on this machine."""
+    from ._env_executors import env_executor_kind
+
+    if env_executor_kind(skyrl_gym_cfg) != "ray":
+        return
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except (ConnectionError, RuntimeError):
+        logger.info("no Ray cluster to join: starting a local one for the env workers")
+        ray.init(include_dashboard=False, log_to_driver=False)

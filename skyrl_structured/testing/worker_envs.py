@@ -8,7 +8,7 @@ worker, including one that was killed since.
 
 Extras: ``ledger_dir`` (where to write; nothing written without it), ``turns`` (done after this
 many steps, default 2), ``on_step`` (``{turn: action}``) and ``on_close`` (an action), where an action
-is ``"hang"`` (block forever), ``"exit:N"`` (``os._exit(N)``), ``"segfault"`` (read address 0),
+is ``"hang"`` (block forever; ``"hang:P"``: with probability P), ``"exit:N"`` (``os._exit(N)``), ``"segfault"`` (read address 0),
 ``"alarm"`` (bound a wait with ``signal.setitimer``, which only works in a main thread),
 ``"cpu:S"`` (S seconds of pure-Python work), ``"sleep:S"`` or ``"raise"``.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import threading
 import time
@@ -47,7 +48,9 @@ def act(action: str | None) -> str:
         return "ok"
     name, _, arg = action.partition(":")
     if name == "hang":
-        threading.Event().wait()
+        if not arg or random.random() < float(arg):  # "hang:P": with probability P
+            threading.Event().wait()
+        return "ok"
     elif name == "exit":
         os._exit(int(arg or 1))
     elif name == "segfault":
