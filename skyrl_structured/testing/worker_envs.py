@@ -8,7 +8,8 @@ worker, including one that was killed since.
 
 Extras: ``ledger_dir`` (where to write; nothing written without it), ``turns`` (done after this
 many steps, default 2), ``on_step`` (``{turn: action}``) and ``on_close`` (an action), where an action
-is ``"hang"`` (block forever; ``"hang:P"``: with probability P), ``"exit:N"`` (``os._exit(N)``), ``"segfault"`` (read address 0),
+is ``"hang"`` (block forever; ``"hang:P"``: with probability P), ``"exit:N"`` (``os._exit(N)``),
+``"segfault"`` (read address 0),
 ``"alarm"`` (bound a wait with ``signal.setitimer``, which only works in a main thread),
 ``"cpu:S"`` (S seconds of pure-Python work), ``"sleep:S"`` or ``"raise"``.
 """
