@@ -338,9 +338,6 @@ class RemoteEnvExecutor(EnvExecutor):
         return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats)
 
 
-_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
-
-
 class ProcessEnvExecutor(RemoteEnvExecutor):
     """``max_env_workers`` spawned worker processes (see the module docstring)."""
 
@@ -358,7 +355,6 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
             context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         pool = WorkerPool(workers, lambda index: ProcessWorker(index, context), cleanup_timeout_s=cleanup_timeout_s)
         super().__init__(pool)
-        _live_pools.add(pool)
         # At garbage collection or interpreter exit, whichever comes first (aclose() makes it a no-op).
         self._finalizer = weakref.finalize(self, pool.shutdown, 2.0)
 
