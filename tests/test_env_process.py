@@ -290,3 +290,32 @@ def test_env_worker_error_pickles_with_its_fields():
 
     error = pickle.loads(pickle.dumps(EnvWorkerError("gone", worker="w", exitcode=-9, killed=True)))
     assert (str(error), error.worker, error.exitcode, error.killed) == ("gone", "w", -9, True)
+
+
+def test_workers_stop_at_interpreter_exit_without_aclose_and_dev_mode_warns_of_nothing(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import anyio
+        from pathlib import Path
+        from tests.test_env_process import batch, make_gen
+        from skyrl_structured.tiny import build_chatml_tokenizer
+        if __name__ == "__main__":
+            gen = make_gen(build_chatml_tokenizer())
+            out = anyio.run(gen.generate, batch(4, Path({str(tmp_path)!r})))
+            print(out["stop_reasons"])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(["stop"] * 4)
+    assert "Warning" not in done.stderr, done.stderr
+    pids = worker_pids(tmp_path)
+    assert len(pids) == 2
+    assert not [pid for pid in pids if alive(pid)]
