@@ -319,3 +319,14 @@ def test_workers_stop_at_interpreter_exit_without_aclose_and_dev_mode_warns_of_n
     pids = worker_pids(tmp_path)
     assert len(pids) == 2
     assert not [pid for pid in pids if alive(pid)]
+
+
+async def test_the_batched_path_runs_process_envs(anyio_backend, tokenizer, tmp_path):
+    gen = make_gen(tokenizer, batched=True, max_turns=1)
+    try:
+        out = await gen.generate(batch(3, tmp_path, {i: {"turns": 1} for i in range(3)}), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop"] * 3
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * 3
+    assert os.getpid() not in worker_pids(tmp_path)
