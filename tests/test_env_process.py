@@ -97,8 +97,8 @@ async def test_envs_live_in_worker_processes_and_close_once(anyio_backend, token
 
 
 async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path):
-    # Bystanders living in the killed worker are retried on a fresh one; the hung rollout hangs again.
-    gen = make_gen(tokenizer, skip_failed_rollouts=True, rollout_timeout_s=2.0, max_rollout_retries=1)
+    # One worker per env (the placement rule with max_env_workers >= rollouts): a kill has no bystanders.
+    gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=2.0)
     try:
         out = await gen.generate(batch(6, tmp_path, {2: {"on_step": {1: "hang"}}}), disable_tqdm=True)
         later = await gen.generate(batch(6, tmp_path), disable_tqdm=True)
@@ -107,7 +107,8 @@ async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(an
     assert out["stop_reasons"] == ["stop", "stop", "rollout_error", "stop", "stop", "stop"]
     counts = metrics(out)
     assert counts["generate/failures/TimeoutError"] == 1
-    assert counts["generate/env_workers_killed"] == 2  # the first attempt's worker and the retry's
+    assert counts["generate/env_workers_killed"] == 1
+    assert counts["generate/envs_lost_with_worker"] == 1
     assert later["stop_reasons"] == ["stop"] * 6
     assert metrics(later)["generate/num_failed_rollouts"] == 0
     assert metrics(later)["generate/env_workers_killed"] == 0
@@ -133,17 +134,20 @@ async def test_a_hung_close_kills_its_worker_and_keeps_the_trajectory(anyio_back
 async def test_a_crash_fails_one_rollout_and_the_generator_survives(
     anyio_backend, tokenizer, tmp_path, action, death, caplog
 ):
-    gen = make_gen(tokenizer, skip_failed_rollouts=True, max_rollout_retries=1)
+    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True)
     try:
         out = await gen.generate(batch(4, tmp_path, {1: {"on_step": {1: action}}}), disable_tqdm=True)
+        later = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
     finally:
         await gen.aclose()
     assert out["stop_reasons"] == ["stop", "rollout_error", "stop", "stop"]
     counts = metrics(out)
     assert counts["generate/failures/EnvWorkerError"] == 1
-    assert counts["generate/env_worker_crashes"] == 2  # the attempt and its retry
+    assert counts["generate/env_worker_crashes"] == 1
+    assert counts["generate/envs_lost_with_worker"] == 1
     assert counts["generate/env_workers_killed"] == 0
-    messages = [r.getMessage() for r in caplog.records if "failed on attempt 2" in r.getMessage()]
+    assert later["stop_reasons"] == ["stop"] * 4
+    messages = [r.getMessage() for r in caplog.records if "failed on attempt 1" in r.getMessage()]
     assert len(messages) == 1
     assert f"died ({death}) while running `step` of env '{TROUBLE_ENV}'" in messages[0]
 
