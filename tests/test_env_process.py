@@ -334,3 +334,29 @@ async def test_the_batched_path_runs_process_envs(anyio_backend, tokenizer, tmp_
     assert out["stop_reasons"] == ["stop"] * 3
     assert sorted(closes_by_env(tmp_path).values()) == [1] * 3
     assert os.getpid() not in worker_pids(tmp_path)
+
+
+async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises(
+    anyio_backend, tokenizer, tmp_path, caplog
+):
+    gen = make_gen(tokenizer, workers=2, env_cleanup_timeout_s=1.0)
+    special = {i: {"on_step": {1: "sleep:0.3"}} for i in range(4)}
+    special[0]["on_close"] = "hang"
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(gen.generate, batch(4, tmp_path, special), True)
+                with anyio.fail_after(30):
+                    while len(list(tmp_path.glob("*.made"))) < 4:  # noqa: ASYNC110 - made in other processes
+                        await anyio.sleep(0.01)
+                scope.cancel()
+        assert scope.cancelled_caught
+        # No env closed twice; the hung close's worker was killed once cleanup's bound ran out.
+        assert max(closes_by_env(tmp_path).values()) == 1
+        kills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("killing env worker")]
+        assert len(kills) == 1
+        assert kills[0].endswith(
+            "`close` of env 'skyrl_structured_trouble' was still running past env_cleanup_timeout_s"
+        )
+    finally:
+        await gen.aclose()
