@@ -100,6 +100,7 @@ async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(an
     # One worker per env (the placement rule with max_env_workers >= rollouts): a kill has no bystanders.
     gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=2.0)
     try:
+        await gen.generate(batch(6, tmp_path), disable_tqdm=True)  # the workers start outside any deadline
         out = await gen.generate(batch(6, tmp_path, {2: {"on_step": {1: "hang"}}}), disable_tqdm=True)
         later = await gen.generate(batch(6, tmp_path), disable_tqdm=True)
     finally:
@@ -340,7 +341,7 @@ async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises
     anyio_backend, tokenizer, tmp_path, caplog
 ):
     gen = make_gen(tokenizer, workers=2, env_cleanup_timeout_s=1.0)
-    special = {i: {"on_step": {1: "sleep:0.3"}} for i in range(4)}
+    special: dict[int, dict[str, Any]] = {i: {"on_step": {1: "sleep:0.3"}} for i in range(4)}
     special[0]["on_close"] = "hang"
     try:
         with anyio.CancelScope() as scope:

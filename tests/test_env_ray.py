@@ -56,9 +56,10 @@ async def test_envs_live_in_ray_actors_and_close_once(anyio_backend, tokenizer, 
 
 
 async def test_a_hung_step_kills_its_actor_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path: Path):
-    # One actor per env: a kill has no bystanders.
-    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True, rollout_timeout_s=3.0)
+    # One actor per env: a kill has no bystanders. The warm-up starts the actors outside any deadline.
+    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True, rollout_timeout_s=4.0)
     try:
+        await gen.generate(batch(4, tmp_path), disable_tqdm=True)
         out = await gen.generate(batch(4, tmp_path, {1: {"on_step": {1: "hang"}}}), disable_tqdm=True)
         later = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
     finally:
@@ -73,6 +74,7 @@ async def test_a_hung_step_kills_its_actor_and_the_next_batch_is_clean(anyio_bac
 async def test_a_crashed_actor_fails_one_rollout(anyio_backend, tokenizer, tmp_path: Path, caplog):
     gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True)
     try:
+        await gen.generate(batch(4, tmp_path), disable_tqdm=True)  # one actor per env, started
         out = await gen.generate(batch(4, tmp_path, {2: {"on_step": {1: "exit:17"}}}), disable_tqdm=True)
     finally:
         await gen.aclose()
