@@ -5,6 +5,7 @@ Swap ``SkyRLGymGenerator`` for :class:`StructuredGymGenerator` and get the same
 cancellation on asyncio and trio.
 """
 
+from ._env_executors import EnvWorkerError as EnvWorkerError
 from ._episode import PromptTooLongError as PromptTooLongError
 from ._replies import MalformedEngineReplyError as MalformedEngineReplyError
 from ._supervisor import RolloutCancelledError as RolloutCancelledError
@@ -47,6 +48,7 @@ __all__ = (
     "BatchMetadata",
     "ChatTemplateConfig",
     "ConversationType",
+    "EnvWorkerError",
     "FailedRollout",
     "FinishedTrajectory",
     "GeneratorConfig",

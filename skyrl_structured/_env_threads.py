@@ -15,6 +15,11 @@ finished calls queue their callbacks in the loop's :class:`_Waker`, and only the
 schedules a wake-up (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``), which then runs
 every callback queued by then. A thousand closes finishing together cost the loop one wake-up, not
 a thousand, and a worker never waits for a busy or already-closed loop.
+
+Env code that calls back into the event loop from one of these threads (``anyio.from_thread.run`` or
+``run_sync``) passes the loop's token: ``token=anyio.lowlevel.current_token()``, taken on the event
+loop, e.g. in the env's ``__init__`` (``skyrl_gym.make`` runs there). These are not anyio's worker
+threads, and the project claims them through no private anyio state (issue 21).
 """
 
 from __future__ import annotations
@@ -36,12 +41,6 @@ T = TypeVar("T")
 
 #: Something that runs a callback in the event loop's thread soon; safe to call from any thread.
 Scheduler = Callable[[Callable[[], None]], object]
-
-_threadlocals: Any
-try:  # lets env code call anyio.from_thread.* from our threads, as from anyio's own workers
-    from anyio._core._eventloop import threadlocals as _threadlocals
-except ImportError:  # pragma: no cover - a future anyio without it: from_thread then needs a token
-    _threadlocals = None
 
 _PENDING, _RUNNING, _DONE, _SKIPPED = "pending", "running", "done", "skipped"
 
@@ -67,7 +66,7 @@ class _Waker:
     call-soon; later ones only join the queue. The drain takes everything queued so far and runs it
     in the loop's thread. If the loop is gone, the callbacks are dropped: nobody waits on them.
     It also keeps what every call needs from its loop, looked up once per run: the anyio token
-    (for ``anyio.from_thread`` in env code) and the cheapest native way to wait.
+    and the cheapest native way to wait.
     """
 
     __slots__ = ("_armed", "_lock", "_pending", "_schedule", "event_class", "loop", "token")
@@ -219,15 +218,7 @@ class EnvCall(Generic[T]):
             self._state = _RUNNING
         _count_running(1)
         try:
-            if _threadlocals is not None:
-                # What anyio's claim_worker_thread does, without a generator-based context manager.
-                _threadlocals.current_token = self._waker.token
-                try:
-                    self._value = self._fn(*self._args)
-                finally:
-                    del _threadlocals.current_token
-            else:  # pragma: no cover - see the import above
-                self._value = self._fn(*self._args)
+            self._value = self._fn(*self._args)
         except BaseException as exc:
             self._error = exc
         finally:

@@ -169,6 +169,9 @@ def failure_metrics(
         "generate/env_cleanup_timeouts": cleanup.env_cleanup_timeouts,
         "generate/finish_session_errors": cleanup.finish_session_errors,
         "generate/finish_session_timeouts": cleanup.finish_session_timeouts,
+        "generate/env_workers_killed": cleanup.env_workers_killed,
+        "generate/env_worker_crashes": cleanup.env_worker_crashes,
+        "generate/envs_lost_with_worker": cleanup.envs_lost_with_worker,
     }
     for name, n in sorted(Counter(type(f.exception).__name__ for f in failures).items()):
         out[f"generate/failures/{name}"] = n

@@ -247,9 +247,18 @@ class SkyRLGymConfig:
     """
 
     max_env_workers: int = _help(
-        "Worker threads for blocking environment calls (init, step, close); 0 runs them inline.", 32
+        "Workers (threads, processes or Ray actors: see env_executor) for blocking environment calls "
+        "(init, step, close); 0 runs them inline.",
+        32,
     )
     env_configs: dict[str, Any] = _help_factory("Per-environment configuration, keyed by env class name.", dict)
+    env_executor: str = _help(
+        "Where blocking environment code runs: 'thread' (worker threads, SkyRL's behaviour), 'process' "
+        "(worker processes: hard deadlines, crash containment, every core) or 'ray' (Ray actors). "
+        "See docs/envs.md.",
+        "thread",
+    )
+    env_worker_num_cpus: float = _help("CPUs Ray reserves for each env worker actor (env_executor='ray' only).", 1.0)
 
 
 def routed_experts_enabled(generator_cfg: Any) -> bool:

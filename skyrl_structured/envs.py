@@ -5,7 +5,9 @@
 :mod:`skyrl_structured._env_threads`), or inline when ``max_env_workers`` is 0, as SkyRL does. An
 environment that already speaks the async protocol (``__aenter__``/``__aexit__`` and ``async``
 ``init``/``step``) is used as is; one with async ``init``/``step`` but a plain ``close`` gets that
-close run in a worker thread, never on the event loop.
+close run in a worker thread, never on the event loop. Where the env lives is the executor's
+(:mod:`skyrl_structured._env_executors`, ``env_executor``): with ``process`` or ``ray`` it is an async
+handle to an env in a worker, and the rules for abandoned work are that module's.
 
 Cleanup is shielded from cancellation and bounded in time: if the rollout was cancelled while a
 worker thread was still inside ``step``, cleanup first waits for that call so that ``close``
@@ -19,8 +21,7 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-import types
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -30,6 +31,7 @@ import anyio
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
+from ._env_executors import EnvExecutor
 from ._env_threads import EnvCall, EnvThreadPool, _Waker, active_env_thread_calls
 from .observe import CleanupOutcome, RolloutEmitter, RolloutObserver
 from .types import ConversationType
@@ -79,13 +81,29 @@ class CleanupStats:
     env_cleanup_timeouts: int = 0
     finish_session_errors: int = 0
     finish_session_timeouts: int = 0
+    #: Env worker processes or actors killed because a call overran its deadline (not threads: they cannot be).
+    env_workers_killed: int = 0
+    #: Env workers that died on their own (segfault, ``os._exit``, the OOM killer).
+    env_worker_crashes: int = 0
+    #: Environments whose close could not run because their worker had died.
+    envs_lost_with_worker: int = 0
 
 
-class EnvCallRunner:
-    """Runs blocking environment calls inline, or in the generator's :class:`EnvThreadPool`."""
+class EnvCallRunner(EnvExecutor):
+    """The thread executor: envs in this process, blocking calls inline or in an :class:`EnvThreadPool`."""
+
+    kind = "thread"
 
     def __init__(self, pool: EnvThreadPool | None) -> None:
         self.pool = pool
+
+    @property
+    def bound(self) -> int:
+        return 0 if self.pool is None else self.pool.max_workers
+
+    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+        # Looked up on the module at call time (as SkyRL does), so registering or patching later works.
+        return skyrl_gym.make(env_class, env_config=env_config, extras=extras)
 
     @property
     def inline(self) -> bool:
@@ -169,17 +187,6 @@ class SyncEnvAdapter:
     async def __aenter__(self) -> SyncEnvAdapter:
         return self
 
-    def closes_at_once(self) -> bool:
-        """True when :meth:`__aexit__` will not suspend: it closes inline and has nothing to wait for.
-
-        That is with inline env calls (``max_env_workers=0``), or when the close is skyrl_gym's
-        inherited no-op and no call of this env is still pending or running in a worker thread.
-        """
-        if self._runner.pool is None:
-            return True
-        call = self._in_flight
-        return (call is None or call.done) and has_noop_close(self.env)
-
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -248,10 +255,6 @@ class SyncEnvAdapter:
         return result
 
 
-#: The close that :meth:`_OpenEnv.__aexit__` knows will not suspend when ``closes_at_once()`` says so.
-_SYNC_ADAPTER_AEXIT = SyncEnvAdapter.__aexit__
-
-
 class _AwaitingEnvAdapter:
     """An environment with async ``init``/``step`` but no async context manager of its own.
 
@@ -316,51 +319,14 @@ def is_async_env(env: Any) -> bool:
     )
 
 
-def _wrap(env: Any, runner: EnvCallRunner) -> Any:
+def _wrap(env: Any, runner: EnvExecutor) -> Any:
     if is_async_env(env):
-        return env
+        return env  # also every env handle of a process or Ray executor
+    if not isinstance(runner, EnvCallRunner):  # pragma: no cover - remote executors hand out async handles
+        raise TypeError(f"the {runner.kind} env executor returned a synchronous env: {env!r}")
     if inspect.iscoroutinefunction(getattr(env, "step", None)):
         return _AwaitingEnvAdapter(env, runner)
     return SyncEnvAdapter(env, runner)
-
-
-@types.coroutine
-def _bounded_once_suspended(
-    awaitable: Awaitable[Any], scope: anyio.CancelScope, limit_s: float
-) -> Generator[Any, Any, Any]:
-    """Await ``awaitable`` as ``yield from`` would; at its first suspension, give ``scope`` its deadline.
-
-    A cleanup that completes without suspending (a session's bookkeeping, a close with nothing to
-    wait for) is never cancelled nor late, so it need not arm a timer: on a cancelled batch that
-    is one timer less per cleanup. Values, exceptions and ``close()`` are forwarded unchanged.
-    """
-    step: Any = awaitable.__await__()
-    try:
-        yielded = step.send(None)
-    except StopIteration as finished:
-        return finished.value
-    scope.deadline = anyio.current_time() + limit_s
-    while True:
-        thrown: BaseException | None = None
-        sent: Any = None
-        try:
-            sent = yield yielded
-        except BaseException as exc:  # outside this block, forwarding it chains no __context__
-            thrown = exc
-        try:
-            if thrown is None:
-                yielded = step.send(sent)
-            elif isinstance(thrown, GeneratorExit) or not hasattr(step, "throw"):
-                close = getattr(step, "close", None)
-                if close is not None and isinstance(thrown, GeneratorExit):
-                    close()
-                raise thrown
-            else:
-                yielded = step.throw(thrown)
-        except StopIteration as finished:
-            return finished.value
-        finally:
-            del thrown
 
 
 def _cleanup_failed(
@@ -407,39 +373,35 @@ async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: Ba
     stops the next step or replaces the rollout's own outcome. An interrupt (``KeyboardInterrupt``,
     ``SystemExit``) is reported as an error and then propagates.
 
-    The steps share one shielded scope (an environment's close and its session's end cost one scope,
-    not two); its deadline is set afresh when a step first suspends, so a step that does not
-    suspend arms no timer. A step that overruns is cancelled by the deadline, and the steps after it
-    get a new scope.
+    The steps share one shielded scope (an environment's close and its session's end cost one
+    scope, not two), its deadline set afresh as each step starts; a step that overruns is cancelled
+    by it, and the steps after it get a new scope. No shortcut beyond that: arming the deadline only
+    once a step suspends, and closing an inline env outside any scope, were measured in one run
+    (``benchmarks/cleanup_shortcuts.py`` at commit f727660: 1,024 rollouts cancelled, 5 interleaved
+    repeats) to save nothing: 101 ms of CPU with both, 90 ms without, ranges overlapping (60-119 and
+    74-148 ms), env calls inline; 93 and 84 ms with 32 threads. So they went (issue 21).
     """
     index = 0
     while index < len(cleanups):
-        returned: Cleanup | None = None  # the last step that returned; its "ok" waits for the scope's verdict
+        step: Cleanup | None = None
         with anyio.CancelScope(shield=True) as scope:
             while index < len(cleanups) and not scope.cancel_called:
-                if returned is not None:
-                    returned.outcome("ok", None)
-                    returned = None
                 step = cleanups[index]
                 index += 1
                 step.started = True
+                scope.deadline = anyio.current_time() + limit_s
                 try:
-                    await _bounded_once_suspended(step.run(), scope, limit_s)
+                    await step.run()
                 except (Exception, GeneratorExit) as cleanup_exc:
                     _cleanup_failed(step.describe(), cleanup_exc, error, step.outcome)
+                    continue
                 except (KeyboardInterrupt, SystemExit) as interrupt:
                     _cleanup_failed(step.describe(), interrupt, error, step.outcome)
                     raise
-                else:
-                    returned = step
-        if scope.cancelled_caught:
-            overran = cleanups[index - 1]
-            logger.warning(
-                "%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", overran.describe(), limit_s
-            )
-            overran.outcome("timeout", None)
-        elif returned is not None:
-            returned.outcome("ok", None)
+                step.outcome("ok", None)
+        if scope.cancelled_caught and step is not None:
+            logger.warning("%s did not finish within env_cleanup_timeout_s=%gs; abandoned it", step.describe(), limit_s)
+            step.outcome("timeout", None)
 
 
 #: Tells the rollout's observers ``env_opened``, ``cleanup_started`` and ``cleanup_finished``.
@@ -459,7 +421,7 @@ class _OpenEnv(Cleanup):
         self,
         env_class: str,
         raw: Any,
-        runner: EnvCallRunner,
+        runner: EnvExecutor,
         cleanup_timeout: float,
         stats: CleanupStats,
         abandoned: list[EnvCall[Any]] | None,
@@ -487,32 +449,14 @@ class _OpenEnv(Cleanup):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        env = self._env
-        steps: list[Cleanup] = []
         if self._observe is not None:
             self._observe(RolloutObserver.cleanup_started, "env_close")
-        if type(env).__aexit__ is _SYNC_ADAPTER_AEXIT and env.closes_at_once():
-            # A close that runs inline and waits for nothing cannot be cancelled or overrun its
-            # bound (no await suspends it), so it needs no shielded scope with a deadline.
-            try:
-                await env.__aexit__(exc_type, exc, tb)
-            except (Exception, GeneratorExit) as cleanup_exc:
-                _cleanup_failed(self.describe(), cleanup_exc, exc, self.outcome)
-            except (KeyboardInterrupt, SystemExit) as interrupt:
-                _cleanup_failed(self.describe(), interrupt, exc, self.outcome)
-                raise
-            else:
-                self.outcome("ok", None)
-        else:
-            self._exit = (exc_type, exc, tb)
-            steps.append(self)
-        if self._then is not None:
-            steps.append(self._then)
-        if steps:
-            try:
-                await run_cleanups(steps, limit_s=self._cleanup_timeout, error=exc)
-            finally:
-                self._exit = (None, None, None)  # no reference cycle through the traceback
+        self._exit = (exc_type, exc, tb)
+        steps: list[Cleanup] = [self] if self._then is None else [self, self._then]
+        try:
+            await run_cleanups(steps, limit_s=self._cleanup_timeout, error=exc)
+        finally:
+            self._exit = (None, None, None)  # no reference cycle through the traceback
 
     # ------------------------------------------------------------------ as a cleanup step
 
@@ -543,7 +487,7 @@ def open_env(
     *,
     env_config: Any,
     extras: dict[str, Any],
-    runner: EnvCallRunner,
+    runner: EnvExecutor,
     cleanup_timeout: float,
     stats: CleanupStats,
     abandoned: list[EnvCall[Any]] | None = None,
@@ -559,7 +503,7 @@ def open_env(
     (``_then`` is the generator's: its session's end, run right after the close in the same
     shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """
-    raw = skyrl_gym.make(env_class, env_config=env_config, extras=extras)
+    raw = runner.make_env(env_class, env_config=env_config, extras=extras, stats=stats)
     stats.envs_opened += 1
     if observe is not None:
         observe(RolloutObserver.env_opened)

@@ -26,6 +26,7 @@ from anyio.lowlevel import RunVar
 
 from ._batched import generate_batched
 from ._collector import collect
+from ._env_executors import EnvExecutor, check_envs, make_executor
 from ._env_threads import EnvThreadPool
 from ._episode import Episode, EpisodeRunner
 from ._loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
@@ -147,6 +148,10 @@ class StructuredGymGenerator:
         # Worker threads for blocking env calls, shared by every generate() of this generator (as
         # SkyRL's env executor is); created on first use.
         self._env_pool: EnvThreadPool | None = None
+        # Or worker processes / Ray actors (environment.skyrl_gym.env_executor), started on first use.
+        self._env_executor: EnvExecutor | None = make_executor(
+            skyrl_gym_cfg, self.max_env_workers, cleanup_timeout_s=self.resilience.env_cleanup_timeout_s
+        )
         # The max_concurrent_rollouts slots, shared by every concurrent generate() of this generator
         # (SkyRL's fully-async trainer runs one per prompt group): one limiter per event loop.
         self._rollout_slots: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_slots_{id(self)}")
@@ -221,7 +226,9 @@ class StructuredGymGenerator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _env_runner(self) -> EnvCallRunner:
+    def _env_runner(self) -> EnvExecutor:
+        if self._env_executor is not None:
+            return self._env_executor
         if self.max_env_workers <= 0:
             return EnvCallRunner(None)
         if self._env_pool is None or self._env_pool.max_workers != self.max_env_workers:
@@ -381,6 +388,8 @@ class StructuredGymGenerator:
         env_extras = input_batch.get("env_extras")
         if env_extras is None:
             env_extras = [{} for _ in prompts]
+        if self._env_executor is not None:
+            check_envs(self._env_executor, self.skyrl_gym_cfg, env_classes, env_extras)
         sampling_params = input_batch.get("sampling_params", None)
         cache_salt = self._compute_cache_salt()
 
@@ -420,6 +429,14 @@ class StructuredGymGenerator:
                 )
             finally:
                 progress.close()
+
+    async def aclose(self) -> None:
+        """Stop the generator's env workers (``env_executor`` process or ray); threads need nothing.
+
+        Also run at garbage collection and at interpreter exit; call it when done with the generator.
+        """
+        if self._env_executor is not None:
+            await self._env_executor.aclose()
 
     async def _generate_batched_observed(
         self,

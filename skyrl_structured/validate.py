@@ -9,6 +9,7 @@ from typing import Any
 
 import skyrl_gym
 
+from ._env_executors import env_executor_kind
 from ._registration import is_import_path, register_import_path
 from .config import ResilienceSettings, check_number, routed_experts_enabled
 
@@ -103,6 +104,7 @@ def check_generator_config(
         minimum=0,
         fix="0 runs environment calls inline, on the event loop.",
     )
+    env_executor_kind(skyrl_gym_cfg)
 
 
 #: What skyrl_gym's own environments read from a row's env extras when they are created (their

@@ -94,3 +94,19 @@ def test_observability_benchmark_runs_its_three_contenders(tmp_path, capsys):
     for row in rows:
         assert row["traced_ratio"] == pytest.approx(row["traced_s"] / row["plain_s"])
     assert "TraceRecorder x" in capsys.readouterr().out
+
+
+def test_env_executor_benchmark_at_toy_size(tmp_path):
+    from benchmarks import env_executors
+
+    out = tmp_path / "env_executors.json"
+    assert env_executors.main(["--quick", "--only", "cheap,hang,cancel", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["cheap"]["ratio"] == pytest.approx(results["cheap"]["process_s"] / results["cheap"]["thread_s"])
+    hang = results["hang"]
+    # Every rollout that did not hang on all its attempts is real, and the next batch is all real.
+    assert hang["placeholders_by_error"].get("EnvWorkerError", 0) == 0
+    assert hang["real"] + hang["placeholders"] == hang["n"]
+    assert hang["next_batch_real"] == hang["next_batch_n"]
+    assert hang["next_batch_workers_killed"] == 0
+    assert results["cancel"]["every_env_closed_once"] is True

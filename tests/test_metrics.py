@@ -41,7 +41,9 @@ def test_failure_metrics_are_counts_except_the_mean_named_fraction():
     # SkyRL's concatenate_generator_outputs sums every merged key without avg/mean/min/max in its
     # name: each count below stays a count, and the one ratio says "mean" so it is averaged.
     failures = [_failed(0, TimeoutError("t"), timed_out=True), _failed(3, ValueError("v")), _failed(5, ValueError("w"))]
-    cleanup = CleanupStats(envs_opened=8, envs_closed=7, env_cleanup_timeouts=1)
+    cleanup = CleanupStats(
+        envs_opened=8, envs_closed=7, env_cleanup_timeouts=1, env_workers_killed=1, envs_lost_with_worker=2
+    )
     assert failure_metrics(failures, 8, 2, cleanup) == {
         "generate/num_failed_rollouts": 3,
         "generate/mean_failed_rollout_fraction": 0.375,
@@ -55,6 +57,9 @@ def test_failure_metrics_are_counts_except_the_mean_named_fraction():
         "generate/env_cleanup_timeouts": 1,
         "generate/finish_session_errors": 0,
         "generate/finish_session_timeouts": 0,
+        "generate/env_workers_killed": 1,
+        "generate/env_worker_crashes": 0,
+        "generate/envs_lost_with_worker": 2,
         "generate/failures/TimeoutError": 1,
         "generate/failures/ValueError": 2,
     }

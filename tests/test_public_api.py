@@ -9,6 +9,7 @@ EXPECTED = {
     "BatchMetadata",
     "ChatTemplateConfig",
     "ConversationType",
+    "EnvWorkerError",
     "FailedRollout",
     "FinishedTrajectory",
     "GeneratorConfig",

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import anyio
 
+from .._env_ray import start_local_ray_if_needed
 from .._origin import describe_with_origin
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
@@ -242,6 +243,9 @@ async def _load_and_generate(
         result.started_generating = True
         started = time.monotonic()
         try:
+            start_local_ray_if_needed(cfg.environment.skyrl_gym)
             result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
         finally:
             result.generate_s = time.monotonic() - started
+            with anyio.CancelScope(shield=True):
+                await generator.aclose()  # env worker processes / actors

@@ -226,6 +226,7 @@ def check_structured_concurrency(
     progress: bool = True,
     quiet: bool | None = None,
     raise_on_failure: bool = True,
+    env_executor: str = "thread",
 ) -> ConcurrencyReport:
     """Run ``env_class`` through the fault, cancellation and attack matrices; see the module docstring.
 
@@ -265,6 +266,9 @@ def check_structured_concurrency(
             logs a WARNING). None (the default): quiet outside pytest; inside it, the logs are
             captured and shown only for a failing test.
         raise_on_failure: raise one AssertionError summarising every failing case.
+        env_executor: ``"thread"`` runs the matrices above; ``"process"`` or ``"ray"`` runs the env in
+            real workers instead, through the executor attacks (a worker killed mid-step, a step past
+            its deadline, a crash in close; see ``skyrl_structured.testing._executor_attacks``).
 
     Returns:
         The report (also when every case passed).
@@ -278,6 +282,12 @@ def check_structured_concurrency(
         env_class, prompts, env_extras, backends, stages, matrices, max_env_workers, engine_replies, case_timeout_s,
         leak_grace_s, jobs,
     )  # fmt: skip
+    if env_executor != "thread":
+        report = _executor_report(env_executor, env_class, backends, prompts, per_rollout, tokenizer,
+                                  engine_replies, max_turns, env_config)  # fmt: skip
+        if raise_on_failure and not report.ok:
+            raise AssertionError(report.summary())
+        return report
     setup = _build_setup(
         env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config, generator_overrides,
         generator_class, DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s, leak_grace_s,
@@ -293,4 +303,31 @@ def check_structured_concurrency(
     )
     if raise_on_failure and not report.ok:
         raise AssertionError(report.summary())
+    return report
+
+
+def _executor_report(
+    env_executor: str,
+    env_class: str,
+    backends: Sequence[str],
+    prompts: Sequence[Any],
+    extras: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    replies: Sequence[Reply | str],
+    max_turns: int,
+    env_config: Any,
+) -> ConcurrencyReport:
+    from ._executor_attacks import run_executor_attacks
+
+    if env_executor not in ("process", "ray"):
+        raise ValueError(f"`env_executor` must be one of 'thread', 'process', 'ray'; got {env_executor!r}")
+    tokenizer = tokenizer if tokenizer is not None else _tiny_tokenizer()
+    results = run_executor_attacks(
+        env_executor, env_class, backends, prompts, extras, tokenizer, replies, max_turns, env_config
+    )
+    report = ConcurrencyReport(env_class)
+    for attack, backend, problems, seconds in results:
+        case = CaseResult(f"{env_executor}: {attack}", backend, "executor", None, True, len(prompts), problems, seconds)
+        case.variant = env_executor
+        report.cases.append(case)
     return report

@@ -1,0 +1,215 @@
+"""The check kit's cases for ``env_executor="process"``/``"ray"``: a user's env in real workers, attacked.
+
+:class:`AttackedEnv` wraps the user's env inside the worker (it is registered by module path, so any
+worker rebuilds it) and, on request, attacks it there: the worker killed mid-step (``SIGKILL`` of its
+own process), a step that outlives its rollout's deadline, a crash (``os._exit``) in close. Each case
+runs one batch with the attack on the target rollout and one clean batch after it, on the same
+generator (after a warm-up batch that starts the workers), with one worker per rollout (so an attack
+has no bystanders), and checks:
+
+- the attacked rollout's row is a placeholder (``EnvWorkerError`` or ``TimeoutError``) or, for a crash
+  in close, still real; every other row is real; the next batch is all real, with no worker killed;
+- the kill or crash is counted (``generate/env_workers_killed``, ``generate/env_worker_crashes``,
+  ``generate/envs_lost_with_worker``);
+- every env made was closed exactly once, except the attacked one, which died with its worker;
+- no worker process is alive after ``aclose()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import skyrl_gym
+from skyrl_gym.metrics import default_aggregate_metrics
+
+from .._env_process import env_recipe
+from ..config import GeneratorConfig, SkyRLGymConfig
+from ..generator import StructuredGymGenerator
+from .engines import Reply, ScriptedEngine, replies_by_turn
+
+__all__ = ["ATTACKED_ENV", "EXECUTOR_ATTACKS", "AttackedEnv", "run_executor_attacks"]
+
+ATTACKED_ENV = "skyrl_structured_attacked"
+#: The attacks, by name: where each strikes.
+EXECUTOR_ATTACKS: tuple[str, ...] = ("worker_killed_in_step", "step_past_deadline", "crash_in_close")
+_DEADLINE_S = 3.0
+
+
+class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
+    """The user's env, built in the worker from ``extras["__inner__"]``, attacked per ``extras["__attack__"]``."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        extras = dict(extras or {})
+        env_id, entry_point, kwargs = extras.pop("__inner__")
+        self.attack: str | None = extras.pop("__attack__", None)
+        self.ledger = Path(extras.pop("__ledger__"))
+        if env_id not in skyrl_gym.registry:
+            skyrl_gym.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
+        self.inner = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+        self.key = uuid.uuid4().hex
+        (self.ledger / f"{self.key}.made").write_text(f"{os.getpid()} {self.attack or ''}")
+
+    def init(self, prompt: Any) -> Any:
+        return self.inner.init(prompt)
+
+    def step(self, action: str) -> Any:
+        if self.attack == "worker_killed_in_step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.attack == "step_past_deadline":
+            threading.Event().wait()
+        return self.inner.step(action)
+
+    def close(self) -> None:
+        with open(self.ledger / f"{self.key}.closed", "a") as f:
+            f.write("closed\n")
+        self.inner.close()
+        if self.attack == "crash_in_close":
+            os._exit(3)
+
+    def get_metrics(self) -> Any:
+        return self.inner.get_metrics()
+
+    @staticmethod
+    def aggregate_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        """What skyrl_gym's collector calls on an env class (the user's own is not known here)."""
+        return dict(default_aggregate_metrics(metrics))
+
+
+def _register() -> None:
+    if ATTACKED_ENV not in skyrl_gym.registry:
+        skyrl_gym.register(id=ATTACKED_ENV, entry_point=f"{__name__}:AttackedEnv")
+
+
+def _ledger(root: Path) -> dict[str, tuple[int, str, int]]:
+    """Every env made: (worker pid, its attack, closes)."""
+    out = {}
+    for made in root.glob("*.made"):
+        pid, _, attack = made.read_text().partition(" ")
+        closed = root / f"{made.stem}.closed"
+        out[made.stem] = (int(pid), attack, len(closed.read_text().splitlines()) if closed.exists() else 0)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # pragma: no cover - not Linux: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _attack_case(
+    attack: str,
+    env_executor: str,
+    env_class: str,
+    prompts: Sequence[Any],
+    extras: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    replies: Sequence[Reply | str],
+    max_turns: int,
+    env_config: Any,
+    target: int,
+) -> list[str]:
+    root = Path(tempfile.mkdtemp(prefix="skyrl-structured-attack-"))
+    recipe = env_recipe(env_class)
+    workers = len(prompts)
+    cfg = GeneratorConfig(
+        max_turns=max_turns, skip_failed_rollouts=True, rollout_timeout_s=_DEADLINE_S, env_cleanup_timeout_s=_DEADLINE_S
+    )
+    gym = SkyRLGymConfig(
+        max_env_workers=workers, env_executor=env_executor, env_configs={ATTACKED_ENV: env_config or {}}
+    )
+    gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*replies)), tokenizer)
+
+    def batch(attacked: bool) -> Any:
+        rows = [
+            {**dict(e), "__inner__": recipe, "__ledger__": str(root)}
+            | ({"__attack__": attack} if attacked and i == target else {})
+            for i, e in enumerate(extras)
+        ]
+        return {"prompts": list(prompts), "env_classes": [ATTACKED_ENV] * len(rows), "env_extras": rows}
+
+    problems: list[str] = []
+    try:
+        await gen.generate(batch(False), disable_tqdm=True)  # the workers start outside the attack's deadline
+        out = await gen.generate(batch(True), disable_tqdm=True)
+        later = await gen.generate(batch(False), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    expected = ["stop"] * len(prompts)
+    reasons = list(out["stop_reasons"] or [])
+    stops = ["rollout_error" if r == "rollout_error" else "stop" for r in reasons]
+    if attack != "crash_in_close":
+        expected[target] = "rollout_error"
+    if stops != expected:
+        problems.append(f"rows after the attack are {reasons}; expected only row {target} to fail")
+    metrics = out["rollout_metrics"] or {}
+    key = "generate/env_workers_killed" if attack == "step_past_deadline" else "generate/env_worker_crashes"
+    if metrics.get(key) != 1:
+        problems.append(f"{key} is {metrics.get(key)}, expected 1")
+    if attack != "step_past_deadline" and metrics.get("generate/envs_lost_with_worker") != 1:
+        problems.append(
+            f"generate/envs_lost_with_worker is {metrics.get('generate/envs_lost_with_worker')}, expected 1"
+        )
+    if "rollout_error" in (later["stop_reasons"] or []):
+        problems.append(f"the batch after the attack has placeholders: {later['stop_reasons']}")
+    killed_later = (later["rollout_metrics"] or {}).get("generate/env_workers_killed")
+    if killed_later:
+        problems.append(f"the batch after the attack killed {killed_later} workers")
+    ledger = _ledger(root)
+    for _, struck, closes in ledger.values():
+        want = 0 if struck in ("worker_killed_in_step", "step_past_deadline") else 1
+        if closes != want:
+            problems.append(f"an env ({'attacked' if struck else 'not attacked'}) was closed {closes} times")
+    deadline = time.monotonic() + 5.0
+    pids = {pid for pid, _, _ in ledger.values()}
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - other processes
+        await anyio.sleep(0.05)
+    if alive := [pid for pid in pids if _alive(pid)]:
+        problems.append(f"env worker processes still alive after aclose(): {sorted(alive)}")
+    return problems
+
+
+def run_executor_attacks(
+    env_executor: str,
+    env_class: str,
+    backends: Sequence[str],
+    prompts: Sequence[Any],
+    extras: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    replies: Sequence[Reply | str],
+    max_turns: int,
+    env_config: Any,
+) -> list[tuple[str, str, list[str], float]]:
+    """Every attack under every backend: ``(attack, backend, problems, seconds)``."""
+    _register()
+    target = 1 if len(prompts) > 1 else 0
+    results = []
+    for backend in backends:
+        for attack in EXECUTOR_ATTACKS:
+            started = time.monotonic()
+            try:
+                problems = anyio.run(
+                    _attack_case, attack, env_executor, env_class, prompts, extras, tokenizer, replies, max_turns,
+                    env_config, target, backend=backend,
+                )  # fmt: skip
+            except Exception as exc:
+                problems = [f"the case raised {type(exc).__name__}: {exc}"]
+            results.append((attack, backend, problems, time.monotonic() - started))
+    return results

@@ -1,0 +1,84 @@
+"""env_executor="ray": the process executor's guarantees, with env workers as actors of a real local Ray."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skyrl_structured import GeneratorConfig, GeneratorOutput, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.worker_envs import closes_by_env, register_trouble_env
+from tests.helpers import not_none, turn_replies
+from tests.test_env_process import batch, worker_pids
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.anyio
+
+register_trouble_env()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def make_gen(tokenizer: Any, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
+    cfg.setdefault("max_turns", 3)
+    cfg.setdefault("max_input_length", 4096)
+    gym = SkyRLGymConfig(max_env_workers=workers, env_executor="ray", env_worker_num_cpus=0.5)
+    return StructuredGymGenerator(
+        GeneratorConfig(**cfg), gym, ScriptedEngine(tokenizer, turn_replies("one", "two")), tokenizer
+    )
+
+
+def metrics(out: GeneratorOutput) -> dict[str, Any]:
+    return not_none(out["rollout_metrics"])
+
+
+async def test_envs_live_in_ray_actors_and_close_once(anyio_backend, tokenizer, tmp_path: Path):
+    gen = make_gen(tokenizer)
+    try:
+        out = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop"] * 4
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * 4
+    pids = worker_pids(tmp_path)
+    assert len(pids) == 2
+    assert os.getpid() not in pids
+
+
+async def test_a_hung_step_kills_its_actor_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path: Path):
+    # One actor per env: a kill has no bystanders. The warm-up starts the actors outside any deadline.
+    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True, rollout_timeout_s=4.0)
+    try:
+        await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+        out = await gen.generate(batch(4, tmp_path, {1: {"on_step": {1: "hang"}}}), disable_tqdm=True)
+        later = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop", "rollout_error", "stop", "stop"]
+    assert metrics(out)["generate/failures/TimeoutError"] == 1
+    assert metrics(out)["generate/env_workers_killed"] == 1
+    assert later["stop_reasons"] == ["stop"] * 4
+    assert metrics(later)["generate/num_failed_rollouts"] == 0
+
+
+async def test_a_crashed_actor_fails_one_rollout(anyio_backend, tokenizer, tmp_path: Path, caplog):
+    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True)
+    try:
+        await gen.generate(batch(4, tmp_path), disable_tqdm=True)  # one actor per env, started
+        out = await gen.generate(batch(4, tmp_path, {2: {"on_step": {1: "exit:17"}}}), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop", "stop", "rollout_error", "stop"]
+    assert metrics(out)["generate/failures/EnvWorkerError"] == 1
+    assert metrics(out)["generate/env_worker_crashes"] == 1
+    assert any("died while running `step`" in r.getMessage() for r in caplog.records)
