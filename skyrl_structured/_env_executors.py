@@ -93,6 +93,11 @@ class EnvExecutor(abc.ABC):
         sees: workers killed, worker crashes, envs lost with their worker.
         """
 
+    @property
+    def workers_alive(self) -> int:
+        """Workers started and not known dead (worker processes, Ray actors); 0 where there are none."""
+        return 0
+
     def check_env(self, env_class: str, env_config: Any, extras: Mapping[str, Any]) -> None:  # noqa: B027
         """Refuse, before any rollout starts, an env this executor cannot run (``ValueError``, one line).
 

@@ -323,6 +323,10 @@ class RemoteEnvExecutor(EnvExecutor):
     def bound(self) -> int:
         return self.pool.size
 
+    @property
+    def workers_alive(self) -> int:
+        return len(self.pool.workers)
+
     def _recipe(self, env_class: str) -> EnvRecipe:
         recipe = self._recipes.get(env_class)
         if recipe is None:

@@ -15,7 +15,7 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | ``skyrl_structured_rollouts_in_flight`` | gauge | attempts running now |
 | ``skyrl_structured_envs_open`` | gauge | environments created and not (yet) closed |
 | ``skyrl_structured_env_cleanup_timeouts_total`` | counter | closes abandoned after ``env_cleanup_timeout_s`` |
-| ``skyrl_structured_env_workers_alive`` | gauge | env worker threads alive (0 unless a source is given) |
+| ``skyrl_structured_env_workers_alive`` | gauge | env workers alive: threads, processes or actors (0 unsourced) |
 | ``skyrl_structured_batches_total{outcome}`` | counter | ``generate()`` calls: ``finished`` or ``aborted`` |
 """
 
@@ -74,7 +74,7 @@ class PrometheusObserver(RolloutObserver):
             "env_cleanup_timeouts", "Environment closes abandoned after env_cleanup_timeout_s", namespace=ns, registry=r
         )
         self.batches = prom.Counter("batches", "generate() calls, by outcome", ["outcome"], namespace=ns, registry=r)
-        self._env_workers = prom.Gauge("env_workers_alive", "Env worker threads alive", namespace=ns, registry=r)
+        self._env_workers = prom.Gauge("env_workers_alive", "Env workers alive", namespace=ns, registry=r)
         if env_workers is not None:
             self.count_env_workers(env_workers)
         self._server: Any | None = None

@@ -224,6 +224,14 @@ class StructuredGymGenerator:
         """Token ids an observation adds (chat-formatted in multi-turn mode, raw text otherwise)."""
         return self._chat.observation_ids(new_obs, done=is_done, multi_turn=self.use_conversation_multi_turn)
 
+    @property
+    def env_workers_alive(self) -> int:
+        """Env workers alive now: the worker threads (0 before the first threaded env call), or the
+        worker processes or Ray actors of ``environment.skyrl_gym.env_executor`` (for live gauges)."""
+        if self._env_executor is not None:
+            return self._env_executor.workers_alive
+        return self._env_pool.threads if self._env_pool is not None else 0
+
     # ------------------------------------------------------------------ helpers
 
     def _env_runner(self) -> EnvExecutor:

@@ -361,3 +361,18 @@ async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises
         )
     finally:
         await gen.aclose()
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+async def test_env_workers_alive_counts_the_executors_workers(tokenizer, tmp_path, executor):
+    # What the CLI's Prometheus gauge reads: worker processes, or worker threads.
+    gen = make_gen(tokenizer, executor=executor, workers=2)
+    assert gen.env_workers_alive == 0  # nothing started before the first rollout
+    try:
+        out = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+        assert metrics(out)["generate/num_failed_rollouts"] == 0
+        assert gen.env_workers_alive == 2
+    finally:
+        await gen.aclose()
+    if executor == "process":
+        assert gen.env_workers_alive == 0  # aclose() stopped them

@@ -27,6 +27,5 @@ def serve_metrics(port: int | None, host: str, say: Callable[[str], None]) -> Pr
 
 
 def env_workers_alive(generator: Any) -> float:
-    """The generator's env worker threads alive now (0 before its first threaded env call)."""
-    pool = getattr(generator, "_env_pool", None)
-    return float(getattr(pool, "threads", 0)) if pool is not None else 0.0
+    """The generator's env workers alive now: threads, worker processes or Ray actors."""
+    return float(getattr(generator, "env_workers_alive", 0))
