@@ -471,3 +471,26 @@ def test_bad_interpolations_are_refused_naming_the_key(monkeypatch, tmp_path):
     path.write_text("engine:\n  model: ${oc.env:H5_UNSET}\n")
     with pytest.raises(ConfigError, match=rf"^`engine.model` \(in {path}\): cannot resolve"):
         load_config([], str(path))
+
+
+@pytest.mark.parametrize("executor", ["process", "ray"])
+def test_env_stage_fault_drills_with_worker_envs_are_refused_before_any_rollout(executor):
+    cfg = load_config(
+        [
+            "chaos.stage=step",
+            "chaos.failure_rate=0.2",
+            f"environment.skyrl_gym.env_executor={executor}",
+            "environment.skyrl_gym.max_env_workers=4",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=rf"^`chaos.stage=step` injects faults .* `environment.skyrl_gym.env_executor={executor}`"
+    ):
+        check_config(cfg)
+    # Engine-stage drills and thread envs are fine.
+    check_config(
+        load_config(
+            ["chaos.stage=generate", "chaos.failure_rate=0.2", f"environment.skyrl_gym.env_executor={executor}"]
+        )
+    )
+    check_config(load_config(["chaos.stage=step", "chaos.failure_rate=0.2"]))

@@ -31,6 +31,7 @@ from ..config import resolve_resilience
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
 from .schema import (
+    CHAOS_ENV_STAGES,
     CLI_PRESET,
     ENV_SECTIONS,
     SECTIONS,
@@ -488,6 +489,20 @@ def check_config(cfg: RolloutConfig) -> None:
     for name in ("failure_rate", "hang_rate", "slow_rate"):
         _rate(f"chaos.{name}", getattr(chaos, name))
     _at_least("chaos.slow_s", chaos.slow_s, 0.0)
+    _check_chaos_executor(cfg)
+
+
+def _check_chaos_executor(cfg: RolloutConfig) -> None:
+    """Env-stage fault drills wrap env classes in this process: a worker process or actor cannot rebuild them."""
+    chaos, gym = cfg.chaos, cfg.environment.skyrl_gym
+    drilling = chaos.failure_rate > 0 or chaos.hang_rate > 0 or chaos.slow_rate > 0
+    executor = getattr(gym, "env_executor", "thread") or "thread"
+    if drilling and chaos.stage in (*CHAOS_ENV_STAGES, "any") and executor != "thread" and gym.max_env_workers > 0:
+        raise ConfigError(
+            f"`chaos.stage={chaos.stage}` injects faults by wrapping env classes in this process, which "
+            f"`environment.skyrl_gym.env_executor={executor}` cannot rebuild in its workers: drill env faults "
+            "with env_executor=thread, or engine faults (chaos.stage=generate) with any executor"
+        )
 
 
 def _check_engine(cfg: RolloutConfig) -> None:
