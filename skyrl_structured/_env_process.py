@@ -70,6 +70,8 @@ class ProcessWorker(Transport):
         self._started = threading.Event()
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
+        #: One thread at a time reaps the process (see _join).
+        self._reap = threading.Lock()
 
     # ------------------------------------------------------------------ life
 
@@ -167,11 +169,22 @@ class ProcessWorker(Transport):
                     reply = self._pending.pop(call_id, None)
                 if reply is not None:
                     reply.resolve(ok, value)
-        self.process.join(KILL_GRACE_S + 5.0)
+        self._join(KILL_GRACE_S + 5.0)
         self._died(self._death_error())
 
+    def _join(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the process to exit; its exit code (None: still running).
+
+        The fork server's ``Popen`` reads a child's exit code from a pipe once: a second thread polling
+        at the same moment (the reader and ``shutdown`` both wait for the exit) reads EOF and records
+        255 for a worker that exited cleanly, so the polls take turns.
+        """
+        with self._reap:
+            self.process.join(timeout_s)
+            return self.process.exitcode
+
     def _death_error(self) -> EnvWorkerError:
-        code = self.process.exitcode
+        code = self._join(0)
         with self._cond:
             running = next(iter(self._pending.values()), None)
         what = f" while running {running.what}" if running is not None else " while idle"
@@ -200,7 +213,7 @@ class ProcessWorker(Transport):
         self._close_pipes()
 
     def _shutting_down(self) -> bool:
-        return bool(self.process.exitcode == 0)
+        return self._join(0) == 0
 
     def _close_pipes(self) -> None:
         for conn in (self._conn, self._lifeline):
@@ -236,12 +249,11 @@ class ProcessWorker(Transport):
                 self._ids += 1
                 self._queue.append((self._ids, "exit", 0, None))
                 self._cond.notify()
-            self.process.join(timeout_s)
-            if self.process.exitcode is None:
+            if self._join(timeout_s) is None:
                 with self._cond:
                     self._kill_reason = "the generator shut its env workers down and it did not exit"
                 self.process.kill()
-                self.process.join(timeout_s)
+                self._join(timeout_s)
         # The reader sees the EOF, reports the death and closes the pipes: nothing is left open.
         for thread in (self._reader, self._writer):
             if thread is not None:

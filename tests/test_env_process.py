@@ -376,3 +376,15 @@ async def test_env_workers_alive_counts_the_executors_workers(tokenizer, tmp_pat
         await gen.aclose()
     if executor == "process":
         assert gen.env_workers_alive == 0  # aclose() stopped them
+
+
+async def test_a_clean_shutdown_reports_no_worker_death(tokenizer, tmp_path, caplog):
+    # Workers asked to exit at aclose() exit 0; a reaping race once read that as "died (exit code 255)".
+    for _ in range(5):
+        gen = make_gen(tokenizer, workers=2)
+        try:
+            out = await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+        finally:
+            await gen.aclose()
+        assert metrics(out)["generate/env_worker_crashes"] == 0
+    assert not [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._env_process"]
