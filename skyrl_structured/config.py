@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "FAILED_ROLLOUT_POLICIES",
@@ -30,11 +30,11 @@ __all__ = [
 ]
 
 FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
-FAILED_ROLLOUT_POLICIES: tuple[str, ...] = ("placeholder", "mask_group", "fill_group_mean")
+FAILED_ROLLOUT_POLICIES: tuple[str, ...] = get_args(FailedRolloutPolicy)
 FailureBudgetAction = Literal["raise", "warn"]
-FAILURE_BUDGET_ACTIONS: tuple[str, ...] = ("raise", "warn")
+FAILURE_BUDGET_ACTIONS: tuple[str, ...] = get_args(FailureBudgetAction)
 StragglerCutoffScope = Literal["batch", "group"]
-STRAGGLER_CUTOFF_SCOPES: tuple[str, ...] = ("batch", "group")
+STRAGGLER_CUTOFF_SCOPES: tuple[str, ...] = get_args(StragglerCutoffScope)
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
@@ -104,7 +104,7 @@ class ResilienceSettings:
     env_cleanup_timeout_s: float = 30.0
     max_failed_rollout_fraction: float = 1.0
     failure_budget_action: FailureBudgetAction = "raise"
-    failed_rollout_policy: str = "placeholder"
+    failed_rollout_policy: FailedRolloutPolicy = "placeholder"
     sampling_seed: int | None = None
     gc_tuning: bool = True
     straggler_cutoff: float | None = None
@@ -199,7 +199,7 @@ class GeneratorConfig:
         "Use 'warn' where generate() gets one prompt group at a time (SkyRL's fully-async trainer).",
         _KNOB_DEFAULTS.failure_budget_action,
     )
-    failed_rollout_policy: str = _help(
+    failed_rollout_policy: FailedRolloutPolicy = _help(
         "How failures enter the batch: 'placeholder', 'mask_group' (mask the failure's whole "
         "group) or 'fill_group_mean' (placeholder reward = mean of its successful siblings).",
         _KNOB_DEFAULTS.failed_rollout_policy,
