@@ -30,11 +30,11 @@ __all__ = [
 ]
 
 FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
-FAILED_ROLLOUT_POLICIES: tuple[str, ...] = get_args(FailedRolloutPolicy)
+FAILED_ROLLOUT_POLICIES: tuple[FailedRolloutPolicy, ...] = get_args(FailedRolloutPolicy)
 FailureBudgetAction = Literal["raise", "warn"]
-FAILURE_BUDGET_ACTIONS: tuple[str, ...] = get_args(FailureBudgetAction)
+FAILURE_BUDGET_ACTIONS: tuple[FailureBudgetAction, ...] = get_args(FailureBudgetAction)
 StragglerCutoffScope = Literal["batch", "group"]
-STRAGGLER_CUTOFF_SCOPES: tuple[str, ...] = get_args(StragglerCutoffScope)
+STRAGGLER_CUTOFF_SCOPES: tuple[StragglerCutoffScope, ...] = get_args(StragglerCutoffScope)
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
