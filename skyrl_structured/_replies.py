@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MalformedEngineReplyError", "read_reply"]
+__all__ = ["MalformedEngineReplyError", "ReplyParts", "read_reply"]
 
 
 class MalformedEngineReplyError(ValueError):
@@ -19,7 +19,7 @@ class MalformedEngineReplyError(ValueError):
 
 #: What one reply carries for its single prompt: text, token ids (a fresh list), stop reason,
 #: logprobs (a fresh list, or None) and routed expert indices (or None).
-_ReplyParts = tuple[str, list[int], str, list[float] | None, Any]
+ReplyParts = tuple[str, list[int], str, list[float] | None, Any]
 
 _REQUIRED_REPLY_FIELDS = ("responses", "response_ids", "stop_reasons")
 
@@ -50,7 +50,7 @@ def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
     return value[0]
 
 
-def read_reply(reply: Any) -> _ReplyParts:
+def read_reply(reply: Any) -> ReplyParts:
     """Check an engine reply to a one-prompt request and take its parts apart.
 
     Cheap by design (it runs once per turn): batch shapes, types, the first and last token's type

@@ -20,7 +20,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._replies import MalformedEngineReplyError, read_reply
+from ._calls import engine_call, env_call
+from ._replies import MalformedEngineReplyError
 from ._rollout import RolloutContext
 from ._vision import decode_vision_features
 from .types import ConversationType, TrajectoryOutput
@@ -106,7 +107,7 @@ class VisionEpisode:
         cache_salt: str | None,
     ) -> TrajectoryOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
-        conversation, _ = await env.init(copy.deepcopy(prompt))
+        conversation, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
         params = sampling_params if sampling_params is not None else context.batch.default_params
         run = _VisionRun(
             conversation=conversation,
@@ -155,20 +156,13 @@ class VisionEpisode:
             "mm_features": [run.features] if run.features is not None else None,
             "cache_salt": cache_salt,
         }
+        turn = run.engine_calls
         run.engine_calls += 1
-        started = time.monotonic()
-        try:
-            reply = await context.client.generate(engine_input, model=self.policy_model_name)
-        finally:
-            context.time_splits["llm"] += time.monotonic() - started
-        text, ids, run.stop_reason, logprobs, _ = read_reply(reply)
+        text, ids, run.stop_reason, logprobs, _ = await engine_call(
+            context, turn, len(input_ids), lambda: context.client.generate(engine_input, model=self.policy_model_name)
+        )
         added_eos = self._append_stop_eos(run, text, ids, logprobs)
-
-        started = time.monotonic()
-        try:
-            step = await env.step(text)
-        finally:
-            context.time_splits["env"] += time.monotonic() - started
+        step = await env_call(context, "step", turn, lambda: env.step(text), timed=True)
         reward: float = step["reward"]
         run.done = bool(step["done"])
         run.conversation.append({"role": "assistant", "content": text})
