@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._calls import engine_call, env_call
-from ._replies import MalformedEngineReplyError
+from ._replies import MalformedEngineReplyError, check_token_ids
 from ._rollout import RolloutContext
 from ._vision import decode_vision_features
 from .types import ConversationType, TrajectoryOutput
@@ -40,19 +40,14 @@ def read_render(reply: Any) -> tuple[list[int], Mapping[str, Any] | None]:
             "the engine's render reply must be a dict with `token_ids` (and `features` when the conversation "
             f"holds images), got {type(reply).__name__}; check what the client's render_chat_completion returns"
         )
-    ids = reply["token_ids"]
-    if not isinstance(ids, list | tuple) or (ids and (type(ids[0]) is not int or type(ids[-1]) is not int)):
-        raise MalformedEngineReplyError(
-            "the engine's render reply field `token_ids` must be a list of token ids (int); convert tensors or "
-            "arrays with .tolist()"
-        )
+    ids = check_token_ids(reply["token_ids"], "token_ids", context="render reply")
     features = reply.get("features", None)
     if features is not None and not isinstance(features, Mapping):
         raise MalformedEngineReplyError(
             f"the engine's render reply field `features` is {type(features).__name__}, expected a dict "
             "(mm_hashes, mm_placeholders, kwargs_data) or None"
         )
-    return list(ids), features
+    return ids, features
 
 
 @dataclass
