@@ -195,6 +195,14 @@ def test_yaml_errors_name_the_file(tmp_path):
         (["engine.dtype=float64"], r"`engine.dtype` must be one of float32, float16, bfloat16"),
         (["chaos.failure_rate=1.5"], r"^`chaos.failure_rate` must be within \[0, 1\]; got 1\.5\. It is a probability"),
         (["chaos.slow_s=-1"], r"^`chaos.slow_s` must be a finite number of seconds >= 0; got -1(\.0)?\. 0 adds"),
+        (
+            ["generator.sampling_params.min_p=1.5"],
+            r"^`generator.sampling_params.min_p` must be within \[0, 1\]; got 1\.5",
+        ),
+        (
+            ["generator.eval_sampling_params.repetition_penalty=0"],
+            r"^`generator.eval_sampling_params.repetition_penalty` must be a finite number > 0; got 0\.0\. 1\.0",
+        ),
         (["run.metrics_port=70000"], r"^`run.metrics_port` must be an integer within \[0, 65535\], or null for no"),
         (
             ["data.max_prompts=0"],

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 
 from .._tokens import load_custom_chat_template
-from ..config import check_number, invalid_value, resolve_resilience
+from ..config import SAMPLING_RANGES, NumberRule, check_number, invalid_value, resolve_resilience
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
 from .schema import (
@@ -413,6 +413,24 @@ def _check_number(path: str, value: Any, **rule: Any) -> None:
         raise ConfigError(str(exc)) from None
 
 
+#: ``SamplingParams`` fields and their names in the engine's ``sampling_params`` (the ranges' keys).
+_SAMPLING_FIELDS = (
+    ("max_generate_length", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("min_p", "min_p"),
+    ("repetition_penalty", "repetition_penalty"),
+)
+
+
+def _check_rule(path: str, value: Any, rule: NumberRule) -> None:
+    """A shared range (:data:`~skyrl_structured.config.SAMPLING_RANGES`) as a :class:`ConfigError`."""
+    try:
+        rule.check(path, value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_ranges(cfg: RolloutConfig) -> None:
     """The ranges of the generator's counts and sampling parameters, of the prompt limit and the chaos drills."""
     gen = cfg.generator
@@ -430,23 +448,8 @@ def _check_ranges(cfg: RolloutConfig) -> None:
     for name, params in (("sampling_params", gen.sampling_params), ("eval_sampling_params", gen.eval_sampling_params)):
         if params is None:
             continue
-        _check_number(
-            f"generator.{name}.max_generate_length",
-            params.max_generate_length,
-            integer=True,
-            minimum=1,
-            fix="It is the most tokens one turn generates, e.g. 1024.",
-        )
-        _check_number(f"generator.{name}.temperature", params.temperature, integer=False, minimum=0, fix="0 is greedy.")
-        _check_number(
-            f"generator.{name}.top_p",
-            params.top_p,
-            integer=False,
-            minimum=0,
-            maximum=1,
-            strict=True,
-            fix="1.0 keeps every token.",
-        )
+        for field_name, engine_name in _SAMPLING_FIELDS:
+            _check_rule(f"generator.{name}.{field_name}", getattr(params, field_name), SAMPLING_RANGES[engine_name])
         if params.logprobs not in (None, 0, 1) or isinstance(params.logprobs, bool):
             raise ConfigError(
                 str(

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import SKYRL_SAMPLING_DEFAULTS, check_number, invalid_value
+from ..config import SAMPLING_RANGES, SKYRL_SAMPLING_DEFAULTS, check_number, invalid_value
 
 __all__ = ["SKYRL_DEFAULT_SAMPLING_PARAMS", "SamplingSpec", "default_spec", "resolve_sampling"]
 
@@ -144,9 +144,7 @@ def _max_tokens(params: Mapping[str, Any], fallback: int) -> int:
     key = "max_tokens" if theirs is not None else "max_generate_length"
     value = _integer(params, key, fallback)
     assert value is not None
-    check_number(
-        f"sampling_params.{key}", value, integer=True, minimum=1, fix="It is the most tokens one turn generates."
-    )
+    SAMPLING_RANGES["max_tokens"].check(f"sampling_params.{key}", value)
     return value
 
 
@@ -201,26 +199,10 @@ def _parse(params: Mapping[str, Any], *, fallback_max_tokens: int) -> SamplingSp
 
 
 def _check_ranges(spec: SamplingSpec) -> None:
-    """Refuse out-of-range values, worded by :func:`~skyrl_structured.config.check_number` like every setting."""
-    check_number("sampling_params.temperature", spec.temperature, integer=False, minimum=0, fix="0 is greedy.")
-    check_number(
-        "sampling_params.top_p",
-        spec.top_p,
-        integer=False,
-        minimum=0,
-        maximum=1,
-        strict=True,
-        fix="1.0 keeps every token.",
-    )
-    check_number("sampling_params.min_p", spec.min_p, integer=False, minimum=0, maximum=1, fix="0.0 disables it.")
-    check_number(
-        "sampling_params.repetition_penalty",
-        spec.repetition_penalty,
-        integer=False,
-        minimum=0,
-        strict=True,
-        fix="1.0 applies none.",
-    )
+    """Refuse out-of-range values: :data:`~skyrl_structured.config.SAMPLING_RANGES`, the CLI's table too."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "min_tokens"):
+        SAMPLING_RANGES[name].check(f"sampling_params.{name}", getattr(spec, name))
+    # Any count of logprobs reaches the engine; the generator itself takes 0 or 1 (checked in its config).
     check_number(
         "sampling_params.logprobs",
         spec.logprobs,
@@ -229,7 +211,6 @@ def _check_ranges(spec: SamplingSpec) -> None:
         null_means="no logprobs",
         fix="0 or 1 returns the chosen token's logprob.",
     )
-    check_number("sampling_params.min_tokens", spec.min_tokens, integer=True, minimum=0, fix="0 sets no minimum.")
 
 
 def resolve_sampling(params: Mapping[str, Any] | None, defaults: SamplingSpec) -> SamplingSpec:
