@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 
 from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured.config import FAILED_ROLLOUT_POLICIES, FailedRolloutPolicy
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 
 from .harness import package_version
@@ -52,7 +53,7 @@ from .workload import InstantEngine, ReplyPool, question
 
 ROOT = Path(__file__).resolve().parent.parent
 CUTOFFS = (0.90, 0.95, 0.99, 1.0)
-POLICIES = ("placeholder", "mask_group", "fill_group_mean")
+POLICIES = FAILED_ROLLOUT_POLICIES
 SAMPLES = 8
 MEDIAN_S = 0.2
 #: p99/p50 = exp(sigma * z_0.99) = 10.
@@ -109,7 +110,7 @@ def make_batch(n: int, rewards: Sequence[float]) -> Any:
     }
 
 
-def make_generator(tokenizer: Any, engine: Any, cutoff: float, policy: str) -> StructuredGymGenerator:
+def make_generator(tokenizer: Any, engine: Any, cutoff: float, policy: FailedRolloutPolicy) -> StructuredGymGenerator:
     cfg = GeneratorConfig(
         max_turns=1,
         max_input_length=1 << 20,
@@ -122,7 +123,9 @@ def make_generator(tokenizer: Any, engine: Any, cutoff: float, policy: str) -> S
     return StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), engine, tokenizer)
 
 
-def run_once(tokenizer: Any, engine: Any, batch: Any, *, cutoff: float, policy: str, backend: str) -> dict[str, Any]:
+def run_once(
+    tokenizer: Any, engine: Any, batch: Any, *, cutoff: float, policy: FailedRolloutPolicy, backend: str
+) -> dict[str, Any]:
     gen = make_generator(tokenizer, engine, cutoff, policy)
     gc.collect()
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, assert_never
 
 from ._metrics import failure_metrics, rollout_metrics
 from ._vision import empty_rows_like
-from .config import FailureBudgetAction, ResilienceSettings
+from .config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
 from .envs import CleanupStats
-from .failures import FailedRollout, failure_budget_exceeded, failure_summary
+from .failures import FailedRollout, failure_summary
 from .types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, StepWiseOutput, TrajectoryOutput
 
 __all__ = [
@@ -110,9 +110,17 @@ def substitute_placeholders(
 
 
 def check_failure_budget(
-    failures: Sequence[FailedRollout], total: int, max_fraction: float, *, action: FailureBudgetAction = "raise"
+    failures: Sequence[FailedRollout],
+    total: int,
+    max_fraction: float,
+    *,
+    exceeded: bool,
+    action: FailureBudgetAction = "raise",
 ) -> bool:
     """Act on a step whose every rollout failed, or more than ``max_fraction`` of them did.
+
+    ``exceeded`` is the batch's verdict, reached once by the supervisor
+    (:func:`~skyrl_structured.failures.failure_budget_exceeded`); this only words and acts on it.
 
     With ``action="raise"`` such a step raises; with ``"warn"`` it logs one warning and the caller
     returns the step with placeholders for the failed rows (``generator.failure_budget_action``).
@@ -124,7 +132,7 @@ def check_failure_budget(
         RuntimeError: over budget with ``action="raise"``; chained (``__cause__``) to the first
             failure's exception.
     """
-    if not failure_budget_exceeded(len(failures), total, max_fraction):
+    if not exceeded:
         return False
     first = min(failures, key=lambda f: f.index).exception
     if len(failures) >= total:
@@ -160,7 +168,7 @@ def reward_total(reward: Any) -> float:
 
 
 def apply_group_policy(
-    policy: str,
+    policy: FailedRolloutPolicy,
     *,
     rewards: list[Any],
     loss_masks: list[list[int]],
@@ -177,18 +185,34 @@ def apply_group_policy(
     group that contains a failure; ``fill_group_mean`` gives each failed rollout's row the mean
     score of its group's successful rollouts, so the group baseline is what the successes alone
     would give.
+
+    The policy's value was checked once, by :func:`~skyrl_structured.config.resolve_resilience`.
     """
-    if policy == "placeholder" or not any(failed):
+    if not any(failed):
         return
-    tainted = {groups[i] for i, f in enumerate(failed) if f}
+    if policy == "placeholder":
+        return
     if policy == "mask_group":
+        tainted = {groups[i] for i, f in enumerate(failed) if f}
         for r, i in enumerate(row_trajectory):
             if groups[i] in tainted:
                 loss_masks[r] = [0] * len(loss_masks[r])
                 rewards[r] = [0.0] * len(rewards[r]) if isinstance(rewards[r], list) else 0.0
         return
-    if policy != "fill_group_mean":
-        raise ValueError(f"unknown failed_rollout_policy {policy!r}")
+    if policy == "fill_group_mean":
+        _fill_group_mean(rewards, row_trajectory, is_last_row, failed, groups)
+        return
+    assert_never(policy)
+
+
+def _fill_group_mean(
+    rewards: list[Any],
+    row_trajectory: Sequence[int],
+    is_last_row: Sequence[bool],
+    failed: Sequence[bool],
+    groups: Sequence[str],
+) -> None:
+    """``fill_group_mean``: each failed rollout's row gets its group's mean successful score."""
     scores: dict[str, list[float]] = defaultdict(list)
     for r, i in enumerate(row_trajectory):
         if is_last_row[r] and not failed[i]:
@@ -219,16 +243,24 @@ def collect(
     env_classes: list[str],
     trajectory_ids: list[Any] | None,
     get_logprobs: bool,
+    over_budget: bool,
 ) -> GeneratorOutput:
     """The batch's ``GeneratorOutput`` from results in input order (:class:`FailedRollout` for failures).
+
+    ``over_budget`` is the supervisor's failure-budget verdict for the batch.
 
     Raises:
         RuntimeError: over the failure budget with ``failure_budget_action="raise"``.
     """
     failures = sorted(failures, key=lambda f: f.index)
+    budget_exceeded = False
     if failures:
-        check_failure_budget(
-            failures, len(results), resilience.max_failed_rollout_fraction, action=resilience.failure_budget_action
+        budget_exceeded = check_failure_budget(
+            failures,
+            len(results),
+            resilience.max_failed_rollout_fraction,
+            exceeded=over_budget,
+            action=resilience.failure_budget_action,
         )
         step_wise = bool(generator_cfg.step_wise_trajectories)
         results = substitute_placeholders(
@@ -251,6 +283,7 @@ def collect(
         failures=failures,
         retries=retries,
         cleanup=cleanup,
+        budget_exceeded=budget_exceeded,
     )
 
 
@@ -301,8 +334,12 @@ def build_generator_output(
     failures: list[FailedRollout],
     retries: int,
     cleanup: CleanupStats,
+    budget_exceeded: bool = False,
 ) -> GeneratorOutput:
-    """Flatten per-rollout outputs (placeholders already in place) into the ``GeneratorOutput``."""
+    """Flatten per-rollout outputs (placeholders already in place) into the ``GeneratorOutput``.
+
+    ``budget_exceeded``: the step is over the failure budget and returned anyway (``warn``).
+    """
     cfg = generator_cfg
     step_wise = bool(cfg.step_wise_trajectories)
     flat = _Rows(outputs, step_wise)
@@ -316,9 +353,7 @@ def build_generator_output(
     env_metrics = [r.env_metrics for r in rows]
 
     metrics = _metrics(outputs, flat, failures, env_classes, completion_times, splits)
-    metrics.update(
-        failure_metrics(failures, len(outputs), retries, cleanup, max_fraction=resilience.max_failed_rollout_fraction)
-    )
+    metrics.update(failure_metrics(failures, len(outputs), retries, cleanup, budget_exceeded=budget_exceeded))
     loss_masks = _apply_filters(cfg, rewards, loss_masks, stop_reasons)
     if failures:
         assert trajectory_ids is not None or resilience.failed_rollout_policy == "placeholder"

@@ -181,7 +181,8 @@ class ProcessWorker(Transport):
         """
         with self._reap:
             self.process.join(timeout_s)
-            return self.process.exitcode
+            code: int | None = self.process.exitcode
+            return code
 
     def _death_error(self) -> EnvWorkerError:
         code = self._join(0)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ._replies import read_reply
+from ._calls import engine_call, env_call
 from ._rollout import RolloutContext
 from ._tokens import ChatTokenizer
-from .observe import RolloutObserver
 from .types import ConversationType, StepWiseOutput, TrajectoryOutput
 
 __all__ = ["Episode", "EpisodeRunner", "PromptTooLongError"]
@@ -163,13 +161,7 @@ class Episode:
     async def _start(
         self, env: Any, prompt: ConversationType, context: RolloutContext, sampling_params: dict[str, Any] | None
     ) -> _Run:
-        context.emit(RolloutObserver.env_call_started, "init", 0)
-        try:
-            chat_history, _ = await env.init(copy.deepcopy(prompt))
-        except BaseException as exc:
-            context.emit(RolloutObserver.env_call_finished, "init", 0, exc)
-            raise
-        context.emit(RolloutObserver.env_call_finished, "init", 0, None)
+        chat_history, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
         # With re-tokenization the generation prompt would land in both prompt and response ids.
         initial_ids = self._render(chat_history, add_generation_prompt=not self.retokenize)
         # Read only (stop strings, logprobs): one dict per batch serves every rollout.
@@ -200,20 +192,12 @@ class Episode:
         }
         turn = run.engine_calls
         run.engine_calls += 1
-        context.emit(RolloutObserver.engine_call_started, turn, len(run.input_ids))
-        try:
-            llm_started = time.monotonic()
-            try:
-                engine_output = await context.client.generate(engine_input, model=self.policy_model_name)
-            finally:
-                # Recorded on every exit: a failed rollout's placeholder reports where its time went.
-                context.time_splits["llm"] += time.monotonic() - llm_started
-            # Checked before any use: a bad reply fails this rollout alone, never the batch.
-            output, output_ids, run.stop_reason, output_logprobs, expert_indices = read_reply(engine_output)
-        except BaseException as exc:
-            context.emit(RolloutObserver.engine_call_finished, turn, None, None, exc)
-            raise
-        context.emit(RolloutObserver.engine_call_finished, turn, len(output_ids), run.stop_reason, None)
+        output, output_ids, run.stop_reason, output_logprobs, expert_indices = await engine_call(
+            context,
+            turn,
+            len(run.input_ids),
+            lambda: context.client.generate(engine_input, model=self.policy_model_name),
+        )
         if output_logprobs is not None and self.custom_chat_template is not None:
             raise ValueError(
                 "the engine returned logprobs, but logprob bookkeeping is not supported with a custom "
@@ -241,16 +225,7 @@ class Episode:
 
     async def _step(self, env: Any, run: _Run, turn: _Turn, context: RolloutContext) -> float:
         step = run.engine_calls - 1
-        context.emit(RolloutObserver.env_call_started, "step", step)
-        env_started = time.monotonic()
-        try:
-            step_output = await env.step(turn.output)
-        except BaseException as exc:
-            context.emit(RolloutObserver.env_call_finished, "step", step, exc)
-            raise
-        finally:
-            context.time_splits["env"] += time.monotonic() - env_started
-        context.emit(RolloutObserver.env_call_finished, "step", step, None)
+        step_output = await env_call(context, "step", step, lambda: env.step(turn.output), timed=True)
         turn.new_obs = step_output["observations"]
         run.done = step_output["done"]
         if step_output.get("postprocessed_action", None) is not None:

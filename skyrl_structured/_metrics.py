@@ -21,7 +21,7 @@ import numpy as np
 from skyrl_gym.metrics import aggregate_for_environment
 
 from .envs import CleanupStats
-from .failures import FailedRollout, StragglerCutError, failure_budget_exceeded
+from .failures import FailedRollout, StragglerCutError
 
 __all__ = ["failure_metrics", "rollout_metrics", "turn_token_counts"]
 
@@ -148,18 +148,18 @@ def failure_metrics(
     retries: int,
     cleanup: CleanupStats,
     *,
-    max_fraction: float = 1.0,
+    budget_exceeded: bool = False,
 ) -> dict[str, Any]:
     """The counters a structured generator adds: failures by type, timeouts, retries, cleanup.
 
-    ``generate/failure_budget_exceeded`` is 1 when the step is over the failure budget
-    (``max_fraction``, see :func:`~skyrl_structured.failures.failure_budget_exceeded`) and was
-    returned anyway (``failure_budget_action=warn``), else 0. Every key but the fraction is a count.
+    ``generate/failure_budget_exceeded`` is ``budget_exceeded``: 1 when the step is over the failure
+    budget (the supervisor's verdict, see :func:`~skyrl_structured.failures.failure_budget_exceeded`)
+    and was returned anyway (``failure_budget_action=warn``), else 0. Every key but the fraction is a count.
     """
     out: dict[str, Any] = {
         "generate/num_failed_rollouts": len(failures),
         "generate/mean_failed_rollout_fraction": len(failures) / total if total else 0.0,
-        "generate/failure_budget_exceeded": int(failure_budget_exceeded(len(failures), total, max_fraction)),
+        "generate/failure_budget_exceeded": int(budget_exceeded),
         "generate/num_timed_out_rollouts": sum(1 for f in failures if f.timed_out),
         "generate/num_cut_rollouts": sum(1 for f in failures if isinstance(f.exception, StragglerCutError)),
         "generate/num_rollout_retries": retries,

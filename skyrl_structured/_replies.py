@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MalformedEngineReplyError", "read_reply"]
+__all__ = ["MalformedEngineReplyError", "ReplyParts", "check_token_ids", "read_reply"]
 
 
 class MalformedEngineReplyError(ValueError):
@@ -19,7 +19,7 @@ class MalformedEngineReplyError(ValueError):
 
 #: What one reply carries for its single prompt: text, token ids (a fresh list), stop reason,
 #: logprobs (a fresh list, or None) and routed expert indices (or None).
-_ReplyParts = tuple[str, list[int], str, list[float] | None, Any]
+ReplyParts = tuple[str, list[int], str, list[float] | None, Any]
 
 _REQUIRED_REPLY_FIELDS = ("responses", "response_ids", "stop_reasons")
 
@@ -28,8 +28,8 @@ def _kind(value: Any) -> str:
     return "None" if value is None else f"of type {type(value).__name__}"
 
 
-def _malformed(field: str, problem: str, fix: str) -> MalformedEngineReplyError:
-    return MalformedEngineReplyError(f"the engine's reply field `{field}` {problem}; {fix}")
+def _malformed(field: str, problem: str, fix: str, *, context: str = "reply") -> MalformedEngineReplyError:
+    return MalformedEngineReplyError(f"the engine's {context} field `{field}` {problem}; {fix}")
 
 
 def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
@@ -50,7 +50,33 @@ def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
     return value[0]
 
 
-def read_reply(reply: Any) -> _ReplyParts:
+def check_token_ids(ids: Any, field: str, *, context: str = "reply") -> list[int]:
+    """``ids`` as a fresh list once it is a list (or tuple) of token ids; the one rule for every reply.
+
+    Only the first and last entries' types are checked (a reply is read once per turn; no per-token scan).
+
+    Raises:
+        MalformedEngineReplyError: ``ids`` is not a list, or holds a non-int at either end.
+    """
+    if not isinstance(ids, list | tuple):
+        raise _malformed(
+            field,
+            f"is {_kind(ids)}, expected a list of token ids (int)",
+            "convert tensors or arrays with .tolist()",
+            context=context,
+        )
+    for position in (0, len(ids) - 1) if ids else ():
+        if type(ids[position]) is not int:
+            raise _malformed(
+                field,
+                f"holds a value {_kind(ids[position])} at position {position}, expected token ids of type int",
+                "convert tensors or arrays with .tolist()",
+                context=context,
+            )
+    return list(ids)
+
+
+def read_reply(reply: Any) -> ReplyParts:
     """Check an engine reply to a one-prompt request and take its parts apart.
 
     Cheap by design (it runs once per turn): batch shapes, types, the first and last token's type
@@ -78,13 +104,7 @@ def read_reply(reply: Any) -> _ReplyParts:
         raise _malformed(
             "responses[0]", f"is {_kind(text)}, expected the response text (str)", "an engine must return decoded text"
         )
-    ids = _only_entry(reply, "response_ids")
-    if not isinstance(ids, list | tuple):
-        raise _malformed(
-            "response_ids[0]",
-            f"is {_kind(ids)}, expected a list of token ids (int)",
-            "convert tensors or arrays with .tolist()",
-        )
+    ids = check_token_ids(_only_entry(reply, "response_ids"), "response_ids[0]")
     if not ids:
         raise _malformed(
             "response_ids[0]",
@@ -92,13 +112,6 @@ def read_reply(reply: Any) -> _ReplyParts:
             "an engine must return the generated token ids (EOS included when generation stopped on it), "
             "with max_tokens >= 1",
         )
-    for position in (0, len(ids) - 1):
-        if type(ids[position]) is not int:
-            raise _malformed(
-                "response_ids[0]",
-                f"holds a value {_kind(ids[position])} at position {position}, expected token ids of type int",
-                "convert tensors or arrays with .tolist()",
-            )
     stop_reason = _only_entry(reply, "stop_reasons")
     if not isinstance(stop_reason, str):
         raise _malformed(
@@ -124,4 +137,4 @@ def read_reply(reply: Any) -> _ReplyParts:
         logprobs = list(entry)
     indices_batch = reply.get("rollout_expert_indices", None)
     expert_indices = indices_batch[0] if indices_batch is not None else None
-    return text, list(ids), stop_reason, logprobs, expert_indices
+    return text, ids, stop_reason, logprobs, expert_indices

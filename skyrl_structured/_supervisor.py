@@ -69,6 +69,9 @@ class BatchResult:
     failures: list[FailedRollout]
     retries: int
     cleanup: CleanupStats
+    #: The batch's failure-budget verdict (:func:`~skyrl_structured.failures.failure_budget_exceeded`),
+    #: reached once here and handed to the collector and the metrics.
+    over_budget: bool = False
 
 
 def _backoff(base: float, attempt: int) -> float:
@@ -242,7 +245,11 @@ async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -
         raise supervisor.first_error
     batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
     return BatchResult(
-        results=supervisor.results, failures=supervisor.failures, retries=supervisor.retries, cleanup=batch.cleanup
+        results=supervisor.results,
+        failures=supervisor.failures,
+        retries=supervisor.retries,
+        cleanup=batch.cleanup,
+        over_budget=supervisor.over_budget,
     )
 
 
@@ -266,6 +273,8 @@ class _Supervisor:
         self.step_wise = False
         self.results: list[Any] = [None] * count
         self.failures: list[FailedRollout] = []
+        #: Whether the failures so far are over the budget; failures only grow, so once set it stays.
+        self.over_budget = False
         self.retries = 0
         self.first_error: BaseException | None = None
         self.interrupt: BaseException | None = None
@@ -411,11 +420,7 @@ class _Supervisor:
             if self.first_error is None:
                 self.first_error = error
             group.cancel_scope.cancel()
-        elif (
-            settings.failure_budget_action == "raise"
-            and len(self.failures) < self.count
-            and failure_budget_exceeded(len(self.failures), self.count, settings.max_failed_rollout_fraction)
-        ):
+        elif settings.failure_budget_action == "raise" and self.over_budget and len(self.failures) < self.count:
             # The budget is already blown and failures only grow: stop spending compute.
             group.cancel_scope.cancel()
         return False
@@ -436,6 +441,9 @@ class _Supervisor:
         )
         self.results[index] = failure
         self.failures.append(failure)
+        self.over_budget = failure_budget_exceeded(
+            len(self.failures), self.count, self.settings.max_failed_rollout_fraction
+        )
         # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (_stragglers.py).
         level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
         logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))

@@ -20,7 +20,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._replies import MalformedEngineReplyError, read_reply
+from ._calls import engine_call, env_call
+from ._replies import MalformedEngineReplyError, check_token_ids
 from ._rollout import RolloutContext
 from ._vision import decode_vision_features
 from .types import ConversationType, TrajectoryOutput
@@ -39,19 +40,14 @@ def read_render(reply: Any) -> tuple[list[int], Mapping[str, Any] | None]:
             "the engine's render reply must be a dict with `token_ids` (and `features` when the conversation "
             f"holds images), got {type(reply).__name__}; check what the client's render_chat_completion returns"
         )
-    ids = reply["token_ids"]
-    if not isinstance(ids, list | tuple) or (ids and (type(ids[0]) is not int or type(ids[-1]) is not int)):
-        raise MalformedEngineReplyError(
-            "the engine's render reply field `token_ids` must be a list of token ids (int); convert tensors or "
-            "arrays with .tolist()"
-        )
+    ids = check_token_ids(reply["token_ids"], "token_ids", context="render reply")
     features = reply.get("features", None)
     if features is not None and not isinstance(features, Mapping):
         raise MalformedEngineReplyError(
             f"the engine's render reply field `features` is {type(features).__name__}, expected a dict "
             "(mm_hashes, mm_placeholders, kwargs_data) or None"
         )
-    return list(ids), features
+    return ids, features
 
 
 @dataclass
@@ -106,7 +102,7 @@ class VisionEpisode:
         cache_salt: str | None,
     ) -> TrajectoryOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
-        conversation, _ = await env.init(copy.deepcopy(prompt))
+        conversation, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
         params = sampling_params if sampling_params is not None else context.batch.default_params
         run = _VisionRun(
             conversation=conversation,
@@ -155,20 +151,13 @@ class VisionEpisode:
             "mm_features": [run.features] if run.features is not None else None,
             "cache_salt": cache_salt,
         }
+        turn = run.engine_calls
         run.engine_calls += 1
-        started = time.monotonic()
-        try:
-            reply = await context.client.generate(engine_input, model=self.policy_model_name)
-        finally:
-            context.time_splits["llm"] += time.monotonic() - started
-        text, ids, run.stop_reason, logprobs, _ = read_reply(reply)
+        text, ids, run.stop_reason, logprobs, _ = await engine_call(
+            context, turn, len(input_ids), lambda: context.client.generate(engine_input, model=self.policy_model_name)
+        )
         added_eos = self._append_stop_eos(run, text, ids, logprobs)
-
-        started = time.monotonic()
-        try:
-            step = await env.step(text)
-        finally:
-            context.time_splits["env"] += time.monotonic() - started
+        step = await env_call(context, "step", turn, lambda: env.step(text), timed=True)
         reward: float = step["reward"]
         run.done = bool(step["done"])
         run.conversation.append({"role": "assistant", "content": text})

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "FAILED_ROLLOUT_POLICIES",
@@ -30,11 +30,11 @@ __all__ = [
 ]
 
 FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
-FAILED_ROLLOUT_POLICIES: tuple[str, ...] = ("placeholder", "mask_group", "fill_group_mean")
+FAILED_ROLLOUT_POLICIES: tuple[FailedRolloutPolicy, ...] = get_args(FailedRolloutPolicy)
 FailureBudgetAction = Literal["raise", "warn"]
-FAILURE_BUDGET_ACTIONS: tuple[str, ...] = ("raise", "warn")
+FAILURE_BUDGET_ACTIONS: tuple[FailureBudgetAction, ...] = get_args(FailureBudgetAction)
 StragglerCutoffScope = Literal["batch", "group"]
-STRAGGLER_CUTOFF_SCOPES: tuple[str, ...] = ("batch", "group")
+STRAGGLER_CUTOFF_SCOPES: tuple[StragglerCutoffScope, ...] = get_args(StragglerCutoffScope)
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
@@ -104,7 +104,7 @@ class ResilienceSettings:
     env_cleanup_timeout_s: float = 30.0
     max_failed_rollout_fraction: float = 1.0
     failure_budget_action: FailureBudgetAction = "raise"
-    failed_rollout_policy: str = "placeholder"
+    failed_rollout_policy: FailedRolloutPolicy = "placeholder"
     sampling_seed: int | None = None
     gc_tuning: bool = True
     straggler_cutoff: float | None = None
@@ -199,7 +199,7 @@ class GeneratorConfig:
         "Use 'warn' where generate() gets one prompt group at a time (SkyRL's fully-async trainer).",
         _KNOB_DEFAULTS.failure_budget_action,
     )
-    failed_rollout_policy: str = _help(
+    failed_rollout_policy: FailedRolloutPolicy = _help(
         "How failures enter the batch: 'placeholder', 'mask_group' (mask the failure's whole "
         "group) or 'fill_group_mean' (placeholder reward = mean of its successful siblings).",
         _KNOB_DEFAULTS.failed_rollout_policy,
@@ -337,7 +337,7 @@ def check_number(
 
 
 @dataclass(frozen=True)
-class _NumberRule:
+class NumberRule:
     """The accepted range of one numeric knob and the fix its refusal suggests (see :func:`check_number`)."""
 
     integer: bool
@@ -362,9 +362,20 @@ class _NumberRule:
         )
 
 
+#: The ranges of SkyRL's sampling parameters, by the engine's names: the CLI checks
+#: :class:`SamplingParams` and the engines check each request's ``sampling_params`` against these.
+SAMPLING_RANGES: dict[str, NumberRule] = {
+    "max_tokens": NumberRule(integer=True, minimum=1, fix="It is the most tokens one turn generates, e.g. 1024."),
+    "temperature": NumberRule(integer=False, minimum=0, fix="0 is greedy."),
+    "top_p": NumberRule(integer=False, minimum=0, maximum=1, strict=True, fix="1.0 keeps every token."),
+    "min_p": NumberRule(integer=False, minimum=0, maximum=1, fix="0.0 disables it."),
+    "repetition_penalty": NumberRule(integer=False, minimum=0, strict=True, fix="1.0 applies none."),
+    "min_tokens": NumberRule(integer=True, minimum=0, fix="0 sets no minimum."),
+}
+
 #: The range of every numeric knob of :class:`ResilienceSettings`, checked in this order.
-_NUMERIC_KNOBS: dict[str, _NumberRule] = {
-    "rollout_timeout_s": _NumberRule(
+_NUMERIC_KNOBS: dict[str, NumberRule] = {
+    "rollout_timeout_s": NumberRule(
         integer=False,
         minimum=0,
         strict=True,
@@ -372,12 +383,12 @@ _NUMERIC_KNOBS: dict[str, _NumberRule] = {
         null_means="no deadline (.inf means the same)",
         fix="Set the longest one rollout attempt may run, e.g. 600, or null for no deadline.",
     ),
-    "max_rollout_retries": _NumberRule(integer=True, minimum=0, fix="0 runs each rollout once, without retries."),
-    "rollout_retry_backoff_s": _NumberRule(integer=False, minimum=0, seconds=True, fix="0 retries at once."),
-    "max_concurrent_rollouts": _NumberRule(
+    "max_rollout_retries": NumberRule(integer=True, minimum=0, fix="0 runs each rollout once, without retries."),
+    "rollout_retry_backoff_s": NumberRule(integer=False, minimum=0, seconds=True, fix="0 retries at once."),
+    "max_concurrent_rollouts": NumberRule(
         integer=True, minimum=1, null_means="no limit", fix="null runs every rollout of the batch at once."
     ),
-    "env_cleanup_timeout_s": _NumberRule(
+    "env_cleanup_timeout_s": NumberRule(
         integer=False,
         minimum=0,
         strict=True,
@@ -385,13 +396,13 @@ _NUMERIC_KNOBS: dict[str, _NumberRule] = {
         fix="It bounds each environment close and session finish (0 would abandon every one of them, "
         "inf would let a hung close block the step); keep the default 30, or raise it for slow environments.",
     ),
-    "max_failed_rollout_fraction": _NumberRule(
+    "max_failed_rollout_fraction": NumberRule(
         integer=False,
         minimum=0,
         maximum=1,
         fix="It is the largest failed share a step tolerates; 1.0 (the default) tolerates any short of all.",
     ),
-    "straggler_cutoff": _NumberRule(
+    "straggler_cutoff": NumberRule(
         integer=False,
         minimum=0,
         maximum=1,
@@ -399,7 +410,7 @@ _NUMERIC_KNOBS: dict[str, _NumberRule] = {
         null_means="no cutoff",
         fix="It is the share of rollouts that must be final before the rest are cut, e.g. 0.95.",
     ),
-    "straggler_grace_s": _NumberRule(
+    "straggler_grace_s": NumberRule(
         integer=False, minimum=0, seconds=True, fix="0 cuts the stragglers as soon as the cutoff is reached."
     ),
 }

@@ -550,6 +550,7 @@ class StructuredGymGenerator:
             env_classes=env_classes,
             trajectory_ids=trajectory_ids,
             get_logprobs=self._get_logprobs(sampling_params),
+            over_budget=result.over_budget,
         )
         if lag is not None:
             output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}

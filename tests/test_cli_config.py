@@ -167,9 +167,18 @@ def test_yaml_errors_name_the_file(tmp_path):
         (["generator.env_cleanup_timeout_s=0"], r"`generator.env_cleanup_timeout_s` must be a finite number of sec"),
         (["generator.max_input_length=0"], r"`generator.max_input_length` must be an integer >= 1, or null for"),
         (["generator.failed_rollout_policy=mask_group"], r"only acts on failed rollouts"),
-        (["generator.n_samples_per_prompt=0"], r"`generator.n_samples_per_prompt` must be >= 1, got 0"),
-        (["generator.sampling_params.top_p=0"], r"`generator.sampling_params.top_p` must be within \(0, 1\]"),
-        (["generator.sampling_params.max_generate_length=0"], r"max_generate_length` must be >= 1"),
+        (
+            ["generator.n_samples_per_prompt=0"],
+            r"^`generator.n_samples_per_prompt` must be an integer >= 1; got 0\. GRPO",
+        ),
+        (
+            ["generator.sampling_params.top_p=0"],
+            r"^`generator.sampling_params.top_p` must be within \(0, 1\]; got 0\.0\. 1\.0 keeps",
+        ),
+        (
+            ["generator.sampling_params.max_generate_length=0"],
+            r"max_generate_length` must be an integer >= 1; got 0\. It is",
+        ),
         (
             ["generator.vision_language_generator=true", "generator.use_conversation_multi_turn=false"],
             r"StructuredVLMGymGenerator requires `generator.use_conversation_multi_turn=true`",
@@ -184,9 +193,21 @@ def test_yaml_errors_name_the_file(tmp_path):
         (["engine.kind=vllm"], r"`engine.model` is required with `engine.kind=vllm`"),
         (["engine.tokenizer=gpt2"], r"`engine.tokenizer` applies to engine.kind=http and vllm"),
         (["engine.dtype=float64"], r"`engine.dtype` must be one of float32, float16, bfloat16"),
-        (["chaos.failure_rate=1.5"], r"`chaos.failure_rate` is a probability"),
-        (["chaos.slow_s=-1"], r"`chaos.slow_s` must be >= 0"),
-        (["data.max_prompts=0"], r"`data.max_prompts` must be >= 1"),
+        (["chaos.failure_rate=1.5"], r"^`chaos.failure_rate` must be within \[0, 1\]; got 1\.5\. It is a probability"),
+        (["chaos.slow_s=-1"], r"^`chaos.slow_s` must be a finite number of seconds >= 0; got -1(\.0)?\. 0 adds"),
+        (
+            ["generator.sampling_params.min_p=1.5"],
+            r"^`generator.sampling_params.min_p` must be within \[0, 1\]; got 1\.5",
+        ),
+        (
+            ["generator.eval_sampling_params.repetition_penalty=0"],
+            r"^`generator.eval_sampling_params.repetition_penalty` must be a finite number > 0; got 0\.0\. 1\.0",
+        ),
+        (["run.metrics_port=70000"], r"^`run.metrics_port` must be an integer within \[0, 65535\], or null for no"),
+        (
+            ["data.max_prompts=0"],
+            r"^`data.max_prompts` must be an integer >= 1, or null for every prompt; got 0\. null",
+        ),
     ],
 )
 def test_out_of_range_and_conflicting_values_are_refused(overrides, message):
@@ -368,7 +389,7 @@ def test_every_key_has_help_text():
         (["environment.skyrl_gym.env_configs={search: {topk: 2}}"], r"set SkyRL's keys instead, `environment.skyrl"),
         (
             ["generator.sampling_params.logprobs=5"],
-            r"^`generator.sampling_params.logprobs` must be null, 0 or 1 .*got 5$",
+            r"^`generator.sampling_params.logprobs` must be null, 0 or 1; got 5\. 1 returns the chosen token's logprob",
         ),
         (["generator.eval_sampling_params.logprobs=2"], r"`generator.eval_sampling_params.logprobs` must be null, 0"),
         (["generator.sampling_params.logprobs=-1"], r"`generator.sampling_params.logprobs` must be null, 0 or 1"),

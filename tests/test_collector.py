@@ -30,6 +30,7 @@ from skyrl_structured._collector import (
     substitute_placeholders,
 )
 from skyrl_structured.envs import CleanupStats
+from skyrl_structured.failures import failure_budget_exceeded
 
 from ._upstream import load_upstream_validator
 
@@ -106,21 +107,27 @@ def test_reward_shape_comes_from_first_success_with_a_trajectory():
     assert infer_token_level_rewards([StepWiseOutput([trajectory(2, True)])], default=False) is True
 
 
+def _check(failures: list[FailedRollout], total: int, max_fraction: float, **kwargs: Any) -> bool:
+    # The verdict as the supervisor reaches it, then worded and acted on by the collector.
+    exceeded = failure_budget_exceeded(len(failures), total, max_fraction)
+    return check_failure_budget(failures, total, max_fraction, exceeded=exceeded, **kwargs)
+
+
 def test_budget_messages_count_by_type_and_chain_the_first():
     failures = [failure(2, KeyError("b")), failure(0, OSError("a")), failure(1, OSError("c"))]
     with pytest.raises(RuntimeError, match=r"All 3 rollouts failed \(2 x OSError, 1 x KeyError\)") as info:
-        check_failure_budget(failures, 3, 1.0)
+        _check(failures, 3, 1.0)
     assert str(info.value.__cause__) == "a"
-    check_failure_budget(failures[:1], 3, 0.34)  # 1/3 <= 0.34
+    _check(failures[:1], 3, 0.34)  # 1/3 <= 0.34
     with pytest.raises(RuntimeError, match=r"2 of 3 rollouts failed"):
-        check_failure_budget(failures[:2], 3, 0.5)
+        _check(failures[:2], 3, 0.5)
 
 
 def test_raise_names_the_knob_that_would_keep_the_step():
     with pytest.raises(
         RuntimeError, match=r"generator.failure_budget_action=warn returns such a step with placeholders"
     ):
-        check_failure_budget([failure(0)], 1, 1.0)
+        _check([failure(0)], 1, 1.0)
 
 
 def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -129,7 +136,7 @@ def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord
 
 def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):
     every = [failure(1, OSError("b")), failure(0, OSError("a"))]
-    assert check_failure_budget(every, 2, 1.0, action="warn") is True
+    assert _check(every, 2, 1.0, action="warn") is True
     (record,) = _budget_warnings(caplog)
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (
@@ -138,7 +145,7 @@ def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):
         "the first error was OSError: a"
     )
     caplog.clear()
-    assert check_failure_budget(every, 4, 0.25, action="warn") is True
+    assert _check(every, 4, 0.25, action="warn") is True
     (record,) = _budget_warnings(caplog)
     assert record.getMessage().startswith(
         "2 of 4 rollouts failed (2 x OSError), more than generator.max_failed_rollout_fraction=0.25 allows. "
@@ -147,9 +154,9 @@ def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):
 
 
 def test_warn_within_budget_is_silent(caplog):
-    assert check_failure_budget([failure(0)], 4, 0.25, action="warn") is False
-    assert check_failure_budget([], 4, 0.0, action="warn") is False
-    assert check_failure_budget([failure(0)], 4, 0.25) is False
+    assert _check([failure(0)], 4, 0.25, action="warn") is False
+    assert _check([], 4, 0.0, action="warn") is False
+    assert _check([failure(0)], 4, 0.25) is False
     assert _budget_warnings(caplog) == []
 
 
@@ -178,6 +185,7 @@ def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_l
         failures=failures,
         retries=0,
         cleanup=CleanupStats(),
+        budget_exceeded=True,
     )
     validate_generator_output(n, out, step_wise=step_wise)
     load_upstream_validator()(n, out, step_wise=step_wise)  # SkyRL's trainer accepts it too

@@ -42,11 +42,19 @@ class GateEngine(ScriptedEngine):
         super().__init__(tokenizer, lambda call: "answer #### 7")
         self.seen: list[int] = []
         self.entered = 0
+        self._entry = anyio.Event()
         self.release: anyio.Event | None = None
+
+    async def wait_entered(self, n: int) -> None:
+        """Return once ``n`` calls have entered (each entry sets the current event and arms a new one)."""
+        while self.entered < n:
+            await self._entry.wait()
 
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         self.seen.append(gc.get_threshold()[0])
         self.entered += 1
+        entry, self._entry = self._entry, anyio.Event()
+        entry.set()
         if self.release is not None:
             await self.release.wait()
         return await super().generate(input_batch, model)
@@ -82,8 +90,7 @@ async def test_restored_after_cancellation(anyio_backend, tokenizer, ledger: Env
         async with anyio.create_task_group() as tg:
             tg.start_soon(gen.generate, make_batch(3, ledger))
             with anyio.fail_after(30):
-                while engine.entered < 3:  # noqa: ASYNC110 - a counter fed by the engine
-                    await anyio.sleep(0.005)
+                await engine.wait_entered(3)
             assert gc.get_threshold()[0] == _gc.GEN0_THRESHOLD
             scope.cancel()
     assert scope.cancelled_caught
@@ -95,22 +102,25 @@ async def test_overlapping_calls_share_one_raise_restored_after_the_last(anyio_b
     first, second = GateEngine(tokenizer), GateEngine(tokenizer)
     first.release, second.release = anyio.Event(), anyio.Event()
     done: list[str] = []
+    first_done = anyio.Event()
 
     async def run(name: str, engine: GateEngine) -> None:
         await make_generator(tokenizer, engine).generate(make_batch(2, ledger))
         done.append(name)
+        if name == "first":
+            first_done.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "first", first)
         tg.start_soon(run, "second", second)
         with anyio.fail_after(30):
-            while first.entered < 2 or second.entered < 2:  # noqa: ASYNC110 - counters fed by the engines
-                await anyio.sleep(0.005)
+            await first.wait_entered(2)
+            await second.wait_entered(2)
         assert _gc.active_calls() == 2
         first.release.set()
         with anyio.fail_after(30):
-            while done != ["first"]:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+            await first_done.wait()
+        assert done == ["first"]
         # One call still runs: the threshold stays raised.
         assert gc.get_threshold()[0] == _gc.GEN0_THRESHOLD
         second.release.set()

@@ -23,6 +23,7 @@ from skyrl_structured import (
     SamplingParams,
     validate_generator_output,
 )
+from skyrl_structured._vision_episode import read_render
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
@@ -248,3 +249,25 @@ async def test_well_formed_variants_are_accepted_unchanged(tokenizer, anyio_back
     assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["generate/num_failed_rollouts"] == 0
     ledger.assert_all_closed_once()
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        (
+            "1 2 3",
+            r"^the engine's render reply field `token_ids` is of type str, expected a list of token ids \(int\); "
+            r"convert tensors or arrays with \.tolist\(\)$",
+        ),
+        (
+            [1, 2, 3.0],
+            r"^the engine's render reply field `token_ids` holds a value of type float at position 2, expected "
+            r"token ids of type int; convert",
+        ),
+    ],
+)
+def test_a_render_reply_is_held_to_the_token_id_rule_of_a_generate_reply(token_ids, message):
+    # One rule for what a list of token ids is, worded alike for both kinds of reply.
+    with pytest.raises(MalformedEngineReplyError, match=message):
+        read_render({"token_ids": token_ids})
+    assert read_render({"token_ids": (4, 5)}) == ([4, 5], None)

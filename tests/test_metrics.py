@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from skyrl_structured import FailedRollout
 from skyrl_structured._metrics import failure_metrics, rollout_metrics, turn_token_counts
 from skyrl_structured.envs import CleanupStats
+from skyrl_structured.failures import failure_budget_exceeded
 
 
 def numpy_runs(masks):
@@ -68,10 +69,17 @@ def test_failure_metrics_are_counts_except_the_mean_named_fraction():
 def test_failure_budget_exceeded_is_one_over_budget_and_zero_otherwise():
     failures = [_failed(0, ValueError("v")), _failed(1, ValueError("w"))]
     key = "generate/failure_budget_exceeded"
-    assert failure_metrics(failures, 4, 0, CleanupStats(), max_fraction=0.25)[key] == 1
-    assert failure_metrics(failures, 4, 0, CleanupStats(), max_fraction=0.5)[key] == 0
-    assert failure_metrics(failures, 2, 0, CleanupStats())[key] == 1  # every rollout failed
-    assert failure_metrics([], 2, 0, CleanupStats(), max_fraction=0.0)[key] == 0
+    assert failure_metrics(failures, 4, 0, CleanupStats(), budget_exceeded=True)[key] == 1
+    assert failure_metrics(failures, 4, 0, CleanupStats())[key] == 0
+
+
+def test_the_failure_budget_rule():
+    # All of them, or more than the fraction; no failure is never over budget.
+    assert failure_budget_exceeded(2, 4, 0.25)
+    assert not failure_budget_exceeded(2, 4, 0.5)
+    assert failure_budget_exceeded(2, 2, 1.0)  # every rollout failed
+    assert not failure_budget_exceeded(0, 2, 0.0)
+    assert not failure_budget_exceeded(0, 0, 1.0)
 
 
 def test_time_stats_keep_upstream_names_and_add_an_averaged_p90_twin():

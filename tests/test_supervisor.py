@@ -39,6 +39,8 @@ def _raiser(exc: BaseException, *, on_turn: int = 1):
 async def _drain_threads(ledger: EnvLedger | None = None) -> None:
     """Wait for env calls still running in threads and, given a ledger, for every close (queued ones too)."""
     with anyio.fail_after(10):
+        # A poll: the count of env calls in threads (abandoned ones included) and the ledger's closes
+        # are fed by worker threads, and neither has a hook an event loop could wait on.
         while active_env_thread_calls() or (ledger is not None and ledger.never_closed()):  # noqa: ASYNC110
             await anyio.sleep(0.01)
 

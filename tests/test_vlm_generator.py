@@ -7,6 +7,7 @@ cancellation; cancellation reaches the caller.
 
 from __future__ import annotations
 
+import json
 import types
 from collections import Counter
 from collections.abc import Mapping
@@ -26,11 +27,13 @@ from skyrl_structured import (  # noqa: E402 - after the skip
     TrajectoryID,
     validate_generator_output,
 )
+from skyrl_structured.observe import TraceRecorder  # noqa: E402
 from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image  # noqa: E402
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger  # noqa: E402
 
 from ._upstream import load_upstream_training_input_conversion  # noqa: E402
 from .helpers import other_tasks, turn_replies  # noqa: E402
+from .trace_check import children, spans_by_track  # noqa: E402
 
 convert_to_training_input = load_upstream_training_input_conversion()
 
@@ -114,6 +117,46 @@ async def test_failed_rollout_is_a_placeholder_skyrls_trainer_takes(anyio_backen
     metrics = out["rollout_metrics"]
     assert metrics is not None
     assert metrics["generate/failures/ConnectionError"] == 1
+
+
+@pytest.mark.anyio
+async def test_the_trace_shows_each_vision_rollouts_engine_calls_and_env_steps(
+    anyio_backend, tokenizer, ledger, tmp_path
+):
+    # The vision episode makes its calls through the same helpers as the text one: same events, same spans.
+    engine = ScriptedVLMEngine(tokenizer, turn_replies("Two squares. #### 2"))
+    recorder = TraceRecorder()
+    gen = generator(tokenizer, engine, skip_failed_rollouts=True)
+    gen.observers.append(recorder)
+    await gen.generate(picture_batch(2, ledger, extras={1: {"fail": "step:2"}}), disable_tqdm=True)
+    tracks = spans_by_track(json.loads(recorder.write(tmp_path / "trace.json").read_text()))
+
+    clean = tracks[(1, 0)]
+    (attempt,) = [s for s in clean if s["cat"] == "attempt"]
+    inner = children(clean, attempt)
+    assert [s["name"] for s in inner] == [
+        "env.make",
+        "env.init",
+        "engine",
+        "env.step",
+        "engine",
+        "env.step",
+        "env.close",
+        "finish_session",
+    ]
+    engines = [s["args"] for s in inner if s["name"] == "engine"]
+    assert [(a["turn"], a["stop_reason"]) for a in engines] == [(0, "stop"), (1, "stop")]
+    assert all(a["response_tokens"] > 0 for a in engines)
+    assert engines[1]["prompt_tokens"] > engines[0]["prompt_tokens"]  # the observation and its image came in
+    assert [s["args"]["turn"] for s in inner if s["name"] == "env.step"] == [0, 1]
+
+    # The other rollout's second step raises: its env.step span carries the error.
+    (failed,) = [s for s in tracks[(1, 1)] if s["cat"] == "attempt"]
+    steps = [s for s in children(tracks[(1, 1)], failed) if s["name"] == "env.step"]
+    assert len(steps) == 2
+    assert "error" not in steps[0]["args"]
+    assert steps[1]["args"]["error"].startswith("RuntimeError: scripted env")
+    ledger.assert_all_closed_once()
 
 
 @pytest.mark.anyio

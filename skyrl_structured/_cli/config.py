@@ -15,7 +15,6 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
-import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 
 from .._tokens import load_custom_chat_template
-from ..config import resolve_resilience
+from ..config import SAMPLING_RANGES, NumberRule, check_number, invalid_value, resolve_resilience
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
 from .schema import (
@@ -407,17 +406,80 @@ def _resolve_data(cfg: RolloutConfig) -> None:
         )
 
 
-def _at_least(path: str, value: Any, minimum: float, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < minimum:
-        extra = " (or null)" if allow_none else ""
-        raise ConfigError(f"`{path}` must be >= {minimum:g}{extra}, got {format_value(value)}")
+def _check_number(path: str, value: Any, **rule: Any) -> None:
+    """:func:`~skyrl_structured.config.check_number`, the one wording of a refused number, as a :class:`ConfigError`."""
+    try:
+        check_number(path, value, **rule)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _rate(path: str, value: float) -> None:
-    if not (0.0 <= value <= 1.0) or math.isnan(value):
-        raise ConfigError(f"`{path}` is a probability and must be within [0, 1], got {format_value(value)}")
+#: ``SamplingParams`` fields and their names in the engine's ``sampling_params`` (the ranges' keys).
+_SAMPLING_FIELDS = (
+    ("max_generate_length", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("min_p", "min_p"),
+    ("repetition_penalty", "repetition_penalty"),
+)
+
+
+def _check_rule(path: str, value: Any, rule: NumberRule) -> None:
+    """A shared range (:data:`~skyrl_structured.config.SAMPLING_RANGES`) as a :class:`ConfigError`."""
+    try:
+        rule.check(path, value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_ranges(cfg: RolloutConfig) -> None:
+    """The ranges of the generator's counts and sampling parameters, of the prompt limit and the chaos drills."""
+    gen = cfg.generator
+    for name in ("n_samples_per_prompt", "eval_n_samples_per_prompt"):
+        _check_number(f"generator.{name}", getattr(gen, name), integer=True, minimum=1, fix="GRPO needs 2 or more.")
+    _check_number("generator.max_turns", gen.max_turns, integer=True, minimum=1, fix="1 is a single-turn rollout.")
+    _check_number(
+        "generator.max_input_length",
+        gen.max_input_length,
+        integer=True,
+        minimum=1,
+        null_means="no limit",
+        fix="It is the longest prompt plus conversation, in tokens.",
+    )
+    for name, params in (("sampling_params", gen.sampling_params), ("eval_sampling_params", gen.eval_sampling_params)):
+        if params is None:
+            continue
+        for field_name, engine_name in _SAMPLING_FIELDS:
+            _check_rule(f"generator.{name}.{field_name}", getattr(params, field_name), SAMPLING_RANGES[engine_name])
+        if params.logprobs not in (None, 0, 1) or isinstance(params.logprobs, bool):
+            raise ConfigError(
+                str(
+                    invalid_value(
+                        f"generator.{name}.logprobs",
+                        params.logprobs,
+                        "null, 0 or 1",
+                        "1 returns the chosen token's logprob; SkyRL reads no top-k logprobs.",
+                    )
+                )
+            )
+    _check_number(
+        "data.max_prompts",
+        cfg.data.max_prompts,
+        integer=True,
+        minimum=1,
+        null_means="every prompt",
+        fix="null reads every prompt of the file.",
+    )
+    for name in ("failure_rate", "hang_rate", "slow_rate"):
+        _check_number(
+            f"chaos.{name}",
+            getattr(cfg.chaos, name),
+            integer=False,
+            minimum=0,
+            maximum=1,
+            fix="It is a probability per request; 0 disables it.",
+        )
+    _check_number("chaos.slow_s", cfg.chaos.slow_s, integer=False, minimum=0, seconds=True, fix="0 adds no delay.")
 
 
 def check_config(cfg: RolloutConfig) -> None:
@@ -440,23 +502,7 @@ def check_config(cfg: RolloutConfig) -> None:
             "`engine.kind=vllm` cannot do: use engine.kind=http (a vLLM server's render endpoint) or "
             "engine.kind=transformers (the offline default, with a scripted image renderer)"
         )
-    _at_least("generator.n_samples_per_prompt", gen.n_samples_per_prompt, 1)
-    _at_least("generator.eval_n_samples_per_prompt", gen.eval_n_samples_per_prompt, 1)
-    _at_least("generator.max_turns", gen.max_turns, 1)
-    _at_least("generator.max_input_length", gen.max_input_length, 1, allow_none=True)
-    for name, params in (("sampling_params", gen.sampling_params), ("eval_sampling_params", gen.eval_sampling_params)):
-        if params is None:
-            continue
-        _at_least(f"generator.{name}.max_generate_length", params.max_generate_length, 1)
-        _at_least(f"generator.{name}.temperature", params.temperature, 0.0)
-        if not 0.0 < params.top_p <= 1.0:
-            raise ConfigError(f"`generator.{name}.top_p` must be within (0, 1], got {format_value(params.top_p)}")
-        if params.logprobs not in (None, 0, 1) or isinstance(params.logprobs, bool):
-            raise ConfigError(
-                f"`generator.{name}.logprobs` must be null, 0 or 1 (the chosen token's logprob; SkyRL reads no "
-                f"top-k logprobs), got {format_value(params.logprobs)}"
-            )
-    _at_least("data.max_prompts", cfg.data.max_prompts, 1, allow_none=True)
+    _check_ranges(cfg)
     if cfg.data.path == []:
         raise ConfigError("`data.path` is an empty list: give at least one file, or null")
     key = "data.train_data" if cfg.run.phase == "train" else "data.val_data"
@@ -480,15 +526,17 @@ def check_config(cfg: RolloutConfig) -> None:
         except ImportError:
             raise ConfigError("`run.backend=trio` needs trio: pip install 'skyrl-structured[trio]'") from None
     port = cfg.run.metrics_port
-    if port is not None:
-        if not 0 <= port <= 65535:
-            raise ConfigError(f"`run.metrics_port` must be within [0, 65535] (0: any free port) or null, got {port}")
-        if importlib.util.find_spec("prometheus_client") is None:
-            raise ConfigError("`run.metrics_port` needs prometheus-client: pip install 'skyrl-structured[prometheus]'")
-    chaos = cfg.chaos
-    for name in ("failure_rate", "hang_rate", "slow_rate"):
-        _rate(f"chaos.{name}", getattr(chaos, name))
-    _at_least("chaos.slow_s", chaos.slow_s, 0.0)
+    _check_number(
+        "run.metrics_port",
+        port,
+        integer=True,
+        minimum=0,
+        maximum=65535,
+        null_means="no metrics server",
+        fix="0 picks any free port.",
+    )
+    if port is not None and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("`run.metrics_port` needs prometheus-client: pip install 'skyrl-structured[prometheus]'")
     _check_chaos_executor(cfg)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import SKYRL_SAMPLING_DEFAULTS
+from ..config import SAMPLING_RANGES, SKYRL_SAMPLING_DEFAULTS, check_number, invalid_value
 
 __all__ = ["SKYRL_DEFAULT_SAMPLING_PARAMS", "SamplingSpec", "default_spec", "resolve_sampling"]
 
@@ -113,7 +113,7 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"sampling_params.{key} must be a finite number, got {value!r}")
+        raise invalid_value(f"sampling_params.{key}", value, "a finite number", with_type=True)
     return float(value)
 
 
@@ -122,7 +122,7 @@ def _integer(params: Mapping[str, Any], key: str, default: int | None) -> int | 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
+        raise invalid_value(f"sampling_params.{key}", value, "an integer", with_type=True)
     return value
 
 
@@ -144,8 +144,7 @@ def _max_tokens(params: Mapping[str, Any], fallback: int) -> int:
     key = "max_tokens" if theirs is not None else "max_generate_length"
     value = _integer(params, key, fallback)
     assert value is not None
-    if value < 1:
-        raise ValueError(f"sampling_params.{key} must be >= 1, got {value}")
+    SAMPLING_RANGES["max_tokens"].check(f"sampling_params.{key}", value)
     return value
 
 
@@ -200,18 +199,18 @@ def _parse(params: Mapping[str, Any], *, fallback_max_tokens: int) -> SamplingSp
 
 
 def _check_ranges(spec: SamplingSpec) -> None:
-    if spec.temperature < 0:
-        raise ValueError(f"sampling_params.temperature must be >= 0 (0 is greedy), got {spec.temperature}")
-    if not 0.0 < spec.top_p <= 1.0:
-        raise ValueError(f"sampling_params.top_p must be in (0, 1], got {spec.top_p}")
-    if not 0.0 <= spec.min_p <= 1.0:
-        raise ValueError(f"sampling_params.min_p must be in [0, 1], got {spec.min_p}")
-    if spec.repetition_penalty <= 0:
-        raise ValueError(f"sampling_params.repetition_penalty must be > 0 (1.0 is none), got {spec.repetition_penalty}")
-    if spec.logprobs is not None and spec.logprobs < 0:
-        raise ValueError(f"sampling_params.logprobs must be null, 0 or a positive integer, got {spec.logprobs}")
-    if spec.min_tokens < 0:
-        raise ValueError(f"sampling_params.min_tokens must be >= 0, got {spec.min_tokens}")
+    """Refuse out-of-range values: :data:`~skyrl_structured.config.SAMPLING_RANGES`, the CLI's table too."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "min_tokens"):
+        SAMPLING_RANGES[name].check(f"sampling_params.{name}", getattr(spec, name))
+    # Any count of logprobs reaches the engine; the generator itself takes 0 or 1 (checked in its config).
+    check_number(
+        "sampling_params.logprobs",
+        spec.logprobs,
+        integer=True,
+        minimum=0,
+        null_means="no logprobs",
+        fix="0 or 1 returns the chosen token's logprob.",
+    )
 
 
 def resolve_sampling(params: Mapping[str, Any] | None, defaults: SamplingSpec) -> SamplingSpec:

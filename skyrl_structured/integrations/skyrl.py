@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._tokens import load_custom_chat_template
-from ..config import FailureBudgetAction, GeneratorConfig, ResilienceSettings, StragglerCutoffScope, resolve_resilience
+from ..config import (
+    FailedRolloutPolicy,
+    FailureBudgetAction,
+    GeneratorConfig,
+    ResilienceSettings,
+    StragglerCutoffScope,
+    resolve_resilience,
+)
 from ..generator import StructuredGymGenerator
 from ..validate import check_generator_config
 from ..vlm_generator import StructuredVLMGymGenerator, check_vision_language_config
@@ -109,7 +116,7 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
             "trainer with skip_failed_rollouts=true, else 'raise'."
         },
     )
-    failed_rollout_policy: str = _knob("failed_rollout_policy")
+    failed_rollout_policy: FailedRolloutPolicy = _knob("failed_rollout_policy")
     sampling_seed: int | None = _knob("sampling_seed")
     gc_tuning: bool = _knob("gc_tuning")
     straggler_cutoff: float | None = _knob("straggler_cutoff")

@@ -171,13 +171,25 @@ class ChaosPolicy:
 
     # ------------------------------------------------------------------ injection
 
-    def inject(self, stage: str) -> None:
-        """Disturb one synchronous call of ``stage`` (in whatever thread makes it)."""
+    def _draw(self, stage: str) -> tuple[int, FaultKind | None] | None:
+        """The next disturbance of one ``stage`` call as ``(call, kind)``; None where the stage is spared.
+
+        Raises:
+            ChaosError: the drawn disturbance is a failure (the same in sync and async calls).
+        """
         if not self.applies_to(stage):
-            return
+            return None
         call, kind = self._next(stage)
         if kind == "failure":
             raise self._error(stage, call)
+        return call, kind
+
+    def inject(self, stage: str) -> None:
+        """Disturb one synchronous call of ``stage`` (in whatever thread makes it)."""
+        drawn = self._draw(stage)
+        if drawn is None:
+            return
+        call, kind = drawn
         if kind == "slow":
             time.sleep(self.slow_s)
         elif kind == "hang":
@@ -188,11 +200,10 @@ class ChaosPolicy:
 
     async def ainject(self, stage: str) -> None:
         """Disturb one async call of ``stage``; a hang waits until the caller is cancelled."""
-        if not self.applies_to(stage):
+        drawn = self._draw(stage)
+        if drawn is None:
             return
-        call, kind = self._next(stage)
-        if kind == "failure":
-            raise self._error(stage, call)
+        _, kind = drawn
         if kind == "slow":
             await anyio.sleep(self.slow_s)
         elif kind == "hang":

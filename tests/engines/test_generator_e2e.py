@@ -109,7 +109,9 @@ async def test_step_wise_trajectories_with_the_transformers_engine(anyio_backend
     assert output["is_last_step"] == [False, False, True] * 2
 
 
-async def test_over_http_the_generator_output_is_token_for_token_the_direct_one(anyio_backend, tiny_model, tokenizer):
+async def test_over_http_the_generator_output_is_token_for_token_the_direct_one(
+    anyio_backend, tiny_model, tokenizer, monkeypatch
+):
     cfg = config(temperature=0.0)
     direct_engine = engine_for(cfg, tiny_model, tokenizer)
     direct = await StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), direct_engine, tokenizer).generate(
@@ -120,10 +122,18 @@ async def test_over_http_the_generator_output_is_token_for_token_the_direct_one(
         serve_vllm(served, model="tiny") as server,
         HTTPEngine(server.url, "tiny", default_sampling_params=dataclasses.asdict(cfg.sampling_params)) as client,
     ):
+        finished: list[object] = []
+        finish = client.finish_session
+
+        async def counting_finish(session_id: object) -> None:
+            finished.append(session_id)
+            await finish(session_id)
+
+        monkeypatch.setattr(client, "finish_session", counting_finish)
         generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=0), client, tokenizer)
         over_http = await generator.generate(gsm8k_batch(), disable_tqdm=True)
         assert len(server.completions()) == 4 * 3
-        assert client.router.active_sessions == 0  # every rollout finished its session
+        assert len(finished) == len(set(finished)) == 4  # every rollout finished its session, once
     for key in ("prompt_token_ids", "response_ids", "loss_masks", "rewards", "stop_reasons", "rollout_logprobs"):
         assert over_http[key] == direct[key], key
 
