@@ -10,7 +10,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skyrl_structured.observe import PrometheusObserver
+from skyrl_structured.observe import PrometheusObserver, RolloutObserver
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
@@ -49,6 +49,15 @@ async def test_a_scrape_during_and_after_a_batch(tokenizer, anyio_backend):
             await release.wait()
         return "an answer #### 7"
 
+    class FinalFailure(RolloutObserver):
+        def __init__(self) -> None:
+            self.seen = anyio.Event()
+
+        def rollout_finished(self, rollout, *, failed):
+            if failed:
+                self.seen.set()
+
+    final_failure = FinalFailure()
     observer = PrometheusObserver(env_workers=lambda: 2)
     gen = make_generator(
         tokenizer,
@@ -57,13 +66,14 @@ async def test_a_scrape_during_and_after_a_batch(tokenizer, anyio_backend):
         max_rollout_retries=1,
         rollout_retry_backoff_s=0.001,
     )
-    gen.observers.append(observer)
+    gen.observers.extend([observer, final_failure])
     port = observer.serve(0, addr="127.0.0.1")
     (serving,) = [t for t in threading.enumerate() if t not in threads_before and "serve_forever" in t.name]
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(gen.generate, make_batch(4, EnvLedger(), extras={1: {"fail": "init"}}), True)
-            await all_waiting.wait()  # rollouts 0 (its retry), 2 and 3 wait in the engine; 1 keeps failing
+            await all_waiting.wait()  # rollouts 0 (its retry), 2 and 3 wait in the engine
+            await final_failure.seen.wait()  # and rollout 1 failed for good (its retry is not in flight)
             during = await anyio.to_thread.run_sync(_scrape, port)
             release.set()
         after = await anyio.to_thread.run_sync(_scrape, port)

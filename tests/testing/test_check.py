@@ -20,7 +20,7 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import StructuredGymGenerator, _episode, _supervisor, envs
+from skyrl_structured import StructuredGymGenerator, _calls, _supervisor, envs
 from skyrl_structured._env_threads import EnvCall
 from skyrl_structured.envs import SyncEnvAdapter
 from skyrl_structured.generator import _SessionEnd
@@ -446,7 +446,7 @@ def test_check_catches_engine_replies_used_unchecked(monkeypatch):
         first = list(logprobs[0]) if logprobs is not None else None
         return reply["responses"][0], list(reply["response_ids"][0]), reply["stop_reasons"][0], first, None
 
-    monkeypatch.setattr(_episode, "read_reply", unchecked)
+    monkeypatch.setattr(_calls, "read_reply", unchecked)
     report = check_structured_concurrency(
         SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("malformed",)
     )
