@@ -68,6 +68,15 @@ class StickyRouter:
         """``url`` could not be reached: try it last for ``cooldown_s``."""
         self._down_until[self.urls.index(url)] = self._clock() + self.cooldown_s
 
+    def server_of(self, session_id: Hashable) -> str | None:
+        """The server a session is bound to, if any."""
+        index = self._sessions.get(session_id)
+        return None if index is None else self.urls[index]
+
     def release(self, session_id: Hashable) -> None:
         """Forget the session (its rollout finished)."""
         self._sessions.pop(session_id, None)
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
