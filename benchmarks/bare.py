@@ -25,7 +25,7 @@ from typing import Any
 
 import skyrl_gym
 
-from skyrl_structured._tokens import ChatTokenizer
+from skyrl_structured._episode.chat import ChatTokenizer
 
 
 class BareWork:

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="max_env_workers (default: 0, inline)")
     args = parser.parse_args(argv)
     # The inline workload keeps the loop busy from start to end: its lag warning is expected here.
-    logging.getLogger("skyrl_structured._loop_lag").setLevel(logging.ERROR)
+    logging.getLogger("skyrl_structured._runtime.loop_lag").setLevel(logging.ERROR)
     tokenizer, _ = load_tokenizer(args.tokenizer)
     rows = []
     for backend in args.backend.split(","):

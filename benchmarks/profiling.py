@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from skyrl_structured._tokens import ChatTokenizer
+from skyrl_structured._episode.chat import ChatTokenizer
 
 from .bare import BareWork
 from .harness import Context, median, settle, write_json

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from skyrl_structured._env_threads import EnvCall, EnvThreadPool
+from skyrl_structured.envs._threads import EnvCall, EnvThreadPool
 
 
 def _spin(seconds: float) -> None:

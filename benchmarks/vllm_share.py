@@ -62,7 +62,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
-from skyrl_structured._tokens import ChatTokenizer
+from skyrl_structured._episode.chat import ChatTokenizer
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
 

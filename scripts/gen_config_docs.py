@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from skyrl_structured._cli.help import reference_markdown
+from skyrl_structured.cli._help import reference_markdown
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -5,10 +5,9 @@ Swap ``SkyRLGymGenerator`` for :class:`StructuredGymGenerator` and get the same
 cancellation on asyncio and trio.
 """
 
-from ._env_executors import EnvWorkerError as EnvWorkerError
-from ._episode import PromptTooLongError as PromptTooLongError
-from ._replies import MalformedEngineReplyError as MalformedEngineReplyError
-from ._supervisor import RolloutCancelledError as RolloutCancelledError
+from ._episode.episode import PromptTooLongError as PromptTooLongError
+from ._episode.replies import MalformedEngineReplyError as MalformedEngineReplyError
+from ._runtime.supervisor import RolloutCancelledError as RolloutCancelledError
 from .config import ChatTemplateConfig as ChatTemplateConfig
 from .config import GeneratorConfig as GeneratorConfig
 from .config import InferenceEngineConfig as InferenceEngineConfig
@@ -17,6 +16,7 @@ from .config import SamplingParams as SamplingParams
 from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import open_env as open_env
+from .envs._executors import EnvWorkerError as EnvWorkerError
 from .failures import FailedRollout as FailedRollout
 from .failures import StragglerCutError as StragglerCutError
 from .generator import StructuredGymGenerator as StructuredGymGenerator

@@ -6,9 +6,9 @@ rollout a child scope that contains its own failures (``skip_failed_rollouts``),
 environment and finishes its inference session on every path, and lets cancellation through.
 
 This module is the facade SkyRL sees. The layers below it, each owning one concern:
-:mod:`~skyrl_structured._supervisor` (the task group, retries, deadlines, bounds),
-:mod:`~skyrl_structured._episode` (one rollout's turns), :mod:`~skyrl_structured.envs`
-(environments and their cleanup) and :mod:`~skyrl_structured._collector` (results to output).
+:mod:`~skyrl_structured._runtime.supervisor` (the task group, retries, deadlines, bounds),
+:mod:`~skyrl_structured._episode.episode` (one rollout's turns), :mod:`~skyrl_structured.envs`
+(environments and their cleanup) and :mod:`~skyrl_structured._output.collector` (results to output).
 """
 
 from __future__ import annotations
@@ -24,19 +24,20 @@ from uuid import uuid4
 import anyio
 from anyio.lowlevel import RunVar
 
-from ._batched import generate_batched
-from ._collector import collect
-from ._env_executors import EnvExecutor, check_envs, make_executor
-from ._env_threads import EnvThreadPool
-from ._episode import Episode, EpisodeRunner
-from ._loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from ._pauses import PauseClock
-from ._rollout import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
-from ._supervisor import run_rollouts
-from ._tokens import ChatTokenizer, load_custom_chat_template
+from ._episode.chat import ChatTokenizer, load_custom_chat_template
+from ._episode.episode import Episode, EpisodeRunner
+from ._output.batched import generate_batched
+from ._output.collector import collect
+from ._runtime.cleanup import Cleanup, run_cleanups
+from ._runtime.contexts import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
+from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
+from ._runtime.pauses import PauseClock
+from ._runtime.supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import Cleanup, EnvCallRunner, env_config_for, open_env, run_cleanups
+from .envs import EnvCallRunner, env_config_for, open_env
+from .envs._executors import EnvExecutor, check_envs, make_executor
+from .envs._threads import EnvThreadPool
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput

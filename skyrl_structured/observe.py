@@ -360,6 +360,6 @@ def batched_records(
 
 
 # Observers built on the classes above, public from here; imported last because they subclass them.
-from ._otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
-from ._prometheus import PrometheusObserver as PrometheusObserver  # noqa: E402
-from ._trace import TraceRecorder as TraceRecorder  # noqa: E402
+from ._observers.otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
+from ._observers.prometheus import PrometheusObserver as PrometheusObserver  # noqa: E402
+from ._observers.trace import TraceRecorder as TraceRecorder  # noqa: E402

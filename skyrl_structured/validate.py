@@ -9,9 +9,9 @@ from typing import Any
 
 import skyrl_gym
 
-from ._env_executors import env_executor_kind
-from ._registration import is_import_path, register_import_path
 from .config import ResilienceSettings, check_number, routed_experts_enabled
+from .envs._executors import env_executor_kind
+from .envs._registration import is_import_path, register_import_path
 
 __all__ = [
     "GeneratorOutputError",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._vision_episode import VisionEpisode
+from ._episode.vision import VisionEpisode
 from .generator import StructuredGymGenerator
 from .types import ConversationType, GeneratorInput, GeneratorOutput
 

@@ -195,7 +195,7 @@ def vllm_item_decoder() -> Iterator[None]:
     """
     import torch
 
-    from skyrl_structured._vision import _decode_item
+    from skyrl_structured._episode.images import _decode_item
 
     names = ["vllm", "vllm.entrypoints", "vllm.entrypoints.serve", "vllm.entrypoints.serve.disagg"]
     serde = types.ModuleType("vllm.entrypoints.serve.disagg.mm_serde")

@@ -12,11 +12,12 @@ from skyrl_gym.envs.search.env import SearchEnvConfig
 from skyrl_gym.envs.sql.env import Text2SQLEnvConfig
 
 from skyrl_structured import GeneratorConfig, SamplingParams
-from skyrl_structured._cli.config import ConfigError, check_config, load_config
-from skyrl_structured._cli.data import load_dataset
-from skyrl_structured._cli.engine import chaos_policy
-from skyrl_structured._cli.help import keys_help
-from skyrl_structured._cli.schema import (
+from skyrl_structured.cli import main
+from skyrl_structured.cli._config import ConfigError, check_config, load_config
+from skyrl_structured.cli._data import load_dataset
+from skyrl_structured.cli._engine import chaos_policy
+from skyrl_structured.cli._help import keys_help
+from skyrl_structured.cli._schema import (
     CHAOS_ENGINE_STAGES,
     CHAOS_ENV_STAGES,
     CLI_PRESET,
@@ -25,7 +26,6 @@ from skyrl_structured._cli.schema import (
     CLISkyRLGymConfig,
     key_specs,
 )
-from skyrl_structured.cli import main
 from skyrl_structured.envs import env_config_for
 
 

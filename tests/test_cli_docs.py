@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from skyrl_structured._cli.help import key_cell, reference_markdown
-from skyrl_structured._cli.schema import key_specs
+from skyrl_structured.cli._help import key_cell, reference_markdown
+from skyrl_structured.cli._schema import key_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 

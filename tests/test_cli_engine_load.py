@@ -17,10 +17,10 @@ import anyio
 import pytest
 
 from skyrl_structured import tiny
-from skyrl_structured._cli.config import load_config
-from skyrl_structured._cli.data import build_batch, load_dataset
-from skyrl_structured._cli.report import format_summary, summarize
-from skyrl_structured._cli.run import run_step
+from skyrl_structured.cli._config import load_config
+from skyrl_structured.cli._data import build_batch, load_dataset
+from skyrl_structured.cli._report import format_summary, summarize
+from skyrl_structured.cli._run import run_step
 
 
 @pytest.mark.anyio

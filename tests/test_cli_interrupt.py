@@ -161,7 +161,7 @@ def test_a_stop_sent_to_the_process_and_its_group_is_one_request(tmp_path, backe
 def test_a_late_copy_of_the_stop_is_ignored_while_the_summary_is_written():
     """The group's copy may land after the signal receiver closed, while summary.png is drawn."""
     from skyrl_structured import cli
-    from skyrl_structured._cli.run import RunResult, Tally
+    from skyrl_structured.cli._run import RunResult, Tally
 
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_structured._cli.logs import AggregatingHandler
+from skyrl_structured.cli._logs import AggregatingHandler
 
 pytestmark = pytest.mark.slow
 

@@ -258,8 +258,8 @@ def test_parquet_rows_are_checked_the_same_way(tmp_path):
 
 
 def test_no_server_with_a_tokenizer_given_serves_the_tokenizers_model_under_the_served_name():
-    from skyrl_structured._cli.config import load_config
-    from skyrl_structured._cli.engine import preflight
+    from skyrl_structured.cli._config import load_config
+    from skyrl_structured.cli._engine import preflight
 
     port = _closed_port()
     cfg = load_config(

@@ -138,7 +138,7 @@ def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) ->
 
 
 def test_a_degenerate_panel_is_a_sentence() -> None:
-    from skyrl_structured._cli.plots import degenerate_sentences
+    from skyrl_structured.cli._plots import degenerate_sentences
 
     said = degenerate_sentences(
         prompt_rewards=[("0", 0.0), ("1", 0.0)],

@@ -21,7 +21,7 @@ from skyrl_structured import (
     TrajectoryOutput,
     validate_generator_output,
 )
-from skyrl_structured._collector import (
+from skyrl_structured._output.collector import (
     apply_group_policy,
     build_generator_output,
     check_failure_budget,
@@ -131,7 +131,7 @@ def test_raise_names_the_knob_that_would_keep_the_step():
 
 
 def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "skyrl_structured._collector"]
+    return [r for r in caplog.records if r.name == "skyrl_structured._output.collector"]
 
 
 def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):

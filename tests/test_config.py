@@ -317,7 +317,7 @@ def test_sampling_defaults_are_one_table_equal_to_skyrls():
 
     from skyrl.train.config import SamplingParams as SkyRLSamplingParams
 
-    from skyrl_structured._rollout import engine_sampling_params
+    from skyrl_structured._runtime.contexts import engine_sampling_params
     from skyrl_structured.config import SKYRL_SAMPLING_DEFAULTS
     from skyrl_structured.engines.sampling import SKYRL_DEFAULT_SAMPLING_PARAMS
 

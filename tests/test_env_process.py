@@ -388,4 +388,4 @@ async def test_a_clean_shutdown_reports_no_worker_death(tokenizer, tmp_path, cap
         finally:
             await gen.aclose()
         assert metrics(out)["generate/env_worker_crashes"] == 0
-    assert not [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._env_process"]
+    assert not [r.getMessage() for r in caplog.records if r.name == "skyrl_structured.envs._process"]

@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from skyrl_structured._env_threads import EnvCall, EnvThreadPool, active_env_thread_calls
+from skyrl_structured.envs._threads import EnvCall, EnvThreadPool, active_env_thread_calls
 
 pytestmark = pytest.mark.anyio
 

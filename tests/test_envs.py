@@ -12,7 +12,8 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from skyrl_structured import open_env
-from skyrl_structured.envs import Cleanup, CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env, run_cleanups
+from skyrl_structured._runtime.cleanup import Cleanup, run_cleanups
+from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 from .helpers import make_batch, make_generator

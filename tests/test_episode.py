@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from skyrl_structured import GeneratorConfig, PromptTooLongError, StepWiseOutput, TrajectoryOutput
-from skyrl_structured._episode import Episode
-from skyrl_structured._rollout import BatchContext, RolloutContext, sampling_params_dict
-from skyrl_structured._tokens import ChatTokenizer
+from skyrl_structured._episode.chat import ChatTokenizer
+from skyrl_structured._episode.episode import Episode
+from skyrl_structured._runtime.contexts import BatchContext, RolloutContext, sampling_params_dict
 from skyrl_structured.observe import RolloutRef
 from skyrl_structured.testing import ScriptedEngine
 

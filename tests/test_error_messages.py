@@ -12,11 +12,11 @@ import logging
 import pytest
 
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
-from skyrl_structured._cli.config import load_config
-from skyrl_structured._cli.data import build_batch, load_dataset
-from skyrl_structured._cli.report import format_summary, summarize
-from skyrl_structured._cli.run import RunResult, Tally
-from skyrl_structured._supervisor import describe_error
+from skyrl_structured._runtime.supervisor import describe_error
+from skyrl_structured.cli._config import load_config
+from skyrl_structured.cli._data import build_batch, load_dataset
+from skyrl_structured.cli._report import format_summary, summarize
+from skyrl_structured.cli._run import RunResult, Tally
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 

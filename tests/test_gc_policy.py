@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from skyrl_structured import _gc
+from skyrl_structured._runtime import gc as _gc
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 from skyrl_structured.types import InferenceEngineInput, InferenceEngineOutput

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from skyrl_structured import _loop_lag
-from skyrl_structured._loop_lag import LAG_MAX_KEY, LAG_MEAN_KEY, LoopLag, watch_loop_lag
+from skyrl_structured._runtime import loop_lag as _loop_lag
+from skyrl_structured._runtime.loop_lag import LAG_MAX_KEY, LAG_MEAN_KEY, LoopLag, watch_loop_lag
 from skyrl_structured.testing.envs import EnvLedger
 
 from .helpers import make_batch, make_generator, not_none, other_tasks
@@ -24,13 +24,13 @@ def blocking_script() -> list[dict[str, Any]]:
 
 
 def lag_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._loop_lag"]
+    return [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._runtime.loop_lag"]
 
 
 async def test_a_sync_sleep_inline_is_reported_with_its_cause(tokenizer, anyio_backend, caplog, monkeypatch):
     monkeypatch.setattr(_loop_lag, "WARN_MAX_S", BLOCK_S / 2)
     gen = make_generator(tokenizer, workers=0)  # env calls inline: the step's time.sleep blocks the loop
-    with caplog.at_level(logging.WARNING, logger="skyrl_structured._loop_lag"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_structured._runtime.loop_lag"):
         out = await gen.generate(make_batch(2, EnvLedger(), script=blocking_script), disable_tqdm=True)
     metrics = not_none(out["rollout_metrics"])
     # Two steps of BLOCK_S each stood the loop still: the sampler woke at least that late once.
@@ -44,7 +44,7 @@ async def test_a_sync_sleep_inline_is_reported_with_its_cause(tokenizer, anyio_b
 async def test_a_quiet_loop_reports_both_keys_and_no_warning(tokenizer, anyio_backend, caplog):
     gen = make_generator(tokenizer, workers=2)
     before = other_tasks()
-    with caplog.at_level(logging.WARNING, logger="skyrl_structured._loop_lag"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_structured._runtime.loop_lag"):
         out = await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
     metrics = not_none(out["rollout_metrics"])
     assert {LAG_MEAN_KEY, LAG_MAX_KEY} <= set(metrics)

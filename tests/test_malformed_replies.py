@@ -23,7 +23,7 @@ from skyrl_structured import (
     SamplingParams,
     validate_generator_output,
 )
-from skyrl_structured._vision_episode import read_render
+from skyrl_structured._episode.vision import read_render
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skyrl_structured import FailedRollout
-from skyrl_structured._metrics import failure_metrics, rollout_metrics, turn_token_counts
+from skyrl_structured._output.metrics import failure_metrics, rollout_metrics, turn_token_counts
 from skyrl_structured.envs import CleanupStats
 from skyrl_structured.failures import failure_budget_exceeded
 

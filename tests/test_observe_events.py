@@ -21,7 +21,7 @@ def test_mypy_refuses_a_string_a_misspelt_event_and_wrong_arguments(tmp_path):
     snippet.write_text(
         textwrap.dedent(
             """
-            from skyrl_structured._rollout import RolloutContext
+            from skyrl_structured._runtime.contexts import RolloutContext
             from skyrl_structured.observe import Observers, RolloutObserver
 
 

@@ -27,7 +27,7 @@ from skyrl_structured import (
     TrajectoryID,
     validate_generator_output,
 )
-from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES
+from skyrl_structured._episode.chat import BUILTIN_CHAT_TEMPLATES
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from skyrl_structured import ROLLOUT_ERROR_STOP_REASON
-from skyrl_structured._pauses import PauseClock
+from skyrl_structured._runtime.pauses import PauseClock
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
@@ -159,10 +159,10 @@ async def test_a_pause_never_resumed_is_reported_once(tokenizer, anyio_backend, 
         return [
             r.getMessage()
             for r in caplog.records
-            if r.name == "skyrl_structured._pauses" and r.levelno == logging.WARNING
+            if r.name == "skyrl_structured._runtime.pauses" and r.levelno == logging.WARNING
         ]
 
-    with caplog.at_level(logging.WARNING, logger="skyrl_structured._pauses"), anyio.fail_after(30):
+    with caplog.at_level(logging.WARNING, logger="skyrl_structured._runtime.pauses"), anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(run)
             await gate.all_waiting.wait()

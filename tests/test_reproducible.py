@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_structured._rollout import engine_sampling_params, request_seed, sampling_params_dict
+from skyrl_structured._runtime.contexts import engine_sampling_params, request_seed, sampling_params_dict
 from skyrl_structured.engines import TransformersEngine
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger

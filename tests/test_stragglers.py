@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, validate_generator_output
-from skyrl_structured._stragglers import cutoff_threshold
+from skyrl_structured._runtime.stragglers import cutoff_threshold
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.observe import RolloutObserver
 from skyrl_structured.testing import EngineCall, ScriptedEngine

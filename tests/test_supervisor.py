@@ -441,13 +441,13 @@ async def test_env_code_without_a_token_gets_anyios_own_error(tokenizer, anyio_b
 
 
 def _batch_context() -> Any:
-    from skyrl_structured._rollout import BatchContext
+    from skyrl_structured._runtime.contexts import BatchContext
 
     return BatchContext(generator=None, client=None, default_params={})
 
 
 async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):
-    from skyrl_structured._supervisor import run_rollouts
+    from skyrl_structured._runtime.supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
 
     attempts: dict[int, int] = {}
@@ -472,7 +472,7 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
 
 
 async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling_siblings(anyio_backend):
-    from skyrl_structured._supervisor import run_rollouts
+    from skyrl_structured._runtime.supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
 
     cancelled: list[int] = []

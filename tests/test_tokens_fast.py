@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from benchmarks.tokenizer import QWEN_CHAT_TEMPLATE
-from skyrl_structured._tokens import BUILTIN_CHAT_TEMPLATES, FAST_RENDER_TRANSFORMERS, ChatTokenizer, _FastRender
+from skyrl_structured._episode.chat import BUILTIN_CHAT_TEMPLATES, ChatTokenizer
+from skyrl_structured._episode.fast_render import FAST_RENDER_TRANSFORMERS, FastRender
 from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
 from tests.test_tokens_memo import CUSTOM_TEMPLATE
@@ -71,7 +72,7 @@ def fresh(tokenizer: Any, messages: ConversationType, *, add_generation_prompt: 
     return list(out["input_ids"] if isinstance(out, dict) else out)
 
 
-def fast_of(chat: ChatTokenizer) -> _FastRender:
+def fast_of(chat: ChatTokenizer) -> FastRender:
     assert chat._fast is not None, "a stock fast tokenizer gets the fast path"
     return chat._fast
 
@@ -285,15 +286,19 @@ def test_a_tokenizer_with_its_own_encoding_keeps_it() -> None:
 
 def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptureFixture) -> None:
     # Built around the eligibility guard on purpose: the self-check alone must catch the difference.
-    caplog.set_level(logging.INFO, logger="skyrl_structured._tokens")
+    caplog.set_level(logging.INFO, logger="skyrl_structured._episode.fast_render")
     tok = _bos_tokenizer()
-    fast = _FastRender(tok, _compile_jinja_template)
+    fast = FastRender(tok, _compile_jinja_template)
     messages = [{"role": "user", "content": "hello"}]
     assert fast.render(messages, True, tok.chat_template, {}) is None
     assert fast.disabled
     assert fast.render(messages, True, CUSTOM_TEMPLATE, {}) is None
     assert fast.renders == 0
-    notes = [r for r in caplog.records if r.name == "skyrl_structured._tokens" and "fast render path" in r.message]
+    notes = [
+        r
+        for r in caplog.records
+        if r.name == "skyrl_structured._episode.fast_render" and "fast render path" in r.message
+    ]
     assert len(notes) == 1
     assert notes[0].levelno == logging.INFO
 
@@ -313,8 +318,8 @@ def test_the_fast_path_is_taken_with_the_transformers_ci_installs(tokenizer: Any
         "pyproject.toml's transformers range and _tokens.FAST_RENDER_TRANSFORMERS must be the same range"
     )
     assert pinned[0].specifier.contains(transformers.__version__, prereleases=True)
-    assert _FastRender.for_tokenizer(tokenizer) is not None
-    assert _FastRender.for_tokenizer(qwen_tokenizer) is not None
+    assert FastRender.for_tokenizer(tokenizer) is not None
+    assert FastRender.for_tokenizer(qwen_tokenizer) is not None
 
 
 def test_a_transformers_outside_the_checked_range_takes_the_slow_path(
@@ -323,8 +328,8 @@ def test_a_transformers_outside_the_checked_range_takes_the_slow_path(
     import transformers
 
     monkeypatch.setattr(transformers, "__version__", "6.0.0")
-    with caplog.at_level(logging.INFO, logger="skyrl_structured._tokens"):
-        assert _FastRender.for_tokenizer(tokenizer) is None
+    with caplog.at_level(logging.INFO, logger="skyrl_structured._episode.fast_render"):
+        assert FastRender.for_tokenizer(tokenizer) is None
     assert "transformers 6.0.0 is outside >=4.46,<6" in caplog.text
     chat = ChatTokenizer(tokenizer, None, multi_turn=True)
     assert chat._fast is None

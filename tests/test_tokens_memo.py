@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skyrl_structured._tokens import _MEMO_ENTRIES, BUILTIN_CHAT_TEMPLATES, ChatTokenizer
+from skyrl_structured._episode.chat import _MEMO_ENTRIES, BUILTIN_CHAT_TEMPLATES, ChatTokenizer
 from skyrl_structured.types import ConversationType
 
 # A custom template unlike ChatML: role names in brackets, a BOS-like prefix, its own generation prompt.

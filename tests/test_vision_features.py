@@ -9,7 +9,7 @@ import anyio
 import numpy as np
 import pytest
 
-from skyrl_structured._vision import (
+from skyrl_structured._episode.images import (
     VisionFeatureError,
     _decode_item,
     decode_vision_features,

@@ -33,7 +33,7 @@ from typing import Any, Literal, Self
 
 from anyio.lowlevel import RunVar
 
-from .._pauses import PausableDeadline, current_clock
+from .._runtime.pauses import PausableDeadline, current_clock
 from ..types import InferenceEngineInput, InferenceEngineOutput
 from ._gather import gather_in_order
 from ._optional import import_optional

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._pauses import PauseClock
+from .._runtime.pauses import PauseClock
 
 __all__ = ["pause_during_weight_sync"]
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._tokens import load_custom_chat_template
+from .._episode.chat import load_custom_chat_template
 from ..config import (
     FailedRolloutPolicy,
     FailureBudgetAction,

@@ -31,8 +31,8 @@ import anyio
 import skyrl_gym
 from skyrl_gym.metrics import default_aggregate_metrics
 
-from .._env_process import env_recipe
 from ..config import GeneratorConfig, SkyRLGymConfig
+from ..envs._process import env_recipe
 from ..generator import StructuredGymGenerator
 from .engines import Reply, ScriptedEngine, replies_by_turn
 

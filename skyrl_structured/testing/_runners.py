@@ -16,9 +16,9 @@ from typing import Any
 
 import anyio
 
-from .._origin import describe_with_origin
-from .._replies import MalformedEngineReplyError
-from .._supervisor import RolloutCancelledError
+from .._episode.replies import MalformedEngineReplyError
+from .._runtime.origin import describe_with_origin
+from .._runtime.supervisor import RolloutCancelledError
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._vision import encode_feature_item
+from .._episode.images import encode_feature_item
 from ..engines._wrapper import EngineWrapper
 from .engines import ScriptedEngine
 

@@ -20,9 +20,11 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import StructuredGymGenerator, _calls, _supervisor, envs
-from skyrl_structured._env_threads import EnvCall
+from skyrl_structured import StructuredGymGenerator
+from skyrl_structured._episode import calls as _calls
+from skyrl_structured._runtime import supervisor as _supervisor
 from skyrl_structured.envs import SyncEnvAdapter
+from skyrl_structured.envs._threads import EnvCall
 from skyrl_structured.generator import _SessionEnd
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
 from skyrl_structured.testing.check import ATTACK_KINDS, CANCEL_STAGES, FAULT_STAGES
@@ -472,12 +474,12 @@ def test_check_catches_engine_replies_used_unchecked(monkeypatch):
 
 
 def test_check_catches_cleanup_that_waits_for_a_hung_call(monkeypatch):
-    bounded = envs.run_cleanups
+    from skyrl_structured._runtime.cleanup import run_cleanups as bounded
 
     async def unbounded(steps, *, limit_s, **kwargs):
         return await bounded(steps, limit_s=3600.0, **kwargs)  # BUG: no deadline on closing an env
 
-    monkeypatch.setattr(envs, "run_cleanups", unbounded)
+    monkeypatch.setattr("skyrl_structured.envs._open.run_cleanups", unbounded)
     report = check_structured_concurrency(
         SCRIPTED_ENV, raise_on_failure=False, max_env_workers=(2,), matrices=("hang",), case_timeout_s=0.6
     )

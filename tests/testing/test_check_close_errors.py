@@ -16,10 +16,10 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
-from skyrl_structured._cli.config import load_config
-from skyrl_structured._cli.data import build_batch, load_dataset
-from skyrl_structured._cli.report import format_summary, summarize
-from skyrl_structured._cli.run import RunResult, Tally
+from skyrl_structured.cli._config import load_config
+from skyrl_structured.cli._data import build_batch, load_dataset
+from skyrl_structured.cli._report import format_summary, summarize
+from skyrl_structured.cli._run import RunResult, Tally
 from skyrl_structured.testing import ScriptedEngine, check_structured_concurrency
 
 ENV_ID = "tests_check_close_raises"

@@ -1,0 +1,384 @@
+"""One episode: turns of engine call and environment step, with SkyRL's token bookkeeping.
+
+Kept token-for-token identical to SkyRL's ``SkyRLGymGenerator.agent_loop``: the three ways of
+growing the sequence (multi-turn chat messages, one continued assistant message, re-tokenizing
+with a custom template), step-wise samples, stop-string EOS, and reward placement. An
+:class:`Episode` holds what is fixed per generator; each :meth:`Episode.run` keeps its own state.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .._runtime.contexts import RolloutContext
+from ..types import ConversationType, StepWiseOutput, TrajectoryOutput
+from .calls import engine_call, env_call
+from .chat import ChatTokenizer
+
+__all__ = ["Episode", "EpisodeRunner", "PromptTooLongError"]
+
+logger = logging.getLogger(__name__)
+
+#: ``encode(new_obs, is_done)``: the token ids an observation adds (the generator's
+#: ``get_obs_ids_from_obs``, so a subclass that overrides it is honoured).
+ObservationEncoder = Callable[[ConversationType, bool], list[int]]
+
+
+class EpisodeRunner(Protocol):
+    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns)."""
+
+    async def run(
+        self,
+        env: Any,
+        prompt: ConversationType,
+        *,
+        context: RolloutContext,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None,
+        session_id: Hashable,
+        cache_salt: str | None,
+    ) -> TrajectoryOutput | StepWiseOutput: ...
+
+
+class PromptTooLongError(ValueError):
+    """A rollout's first prompt is already longer than ``generator.max_input_length``."""
+
+
+@dataclass
+class _Turn:
+    """One engine reply and the environment's answer to it."""
+
+    output: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    rollout_expert_indices: Any | None
+    added_eos: bool
+    new_obs: ConversationType = field(default_factory=list)
+    obs_ids: list[int] = field(default_factory=list)
+
+    def loss_mask(self) -> list[int]:
+        # An EOS we appended ourselves was not generated: it carries no loss, like observations.
+        generated = [1] * len(self.output_ids)
+        if self.added_eos:
+            generated[-1] = 0
+        return generated + [0] * len(self.obs_ids)
+
+    def logprobs(self) -> list[float] | None:
+        if not self.output_logprobs:
+            return None
+        return self.output_logprobs + [0.0] * len(self.obs_ids)
+
+
+@dataclass
+class _Run:
+    """The state of one :meth:`Episode.run`."""
+
+    chat_history: ConversationType
+    input_ids: list[int]
+    initial_prompt_length: int
+    initial_history_length: int
+    params: dict[str, Any]
+    loss_mask: list[int] | None = field(default_factory=list)
+    rollout_logprobs: list[float] | None = None
+    response_end_idx: int | None = None
+    rollout_expert_indices: Any | None = None
+    done: bool = False
+    stop_reason: str = "length"
+    last_obs: ConversationType = field(default_factory=list)
+    #: (reward, index of the last response token of that turn)
+    per_step_rewards: list[tuple[float, int | None]] = field(default_factory=list)
+    steps: list[TrajectoryOutput] = field(default_factory=list)
+    #: Engine calls made so far: the turn part of each request's derived seed.
+    engine_calls: int = 0
+
+
+class Episode:
+    """Runs episodes for one generator configuration; testable on its own with any env and engine."""
+
+    def __init__(
+        self,
+        *,
+        generator_cfg: Any,
+        chat: ChatTokenizer,
+        custom_chat_template: str | None,
+        encode_observation: ObservationEncoder,
+        policy_model_name: str | None,
+        routed_experts: bool,
+    ) -> None:
+        self.cfg = generator_cfg
+        self.chat = chat
+        self.custom_chat_template = custom_chat_template
+        self.encode_observation = encode_observation
+        self.policy_model_name = policy_model_name
+        self.routed_experts = routed_experts
+        self.multi_turn = bool(generator_cfg.use_conversation_multi_turn)
+        self.step_wise = bool(generator_cfg.step_wise_trajectories)
+        self.retokenize = bool(self.multi_turn and custom_chat_template)
+
+    async def run(
+        self,
+        env: Any,
+        prompt: ConversationType,
+        *,
+        context: RolloutContext,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None,
+        session_id: Hashable,
+        cache_salt: str | None,
+    ) -> TrajectoryOutput | StepWiseOutput:
+        """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
+        run = await self._start(env, prompt, context, sampling_params)
+        while not run.done:
+            if max_input_length is not None and len(run.input_ids) > max_input_length:
+                run.stop_reason = "length"
+                if not self.step_wise and not run.per_step_rewards:
+                    raise PromptTooLongError(
+                        f"the prompt is {len(run.input_ids)} tokens after env.init, longer than "
+                        f"generator.max_input_length={max_input_length}; raise max_input_length or shorten "
+                        "the prompt"
+                    )
+                break
+            if self.step_wise or self.retokenize:
+                # Re-render the whole history so the length check above sees the real input.
+                run.input_ids = self._render(run.chat_history, add_generation_prompt=True)
+                run.loss_mask = []
+                run.rollout_logprobs = None
+            turn = await self._generate(run, context, sampling_params, session_id, cache_salt)
+            reward = await self._step(env, run, turn, context)
+            self._record(env, run, turn, reward)
+        return self._finish(env, run)
+
+    # ------------------------------------------------------------------ the seams of one turn
+
+    def _render(self, history: ConversationType, *, add_generation_prompt: bool) -> list[int]:
+        template = self.custom_chat_template if self.retokenize else None
+        return self.chat.render(history, add_generation_prompt=add_generation_prompt, chat_template=template)
+
+    async def _start(
+        self, env: Any, prompt: ConversationType, context: RolloutContext, sampling_params: dict[str, Any] | None
+    ) -> _Run:
+        chat_history, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
+        # With re-tokenization the generation prompt would land in both prompt and response ids.
+        initial_ids = self._render(chat_history, add_generation_prompt=not self.retokenize)
+        # Read only (stop strings, logprobs): one dict per batch serves every rollout.
+        params = sampling_params if sampling_params is not None else context.batch.default_params
+        return _Run(
+            chat_history=chat_history,
+            input_ids=initial_ids,
+            initial_prompt_length=len(initial_ids),
+            initial_history_length=len(chat_history),
+            params=params,
+            rollout_logprobs=[] if params.get("logprobs", None) is not None else None,
+        )
+
+    async def _generate(
+        self,
+        run: _Run,
+        context: RolloutContext,
+        sampling_params: dict[str, Any] | None,
+        session_id: Hashable,
+        cache_salt: str | None,
+    ) -> _Turn:
+        engine_input = {
+            "prompt_token_ids": [list(run.input_ids)],
+            "session_ids": [session_id],
+            # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
+            "sampling_params": context.request_params(sampling_params, run.engine_calls),
+            "cache_salt": cache_salt,
+        }
+        turn = run.engine_calls
+        run.engine_calls += 1
+        output, output_ids, run.stop_reason, output_logprobs, expert_indices = await engine_call(
+            context,
+            turn,
+            len(run.input_ids),
+            lambda: context.client.generate(engine_input, model=self.policy_model_name),
+        )
+        if output_logprobs is not None and self.custom_chat_template is not None:
+            raise ValueError(
+                "the engine returned logprobs, but logprob bookkeeping is not supported with a custom "
+                "chat template; set generator.sampling_params.logprobs=null"
+            )
+        if expert_indices is not None and self.custom_chat_template is not None:
+            raise ValueError(
+                "routed expert indices are not supported with a custom chat template; disable "
+                "generator.inference_engine.enable_return_routed_experts"
+            )
+        stop_strings: list[str] | None = run.params.get("stop", None)
+        added_eos = False
+        if (
+            stop_strings is not None
+            and self.cfg.append_eos_token_after_stop_str_in_multi_turn
+            and self.multi_turn
+            and output.endswith(tuple(stop_strings))
+            and (not output_ids or output_ids[-1] != self.chat.eos_token_id)
+        ):
+            output_ids.append(self.chat.eos_token_id)
+            if output_logprobs is not None:
+                output_logprobs.append(0.0)
+            added_eos = True
+        return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos)
+
+    async def _step(self, env: Any, run: _Run, turn: _Turn, context: RolloutContext) -> float:
+        step = run.engine_calls - 1
+        step_output = await env_call(context, "step", step, lambda: env.step(turn.output), timed=True)
+        turn.new_obs = step_output["observations"]
+        run.done = step_output["done"]
+        if step_output.get("postprocessed_action", None) is not None:
+            logger.warning(
+                "the environment rewrote the action (postprocessed_action); its tokens are re-encoded "
+                "from text, which breaks token-in-token-out"
+            )
+            turn.output = step_output["postprocessed_action"]
+            turn.output_ids = self.chat.tokenizer.encode(turn.output, add_special_tokens=False)
+        turn.obs_ids = self.encode_observation(turn.new_obs, run.done)
+        reward: float = step_output["reward"]
+        return reward
+
+    def _record(self, env: Any, run: _Run, turn: _Turn, reward: float) -> None:
+        if self.step_wise:
+            run.steps.append(
+                TrajectoryOutput(
+                    response_ids=turn.output_ids + turn.obs_ids,
+                    reward=reward,
+                    loss_mask=turn.loss_mask(),
+                    prompt_ids=run.input_ids,
+                    rollout_logprobs=turn.logprobs(),
+                    stop_reason=run.stop_reason,
+                    env_metrics=env.get_metrics() if run.done else {},
+                    rollout_expert_indices=turn.rollout_expert_indices,
+                )
+            )
+        run.chat_history.append({"role": "assistant", "content": self.chat.strip_eos_text(turn.output)})
+        run.chat_history.extend(turn.new_obs)
+        run.last_obs = turn.new_obs
+        if self.retokenize:
+            # Loss mask and response ids come from the custom template at the end.
+            run.loss_mask = None
+            run.response_end_idx = None
+            run.rollout_logprobs = None
+            run.rollout_expert_indices = None
+        elif self.multi_turn:
+            self._extend_multi_turn(run, turn)
+        else:
+            self._extend_single_turn(run, turn)
+        run.per_step_rewards.append((reward, run.response_end_idx))
+
+    def _extend_multi_turn(self, run: _Run, turn: _Turn) -> None:
+        """Token-in-token-out with one chat message per turn."""
+        if self.step_wise:
+            # Step-wise rollouts keep no running sequence: each turn is its own sample.
+            run.response_end_idx = len(turn.output_ids) - 1
+            run.loss_mask = None
+            run.rollout_logprobs = None
+            run.rollout_expert_indices = None
+            return
+        assert run.loss_mask is not None
+        turn_logprobs = turn.logprobs()
+        run.response_end_idx = len(run.input_ids) + len(turn.output_ids) - 1
+        run.input_ids += turn.output_ids + turn.obs_ids
+        run.loss_mask += turn.loss_mask()
+        if run.rollout_logprobs is not None and turn_logprobs is not None:
+            run.rollout_logprobs += turn_logprobs
+        if turn.rollout_expert_indices is not None:
+            # The engine returns routing for the whole sequence so far: keep the latest.
+            run.rollout_expert_indices = turn.rollout_expert_indices
+
+    def _extend_single_turn(self, run: _Run, turn: _Turn) -> None:
+        """Token-in-token-out inside one assistant message: EOS dropped, observations as raw text."""
+        assert run.loss_mask is not None
+        response = list(turn.output_ids)
+        if response and response[-1] == self.chat.eos_token_id:
+            response.pop()
+        run.response_end_idx = len(run.input_ids) + len(response) - 1
+        run.input_ids += response + turn.obs_ids
+        run.loss_mask += [1] * len(response) + [0] * len(turn.obs_ids)
+        if run.rollout_logprobs is not None and turn.output_logprobs is not None:
+            run.rollout_logprobs += turn.output_logprobs[: len(response)] + [0.0] * len(turn.obs_ids)
+        if self.routed_experts and turn.rollout_expert_indices is not None:
+            run.rollout_expert_indices = turn.rollout_expert_indices
+
+    # ------------------------------------------------------------------ the trajectory
+
+    def _finish(self, env: Any, run: _Run) -> TrajectoryOutput | StepWiseOutput:
+        env_metrics = env.get_metrics()
+        if self.step_wise:
+            for step, (reward, end) in zip(run.steps, run.per_step_rewards, strict=True):
+                token_rewards = [0.0] * len(step.response_ids)
+                assert end is not None
+                token_rewards[end] = float(reward)
+                step.reward = token_rewards
+            return StepWiseOutput(step_outputs=run.steps)
+        return self._assemble(run, env_metrics)
+
+    def _assemble(self, run: _Run, env_metrics: dict[str, Any]) -> TrajectoryOutput:
+        """The rollout's final trajectory: the last observation cut off, rewards placed on tokens."""
+        prompt_ids = run.input_ids[: run.initial_prompt_length]
+        logprobs: list[float] | None = None
+        expert_indices = None
+        if self.retokenize:
+            assert self.custom_chat_template is not None
+            history = run.chat_history
+            response_messages = history[run.initial_history_length : len(history) - len(run.last_obs)]
+            response_ids, loss_mask = self.chat.assistant_spans(response_messages, self.custom_chat_template)
+            rewards_at = run.per_step_rewards
+        else:
+            assert run.loss_mask is not None
+            assert run.response_end_idx is not None
+            end = run.response_end_idx - run.initial_prompt_length + 1
+            assert not any(run.loss_mask[end:]), "loss mask after the response end must be all 0"
+            loss_mask = run.loss_mask[:end]
+            response_ids = run.input_ids[run.initial_prompt_length : run.response_end_idx + 1]
+            if run.rollout_logprobs is not None:
+                logprobs = run.rollout_logprobs[:end]
+            if run.rollout_expert_indices is not None:
+                expert_indices = run.rollout_expert_indices[: run.response_end_idx + 1]
+            rewards_at = [
+                (reward, idx - run.initial_prompt_length if idx is not None else None)
+                for reward, idx in run.per_step_rewards
+            ]
+            assert len(loss_mask) == len(response_ids)
+
+        appended_eos = False
+        eos = self.chat.eos_token_id
+        if not self.multi_turn and run.stop_reason != "length" and response_ids and response_ids[-1] != eos:
+            response_ids.append(eos)
+            loss_mask.append(1)
+            if logprobs is not None:
+                logprobs.append(0.0)
+            appended_eos = True
+
+        return TrajectoryOutput(
+            response_ids=response_ids,
+            reward=self._place_rewards(rewards_at, response_ids, appended_eos),
+            stop_reason=run.stop_reason,
+            loss_mask=loss_mask,
+            prompt_ids=prompt_ids,
+            rollout_logprobs=logprobs,
+            env_metrics=env_metrics,
+            rollout_expert_indices=expert_indices,
+        )
+
+    def _place_rewards(
+        self, per_step_rewards: list[tuple[float, int | None]], response_ids: list[int], appended_eos: bool
+    ) -> float | list[float]:
+        """Per-token rewards at each turn's last token; the last step's reward with a custom template."""
+        if self.custom_chat_template:
+            return per_step_rewards[-1][0]
+        token_rewards = [0.0] * len(response_ids)
+        last = len(per_step_rewards) - 1
+        for i, (reward, idx) in enumerate(per_step_rewards):
+            assert reward is not None
+            assert idx is not None
+            if idx >= len(response_ids):
+                break
+            if appended_eos and i == last:
+                # The reward belongs on the EOS we appended, where the trainer looks for it.
+                token_rewards[-1] = reward
+            else:
+                token_rewards[idx] += reward
+        return token_rewards

@@ -1,0 +1,1 @@
+"""Results to ``GeneratorOutput``: the collector, its metrics and SkyRL's batched single-turn path."""

@@ -1,0 +1,447 @@
+"""The collector: ordered rollout results in, a batch the trainer accepts out.
+
+It owns everything about failures after the fact: a failed rollout is a :class:`FailedRollout`
+marker until every rollout has finished; only then is the reward shape known (from the first
+successful rollout that has a trajectory) and each marker replaced by a fresh placeholder of that
+shape (``stop_reason="rollout_error"``, zero loss mask, zero reward), the group policy applied and
+the failure budget enforced. Then the results are flattened into SkyRL's ``GeneratorOutput``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, assert_never
+
+from .._episode.images import empty_rows_like
+from .._runtime.cleanup import CleanupStats
+from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
+from ..failures import FailedRollout, failure_summary
+from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, StepWiseOutput, TrajectoryOutput
+from .metrics import failure_metrics, rollout_metrics
+
+__all__ = [
+    "apply_group_policy",
+    "build_generator_output",
+    "check_failure_budget",
+    "collect",
+    "fill_missing_vision",
+    "first_trajectory",
+    "infer_token_level_rewards",
+    "make_placeholder",
+    "overlong_filtered",
+    "reward_total",
+    "substitute_placeholders",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def first_trajectory(output: Any) -> Any | None:
+    """The first trajectory of a result: itself, or the first step of a step-wise output (if any)."""
+    steps = getattr(output, "step_outputs", None)
+    if steps is not None:
+        return steps[0] if steps else None
+    return output
+
+
+def infer_token_level_rewards(results: Sequence[Any], *, default: bool) -> bool:
+    """Whether rewards are per token, from the first successful result that has a trajectory.
+
+    ``default`` (from the configuration) is used when no successful result has one.
+    """
+    for result in results:
+        if isinstance(result, FailedRollout):
+            continue
+        trajectory = first_trajectory(result)
+        if trajectory is not None:
+            return isinstance(trajectory.reward, list)
+    return default
+
+
+def make_placeholder(
+    failure: FailedRollout,
+    *,
+    token_id: int,
+    token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: bool,
+) -> TrajectoryOutput | StepWiseOutput:
+    """A fresh one-token trajectory that contributes neither reward nor loss.
+
+    Every list is new, so later in-place edits to one placeholder never reach another.
+    """
+    splits = dict(failure.time_splits) if failure.time_splits is not None else None
+    trajectory = TrajectoryOutput(
+        response_ids=[token_id],
+        reward=[0.0] if token_level_rewards else 0.0,
+        stop_reason=ROLLOUT_ERROR_STOP_REASON,
+        loss_mask=[0],
+        prompt_ids=[token_id],
+        rollout_logprobs=[0.0] if with_logprobs else None,
+        env_metrics={},
+        e2e_time=None if step_wise else failure.elapsed,
+        time_splits=None if step_wise else splits,
+    )
+    if step_wise:
+        return StepWiseOutput(step_outputs=[trajectory], e2e_time=failure.elapsed, time_splits=splits)
+    return trajectory
+
+
+def substitute_placeholders(
+    results: Sequence[Any],
+    *,
+    token_id: int,
+    default_token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: bool,
+) -> list[Any]:
+    """``results`` with every :class:`FailedRollout` replaced by a placeholder, order kept."""
+    token_level = infer_token_level_rewards(results, default=default_token_level_rewards)
+    return [
+        make_placeholder(
+            r, token_id=token_id, token_level_rewards=token_level, with_logprobs=with_logprobs, step_wise=step_wise
+        )
+        if isinstance(r, FailedRollout)
+        else r
+        for r in results
+    ]
+
+
+def check_failure_budget(
+    failures: Sequence[FailedRollout],
+    total: int,
+    max_fraction: float,
+    *,
+    exceeded: bool,
+    action: FailureBudgetAction = "raise",
+) -> bool:
+    """Act on a step whose every rollout failed, or more than ``max_fraction`` of them did.
+
+    ``exceeded`` is the batch's verdict, reached once by the supervisor
+    (:func:`~skyrl_structured.failures.failure_budget_exceeded`); this only words and acts on it.
+
+    With ``action="raise"`` such a step raises; with ``"warn"`` it logs one warning and the caller
+    returns the step with placeholders for the failed rows (``generator.failure_budget_action``).
+
+    Returns:
+        Whether the budget was exceeded (only ever True with ``action="warn"``).
+
+    Raises:
+        RuntimeError: over budget with ``action="raise"``; chained (``__cause__``) to the first
+            failure's exception.
+    """
+    if not exceeded:
+        return False
+    first = min(failures, key=lambda f: f.index).exception
+    if len(failures) >= total:
+        what = (
+            f"All {total} rollouts failed ({failure_summary(failures)}); a step made only of "
+            "placeholders carries no training signal."
+        )
+    else:
+        what = (
+            f"{len(failures)} of {total} rollouts failed ({failure_summary(failures)}), more than "
+            f"generator.max_failed_rollout_fraction={max_fraction:g} allows."
+        )
+    if action == "warn":
+        logger.warning(
+            "%s Returning the step with %d placeholder(s) because generator.failure_budget_action=warn; "
+            "the first error was %s: %s",
+            what,
+            len(failures),
+            type(first).__name__,
+            first,
+        )
+        return True
+    raise RuntimeError(
+        f"{what} The first error is chained below. Where generate() gets one prompt group at a time "
+        "(SkyRL's fully-async trainer), generator.failure_budget_action=warn returns such a step with "
+        "placeholders instead."
+    ) from first
+
+
+def reward_total(reward: Any) -> float:
+    """A row's reward as one number: token-level rewards summed (the score GRPO groups compare)."""
+    return float(sum(reward)) if isinstance(reward, list) else float(reward)
+
+
+def apply_group_policy(
+    policy: FailedRolloutPolicy,
+    *,
+    rewards: list[Any],
+    loss_masks: list[list[int]],
+    row_trajectory: Sequence[int],
+    is_last_row: Sequence[bool],
+    failed: Sequence[bool],
+    groups: Sequence[str],
+) -> None:
+    """Apply a ``failed_rollout_policy`` to the flattened rows, in place.
+
+    ``row_trajectory[r]`` is the rollout index of row ``r``; ``is_last_row[r]`` marks the row that
+    carries the rollout's final reward (every row, outside step-wise mode); ``failed[i]`` and
+    ``groups[i]`` are per rollout. ``mask_group`` zeroes reward and loss mask of every row of a
+    group that contains a failure; ``fill_group_mean`` gives each failed rollout's row the mean
+    score of its group's successful rollouts, so the group baseline is what the successes alone
+    would give.
+
+    The policy's value was checked once, by :func:`~skyrl_structured.config.resolve_resilience`.
+    """
+    if not any(failed):
+        return
+    if policy == "placeholder":
+        return
+    if policy == "mask_group":
+        tainted = {groups[i] for i, f in enumerate(failed) if f}
+        for r, i in enumerate(row_trajectory):
+            if groups[i] in tainted:
+                loss_masks[r] = [0] * len(loss_masks[r])
+                rewards[r] = [0.0] * len(rewards[r]) if isinstance(rewards[r], list) else 0.0
+        return
+    if policy == "fill_group_mean":
+        _fill_group_mean(rewards, row_trajectory, is_last_row, failed, groups)
+        return
+    assert_never(policy)
+
+
+def _fill_group_mean(
+    rewards: list[Any],
+    row_trajectory: Sequence[int],
+    is_last_row: Sequence[bool],
+    failed: Sequence[bool],
+    groups: Sequence[str],
+) -> None:
+    """``fill_group_mean``: each failed rollout's row gets its group's mean successful score."""
+    scores: dict[str, list[float]] = defaultdict(list)
+    for r, i in enumerate(row_trajectory):
+        if is_last_row[r] and not failed[i]:
+            scores[groups[i]].append(reward_total(rewards[r]))
+    for r, i in enumerate(row_trajectory):
+        if failed[i]:
+            sibling_scores = scores.get(groups[i])
+            mean = sum(sibling_scores) / len(sibling_scores) if sibling_scores else 0.0
+            if isinstance(rewards[r], list):
+                filled = [0.0] * len(rewards[r])
+                filled[-1] = mean
+                rewards[r] = filled
+            else:
+                rewards[r] = mean
+
+
+def collect(
+    results: list[Any],
+    failures: list[FailedRollout],
+    *,
+    retries: int,
+    cleanup: CleanupStats,
+    generator_cfg: Any,
+    resilience: ResilienceSettings,
+    placeholder_token_id: int,
+    custom_chat_template: bool,
+    routed_experts: bool,
+    env_classes: list[str],
+    trajectory_ids: list[Any] | None,
+    get_logprobs: bool,
+    over_budget: bool,
+) -> GeneratorOutput:
+    """The batch's ``GeneratorOutput`` from results in input order (:class:`FailedRollout` for failures).
+
+    ``over_budget`` is the supervisor's failure-budget verdict for the batch.
+
+    Raises:
+        RuntimeError: over the failure budget with ``failure_budget_action="raise"``.
+    """
+    failures = sorted(failures, key=lambda f: f.index)
+    budget_exceeded = False
+    if failures:
+        budget_exceeded = check_failure_budget(
+            failures,
+            len(results),
+            resilience.max_failed_rollout_fraction,
+            exceeded=over_budget,
+            action=resilience.failure_budget_action,
+        )
+        step_wise = bool(generator_cfg.step_wise_trajectories)
+        results = substitute_placeholders(
+            results,
+            token_id=placeholder_token_id,
+            # Token-level rewards everywhere except with a custom chat template, which yields a float.
+            default_token_level_rewards=step_wise or not custom_chat_template,
+            with_logprobs=get_logprobs,
+            step_wise=step_wise,
+        )
+    fill_missing_vision(results)
+    return build_generator_output(
+        results,
+        generator_cfg=generator_cfg,
+        resilience=resilience,
+        routed_experts=routed_experts,
+        env_classes=env_classes,
+        trajectory_ids=trajectory_ids,
+        get_logprobs=get_logprobs,
+        failures=failures,
+        retries=retries,
+        cleanup=cleanup,
+        budget_exceeded=budget_exceeded,
+    )
+
+
+def fill_missing_vision(results: list[Any]) -> None:
+    """Image-free vision fields on every row without them, in a batch where some row has images; in place.
+
+    SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
+    which need a tensor for every row (a ``None`` fails the step). A placeholder, or a successful
+    rollout whose conversation had no image, gets fresh empty ones (no rows; the width, dtype and
+    device of the first rollout with images), so it adds no image to the batch.
+    """
+    reference = next((r for r in results if getattr(r, "pixel_values", None) is not None), None)
+    if reference is None:
+        return
+    for row in results:
+        if not hasattr(row, "pixel_values"):
+            continue  # a step-wise output: SkyRL has no images there
+        if row.pixel_values is None:
+            row.pixel_values = empty_rows_like(reference.pixel_values)
+        if row.image_grid_thw is None and reference.image_grid_thw is not None:
+            row.image_grid_thw = empty_rows_like(reference.image_grid_thw)
+
+
+class _Rows:
+    """Per-rollout outputs flattened to trainer rows: one per rollout, or one per step (step-wise)."""
+
+    def __init__(self, outputs: list[Any], step_wise: bool) -> None:
+        self.rows: list[Any] = []
+        #: The rollout index of each row, and whether the row ends its rollout.
+        self.rollout: list[int] = []
+        self.is_last: list[bool] = []
+        for i, output in enumerate(outputs):
+            steps = output.step_outputs if step_wise else [output]
+            self.rows.extend(steps)
+            self.rollout.extend([i] * len(steps))
+            self.is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
+
+
+def build_generator_output(
+    outputs: list[Any],
+    *,
+    generator_cfg: Any,
+    resilience: ResilienceSettings,
+    routed_experts: bool,
+    env_classes: list[str],
+    trajectory_ids: list[Any] | None,
+    get_logprobs: bool,
+    failures: list[FailedRollout],
+    retries: int,
+    cleanup: CleanupStats,
+    budget_exceeded: bool = False,
+) -> GeneratorOutput:
+    """Flatten per-rollout outputs (placeholders already in place) into the ``GeneratorOutput``.
+
+    ``budget_exceeded``: the step is over the failure budget and returned anyway (``warn``).
+    """
+    cfg = generator_cfg
+    step_wise = bool(cfg.step_wise_trajectories)
+    flat = _Rows(outputs, step_wise)
+    rows = flat.rows
+    times = [getattr(o, "e2e_time", None) for o in outputs]
+    completion_times: list[float] | None = None if any(t is None for t in times) else times  # type: ignore[assignment]
+    splits = [getattr(o, "time_splits", None) for o in outputs]
+    rewards = [r.reward for r in rows]
+    stop_reasons = [r.stop_reason for r in rows]
+    loss_masks = [r.loss_mask for r in rows]
+    env_metrics = [r.env_metrics for r in rows]
+
+    metrics = _metrics(outputs, flat, failures, env_classes, completion_times, splits)
+    metrics.update(failure_metrics(failures, len(outputs), retries, cleanup, budget_exceeded=budget_exceeded))
+    loss_masks = _apply_filters(cfg, rewards, loss_masks, stop_reasons)
+    if failures:
+        assert trajectory_ids is not None or resilience.failed_rollout_policy == "placeholder"
+        failed_index = {f.index for f in failures}
+        apply_group_policy(
+            resilience.failed_rollout_policy,
+            rewards=rewards,
+            loss_masks=loss_masks,
+            row_trajectory=flat.rollout,
+            is_last_row=flat.is_last,
+            failed=[i in failed_index for i in range(len(outputs))],
+            groups=[str(t.instance_id) for t in trajectory_ids] if trajectory_ids is not None else [],
+        )
+
+    if step_wise:
+        assert trajectory_ids is not None
+        out_trajectory_ids: list[Any] | None = [trajectory_ids[i] for i in flat.rollout]
+        out_times: list[float] | None = [completion_times[i] for i in flat.rollout] if completion_times else None
+    else:
+        out_trajectory_ids = None
+        out_times = completion_times
+    generator_output: GeneratorOutput = {
+        "prompt_token_ids": [r.prompt_ids for r in rows],
+        "response_ids": [r.response_ids for r in rows],
+        "rewards": rewards,
+        "loss_masks": loss_masks,
+        "stop_reasons": stop_reasons,
+        "rollout_metrics": metrics,
+        "rollout_logprobs": [r.rollout_logprobs for r in rows] if get_logprobs else None,
+        "trajectory_ids": out_trajectory_ids,
+        "trajectory_generation_times": out_times,
+        "trajectory_time_splits": _split_lists([splits[i] for i in flat.rollout]),
+        "rollout_expert_indices": [o.rollout_expert_indices for o in outputs] if routed_experts else None,
+        "is_last_step": flat.is_last if step_wise else None,
+        "env_metrics": env_metrics,
+    }
+    if any(getattr(o, "pixel_values", None) is not None for o in outputs):
+        generator_output["pixel_values"] = [getattr(o, "pixel_values", None) for o in outputs]
+        generator_output["image_grid_thw"] = [getattr(o, "image_grid_thw", None) for o in outputs]
+    return generator_output
+
+
+def _metrics(
+    outputs: list[Any],
+    flat: _Rows,
+    failures: list[FailedRollout],
+    env_classes: list[str],
+    completion_times: list[float] | None,
+    splits: list[dict[str, float] | None],
+) -> dict[str, Any]:
+    """Reward and length metrics over the successful rollouts: placeholders are counted, not averaged in."""
+    failed_index = {f.index for f in failures}
+    ok_rows = [flat.rows[r] for r, i in enumerate(flat.rollout) if i not in failed_index]
+    ok_classes = [env_classes[i] for i in flat.rollout if i not in failed_index]
+    ok_rollouts = [i for i in range(len(outputs)) if i not in failed_index]
+    return rollout_metrics(
+        [r.response_ids for r in ok_rows],
+        [r.reward for r in ok_rows],
+        [r.env_metrics for r in ok_rows],
+        ok_classes,
+        [r.loss_mask for r in ok_rows],
+        completion_times=[completion_times[i] for i in ok_rollouts] if completion_times is not None else None,
+        time_splits=_split_lists([splits[i] for i in ok_rollouts]),
+    )
+
+
+def _apply_filters(cfg: Any, rewards: list[Any], loss_masks: list[Any], stop_reasons: list[str]) -> list[Any]:
+    """SkyRL's ``zero_reward_on_non_stop`` (rewards, in place) and ``apply_overlong_filtering`` (masks)."""
+    if cfg.zero_reward_on_non_stop:
+        for r, reason in enumerate(stop_reasons):
+            if reason != "stop":
+                rewards[r] = [0.0] * len(rewards[r]) if isinstance(rewards[r], list) else 0.0
+    if cfg.apply_overlong_filtering:
+        return overlong_filtered(loss_masks, stop_reasons)
+    return loss_masks
+
+
+def overlong_filtered(loss_masks: list[Any], stop_reasons: list[str]) -> list[Any]:
+    """Loss masks with every row that did not stop on its own zeroed (SkyRL's overlong filtering)."""
+    return [
+        mask[:] if reason == "stop" else [0] * len(mask) for mask, reason in zip(loss_masks, stop_reasons, strict=True)
+    ]
+
+
+def _split_lists(splits: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
+    """``{"llm": [...], "env": [...]}`` across rollouts, or None if any rollout lacks its split."""
+    if not splits or any(s is None for s in splits):
+        return None
+    first = splits[0]
+    assert first is not None
+    return {name: [s[name] for s in splits if s is not None] for name in first}

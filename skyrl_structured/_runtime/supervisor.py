@@ -1,0 +1,475 @@
+"""One ``generate()`` call is one task group; each rollout runs in a child scope of it.
+
+A child contains ``Exception`` (timeouts and exception groups included) and lets cancellation
+through. Two more cases are decided here, the same way on asyncio and trio:
+
+- an interrupt (``KeyboardInterrupt``, ``SystemExit``) raised inside a rollout, also from an
+  environment's worker thread, is held by the child, which cancels the group; once every sibling
+  has cleaned up, :func:`run_rollouts` re-raises that interrupt bare;
+- a cancellation that no cancel scope of ours caused (a client or environment that raises
+  ``CancelledError`` itself) is that rollout's failure, a :class:`RolloutCancelledError`, and so is
+  a ``GeneratorExit`` that escapes a rollout.
+
+A failed attempt is retried from scratch (fresh environment, fresh session) up to
+``max_rollout_retries`` times, then recorded as a :class:`~skyrl_structured.FailedRollout`.
+Without ``skip_failed_rollouts`` the first failure cancels its siblings, which clean up, and
+:func:`run_rollouts` raises that original exception once the group has exited. Each attempt gets
+a :class:`~skyrl_structured._runtime.contexts.RolloutContext`; observers hear of every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from ..config import ResilienceSettings
+from ..failures import FailedRollout, failure_budget_exceeded
+from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
+from .cleanup import AbandonedClose, CleanupStats
+from .contexts import BatchContext, RolloutContext, activate
+from .gc import relaxed_gc
+from .pauses import PausableDeadline, use_clock
+from .stragglers import StragglerCutError, StragglerCutoff
+from .wakers import loop_scheduler
+
+__all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
+
+logger = logging.getLogger(__name__)
+
+#: Retry jitter has its own generator: seeding the process (``random.seed``) neither fixes nor shifts it.
+_jitter = random.Random()
+
+
+class RolloutCancelledError(RuntimeError):
+    """A rollout raised a cancellation that no cancel scope of the generator's caused.
+
+    Typically an inference client that aborted its request and raised ``CancelledError`` itself.
+    It is that rollout's failure like any other error: retried, or a placeholder with
+    ``skip_failed_rollouts``, or raised from ``generate()`` without it. ``__cause__`` is the
+    original exception.
+    """
+
+
+@dataclass
+class BatchResult:
+    """Results in input order (successes and :class:`FailedRollout` markers) and the counters."""
+
+    results: list[Any]
+    failures: list[FailedRollout]
+    retries: int
+    cleanup: CleanupStats
+    #: The batch's failure-budget verdict (:func:`~skyrl_structured.failures.failure_budget_exceeded`),
+    #: reached once here and handed to the collector and the metrics.
+    over_budget: bool = False
+
+
+def _backoff(base: float, attempt: int) -> float:
+    # Exponential backoff with full jitter: uniform in [0, base * 2**(attempt - 1)].
+    return _jitter.uniform(0.0, base * (2 ** (attempt - 1))) if base > 0 else 0.0
+
+
+def _describe(index: int, trajectory_id: Any | None) -> str:
+    if trajectory_id is None:
+        return f"rollout {index}"
+    to_string = getattr(trajectory_id, "to_string", None)
+    return f"rollout {index} ({to_string() if callable(to_string) else trajectory_id})"
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"``; for an empty message, the cause chain down to the first message (or where it was raised).
+
+    ``EngineGenerateError()`` raised from a bare ``assert`` reads ``"EngineGenerateError <- AssertionError
+    (no message; raised at trio_asyncio/_base.py:123 in run_in_executor)"``.
+    """
+    names: list[str] = []
+    current: BaseException | None = exc
+    seen: set[int] = set()
+    last = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        message = str(current)
+        if message:
+            return " <- ".join([*names, f"{type(current).__name__}: {message}"])
+        names.append(type(current).__name__)
+        last = current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    frames = traceback.extract_tb(last.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f"; raised at {'/'.join(Path(frame.filename).parts[-2:])}:{frame.lineno} in {frame.name}"
+    return f"{' <- '.join(names)} (no message{where})"
+
+
+def _foreign_cancellation(exc: BaseException, native: type[BaseException]) -> bool:
+    """True for a cancellation exception that no cancel scope around the caller has caused.
+
+    ``native`` is the running backend's cancellation class (looked up once per batch).
+    """
+    asyncio_module = sys.modules.get("asyncio")
+    # Under trio an asyncio CancelledError is never trio's own cancellation.
+    if (
+        asyncio_module is not None
+        and native is not asyncio_module.CancelledError
+        and isinstance(exc, asyncio_module.CancelledError)
+    ):
+        return True
+    return isinstance(exc, native) and anyio.current_effective_deadline() != -math.inf
+
+
+def _as_rollout_error(
+    exc: BaseException, index: int, trajectory_id: Any | None, native_cancellation: type[BaseException]
+) -> Exception | None:
+    """The error a rollout failed with, or None for what must propagate (our cancellation, interrupts)."""
+    if isinstance(exc, Exception):
+        return exc
+    if not isinstance(exc, GeneratorExit) and not _foreign_cancellation(exc, native_cancellation):
+        return None  # decided before describing the rollout: a cancelled batch does this once per rollout
+    where = _describe(index, trajectory_id)
+    if not isinstance(exc, GeneratorExit):
+        error = RolloutCancelledError(
+            f"{where} raised {type(exc).__name__} although generate() was not cancelled (an inference client "
+            "or environment that cancels its own work); counted as this rollout's failure"
+        )
+    else:
+        error = RolloutCancelledError(f"{where} raised GeneratorExit; counted as this rollout's failure")
+    error.__cause__ = exc
+    return error
+
+
+def _interrupt_in(exc: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt``/``SystemExit`` carried by ``exc`` (possibly inside a group), if any."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for kind in (KeyboardInterrupt, SystemExit):
+            matched, _ = exc.split(kind)
+            if matched is not None:
+                leaf: BaseException = matched
+                while isinstance(leaf, BaseExceptionGroup):
+                    leaf = leaf.exceptions[0]
+                return leaf
+    return None
+
+
+def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, abandoned: list[AbandonedClose]) -> None:
+    """Free a rollout's slot now, or once the closes it abandoned have run (the env is live until then)."""
+    pending = [call for call in abandoned if not call.done]
+    if not pending:
+        limiter.release_on_behalf_of(borrower)
+        return
+    remaining = len(pending)
+
+    def one_closed() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0:
+            limiter.release_on_behalf_of(borrower)
+
+    schedule = loop_scheduler()
+    for call in pending:
+        if not call.add_done_callback(schedule, one_closed):
+            one_closed()
+
+
+async def run_rollouts(
+    count: int,
+    rollout: Callable[[int], Awaitable[Any]],
+    settings: ResilienceSettings,
+    batch: BatchContext,
+    *,
+    trajectory_ids: Sequence[Any] | None = None,
+    env_classes: Sequence[str] | None = None,
+    step_wise: bool = False,
+) -> BatchResult:
+    """Run ``rollout(i)`` for ``i in range(count)`` concurrently in one task group.
+
+    Each attempt runs with its :class:`RolloutContext` active (see :func:`.contexts.activate`).
+    ``env_classes`` and ``step_wise`` only describe the rollouts to observers (``trajectory_finished``).
+    ``batch.slots`` (the generator's limiter, shared by its concurrent calls) bounds the attempts
+    running at once; ``batch.pauses`` stops the deadlines while the generator is paused. With
+    ``settings.straggler_cutoff``, the rollouts still running once that share is final are cut
+    after the grace (see :mod:`~skyrl_structured._runtime.stragglers`).
+
+    Raises:
+        Exception: without ``skip_failed_rollouts``, the first rollout's original exception, after
+            every sibling has been cancelled and has cleaned up.
+        KeyboardInterrupt, SystemExit: one raised inside a rollout, after every sibling cleaned up.
+    """
+    supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
+    supervisor.env_classes = env_classes
+    supervisor.step_wise = step_wise
+    batch.observers.emit(RolloutObserver.batch_started, count)
+    try:
+        # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py). The
+        # generator's pause clock is the current one for every rollout (HTTPEngine reads it).
+        with relaxed_gc(settings.gc_tuning), use_clock(batch.pauses):
+            return await _supervise(supervisor, count, batch)
+    except BaseException as exc:
+        batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
+        raise
+
+
+async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -> BatchResult:
+    try:
+        async with anyio.create_task_group() as group:
+            if batch.pauses is not None and count:
+                # Warns about a pause that is never resumed; ends with the last rollout.
+                supervisor.background(group, batch.pauses.watch)
+            for index in range(count):
+                group.start_soon(supervisor.child, index, group)
+    except BaseExceptionGroup as group_error:
+        # Children catch every Exception, so only KeyboardInterrupt/SystemExit-like errors get here:
+        # re-raise the interrupt itself, as SkyRL's gather would, so `except KeyboardInterrupt` works.
+        held = supervisor.interrupt or _interrupt_in(group_error)
+        if held is not None:
+            raise held from None
+        raise
+    if supervisor.interrupt is not None:
+        raise supervisor.interrupt
+    # A cancellation that arrived while the last rollouts were in shielded cleanup must still reach
+    # the caller: a cancelled generate() raises, it never returns a batch.
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    if supervisor.first_error is not None:
+        raise supervisor.first_error
+    batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
+    return BatchResult(
+        results=supervisor.results,
+        failures=supervisor.failures,
+        retries=supervisor.retries,
+        cleanup=batch.cleanup,
+        over_budget=supervisor.over_budget,
+    )
+
+
+class _Supervisor:
+    """The children of one task group and what they report back."""
+
+    def __init__(
+        self,
+        count: int,
+        rollout: Callable[[int], Awaitable[Any]],
+        settings: ResilienceSettings,
+        batch: BatchContext,
+        trajectory_ids: Sequence[Any] | None,
+    ) -> None:
+        self.count = count
+        self.rollout = rollout
+        self.settings = settings
+        self.batch = batch
+        self.trajectory_ids = trajectory_ids
+        self.env_classes: Sequence[str] | None = None
+        self.step_wise = False
+        self.results: list[Any] = [None] * count
+        self.failures: list[FailedRollout] = []
+        #: Whether the failures so far are over the budget; failures only grow, so once set it stays.
+        self.over_budget = False
+        self.retries = 0
+        self.first_error: BaseException | None = None
+        self.interrupt: BaseException | None = None
+        # The generator's limiter (shared across its concurrent calls), or one for this call alone.
+        self.limiter = batch.slots
+        if self.limiter is None and settings.max_concurrent_rollouts:
+            self.limiter = anyio.CapacityLimiter(settings.max_concurrent_rollouts)
+        self.native_cancellation = anyio.get_cancelled_exc_class()
+        self.cutoff = _cutoff(settings, count, trajectory_ids, batch)
+        #: The attempt each rollout is on (read back when it is cut).
+        self.contexts: list[RolloutContext | None] = [None] * count
+        self._live = count
+        self._background: list[anyio.CancelScope] = []
+
+    def background(self, group: anyio.abc.TaskGroup, task: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``task`` in ``group`` until the last rollout has finished."""
+        scope = anyio.CancelScope()
+        self._background.append(scope)
+
+        async def run() -> None:
+            with scope:
+                await task()
+
+        group.start_soon(run)
+
+    async def child(self, index: int, group: anyio.abc.TaskGroup) -> None:
+        try:
+            cutoff = self.cutoff
+            if cutoff is None:
+                await self._rollout(index, group)
+                return
+            with cutoff.scope(index):
+                await self._rollout(index, group)
+            if cutoff.was_cut(index) and self.results[index] is None:
+                self._record_cut(index, cutoff)
+        finally:
+            self._live -= 1
+            if self._live == 0:
+                for scope in self._background:
+                    scope.cancel()
+
+    def _record_cut(self, index: int, cutoff: StragglerCutoff) -> None:
+        context = self.contexts[index]
+        assert context is not None
+        error = StragglerCutError(f"{_describe(index, context.ref.trajectory_id)} was cut: {cutoff.describe(index)}")
+        self._record_failure(index, context, error, time.monotonic() - context.started, timed_out=False)
+
+    async def _rollout(self, index: int, group: anyio.abc.TaskGroup) -> None:
+        trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
+        attempt = 0
+        while True:
+            attempt += 1
+            context = RolloutContext(self.batch, RolloutRef(index, attempt, trajectory_id))
+            self.contexts[index] = context
+            try:
+                result = await self._attempt(index, context)
+            except BaseException as raised:
+                error = _as_rollout_error(raised, index, trajectory_id, self.native_cancellation)
+                if error is None:
+                    self._propagate(raised, context, group)
+                    return
+                if await self._failed(index, context, error, group):
+                    continue
+                return
+            self.results[index] = result
+            if self.cutoff is not None:
+                self.cutoff.finished(index, group)
+            if self.batch.observers.wants(RolloutObserver.trajectory_finished):
+                record = finished_record(
+                    context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
+                )
+                context.emit(RolloutObserver.trajectory_finished, record)
+            context.emit(RolloutObserver.rollout_finished, failed=False)
+            return
+
+    def _env_class(self, index: int) -> str:
+        return str(self.env_classes[index]) if self.env_classes is not None else ""
+
+    async def _attempt(self, index: int, context: RolloutContext) -> Any:
+        borrower = object()
+        if self.limiter is not None:
+            await self.limiter.acquire_on_behalf_of(borrower)
+        try:
+            context.started = time.monotonic()
+            context.emit(RolloutObserver.attempt_started)
+            with activate(context):
+                result = await self._within_deadline(index, context)
+            context.emit(RolloutObserver.attempt_finished, time.monotonic() - context.started)
+            return result
+        finally:
+            if self.limiter is not None:
+                _release_when_closed(self.limiter, borrower, context.abandoned)
+
+    async def _within_deadline(self, index: int, context: RolloutContext) -> Any:
+        deadline = self.settings.rollout_timeout_s
+        if deadline is None:
+            return await self.rollout(index)
+        # Measures work: the clock stops while the generator is paused (a weight sync).
+        with PausableDeadline(self.batch.pauses, deadline) as scope:
+            result = await self.rollout(index)
+        if scope.cancelled_caught:
+            raise TimeoutError(
+                f"{_describe(index, context.ref.trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"
+            )
+        return result
+
+    def _propagate(self, raised: BaseException, context: RolloutContext, group: anyio.abc.TaskGroup) -> None:
+        """Our own cancellation goes on up; an interrupt is held until every sibling has cleaned up."""
+        context.emit(RolloutObserver.attempt_cancelled)
+        held = _interrupt_in(raised)
+        if held is None:
+            raise raised
+        # asyncio would otherwise re-raise it straight out of the event loop and leave the others running.
+        if self.interrupt is None:
+            self.interrupt = held
+        group.cancel_scope.cancel()
+
+    async def _failed(self, index: int, context: RolloutContext, error: Exception, group: anyio.abc.TaskGroup) -> bool:
+        """Record a failed attempt; True when it is to be retried."""
+        settings = self.settings
+        elapsed = time.monotonic() - context.started
+        timed_out = isinstance(error, TimeoutError)
+        where = _describe(index, context.ref.trajectory_id)
+        retry = context.ref.attempt <= settings.max_rollout_retries
+        context.emit(RolloutObserver.attempt_failed, error, elapsed, timed_out=timed_out, will_retry=retry)
+        if retry:
+            self.retries += 1
+            delay = _backoff(settings.rollout_retry_backoff_s, context.ref.attempt)
+            logger.warning(
+                "%s attempt %d failed with %s; retrying in %.2fs",
+                where,
+                context.ref.attempt,
+                describe_error(error),
+                delay,
+            )
+            context.emit(RolloutObserver.retry_backoff, delay)
+            await anyio.sleep(delay)
+            return True
+        self._record_failure(index, context, error, elapsed, timed_out=timed_out)
+        if self.cutoff is not None:
+            self.cutoff.finished(index, group)
+        if not settings.skip_failed_rollouts:
+            if self.first_error is None:
+                self.first_error = error
+            group.cancel_scope.cancel()
+        elif settings.failure_budget_action == "raise" and self.over_budget and len(self.failures) < self.count:
+            # The budget is already blown and failures only grow: stop spending compute.
+            group.cancel_scope.cancel()
+        return False
+
+    def _record_failure(
+        self, index: int, context: RolloutContext, error: Exception, elapsed: float, *, timed_out: bool
+    ) -> None:
+        """Keep a rollout's final failure in its slot, log it and tell the observers."""
+        where = _describe(index, context.ref.trajectory_id)
+        failure = FailedRollout(
+            index=index,
+            exception=error,
+            elapsed=elapsed,
+            attempts=context.ref.attempt,
+            timed_out=timed_out,
+            trajectory_id=context.ref.trajectory_id,
+            time_splits=dict(context.time_splits),
+        )
+        self.results[index] = failure
+        self.failures.append(failure)
+        self.over_budget = failure_budget_exceeded(
+            len(self.failures), self.count, self.settings.max_failed_rollout_fraction
+        )
+        # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (_stragglers.py).
+        level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
+        logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
+            record = failed_record(
+                context.ref,
+                describe_error(error),
+                env_class=self._env_class(index),
+                elapsed=elapsed,
+                timed_out=timed_out,
+                step_wise=self.step_wise,
+            )
+            context.emit(RolloutObserver.trajectory_finished, record)
+        context.emit(RolloutObserver.rollout_finished, failed=True)
+
+
+def _cutoff(
+    settings: ResilienceSettings, count: int, trajectory_ids: Sequence[Any] | None, batch: BatchContext
+) -> StragglerCutoff | None:
+    """The batch's straggler cutoff, or None when ``generator.straggler_cutoff`` is off."""
+    if settings.straggler_cutoff is None:
+        return None
+    if settings.straggler_cutoff_scope == "group":
+        if trajectory_ids is None:  # generate() refuses such a batch first (validate.py)
+            raise ValueError("`generator.straggler_cutoff_scope=group` needs the batch's trajectory_ids")
+        groups: list[Any] = [str(getattr(t, "instance_id", t)) for t in trajectory_ids]
+    else:
+        groups = ["the batch"] * count
+    return StragglerCutoff(settings.straggler_cutoff, settings.straggler_grace_s, groups, batch.pauses)

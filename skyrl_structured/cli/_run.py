@@ -1,0 +1,251 @@
+"""One generation step for ``skyrl-structured rollout``, stoppable by SIGINT/SIGTERM.
+
+The step runs inside a cancel scope; a signal receiver (``anyio.open_signal_receiver``, on asyncio
+and trio alike) cancels that scope on the first SIGINT or SIGTERM, so ``generate()`` unwinds the
+way any cancellation does: every rollout stops, every environment is closed, every inference
+session finished. A second signal exits at once, without waiting for cleanup; one that arrives
+within :data:`DUPLICATE_SIGNAL_WINDOW_S` of the first is the same request sent twice (coreutils
+``timeout`` and many batch systems signal the process and its process group, so one stop arrives
+twice within milliseconds) and is ignored.
+
+Each rollout is appended to ``trajectories.jsonl`` in ``run.output_dir`` as it finishes (see
+:mod:`~skyrl_structured.cli._trajectories`), so an interrupted or failed step keeps what finished.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from .._runtime.origin import describe_with_origin
+from ..envs._ray import start_local_ray_if_needed
+from ..generator import StructuredGymGenerator
+from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
+from ..types import GeneratorInput, GeneratorOutput
+from ..vlm_generator import StructuredVLMGymGenerator
+from ._engine import EngineSetup, load_engine
+from ._live import env_workers_alive, serve_metrics
+from ._schema import RolloutConfig
+from ._trajectories import TRAJECTORIES_FILE, TrajectoryLog
+
+__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "is_duplicate", "run_step"]
+
+#: A signal this soon after the first is the same stop request delivered twice, not a second request.
+DUPLICATE_SIGNAL_WINDOW_S = 1.0
+
+Status = Literal["ok", "failed", "interrupted"]
+
+
+@dataclass
+class Tally(RolloutObserver):
+    """What the step did, counted as it happened (an observer), so it can be reported even after an interruption."""
+
+    attempts_started: int = 0
+    attempts_finished: int = 0
+    attempts_failed: int = 0
+    attempts_cancelled: int = 0
+    sessions_finished: int = 0
+    envs_opened: int = 0
+    envs_closed: int = 0
+    env_close_errors: int = 0
+    #: The first close error as ``"OSError: message at my_env.py:42"`` (None: no close raised).
+    first_close_error: str | None = None
+    #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
+    running: set[tuple[int, int]] = field(default_factory=set, repr=False)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running)
+
+    def attempt_started(self, rollout: RolloutRef) -> None:
+        self.attempts_started += 1
+        self.running.add((rollout.index, rollout.attempt))
+
+    def env_opened(self, rollout: RolloutRef) -> None:
+        self.envs_opened += 1
+
+    def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
+        self.attempts_finished += 1
+        self.running.discard((rollout.index, rollout.attempt))
+
+    def attempt_failed(
+        self, rollout: RolloutRef, error: BaseException, elapsed: float, *, timed_out: bool, will_retry: bool
+    ) -> None:
+        self.attempts_failed += 1
+        self.running.discard((rollout.index, rollout.attempt))
+
+    def attempt_cancelled(self, rollout: RolloutRef) -> None:
+        self.attempts_cancelled += 1
+        self.running.discard((rollout.index, rollout.attempt))
+
+    def cleanup_finished(
+        self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
+    ) -> None:
+        if kind == "finish_session":
+            self.sessions_finished += 1
+        elif outcome != "timeout":
+            self.envs_closed += 1
+            if outcome == "error" and error is not None:
+                self.env_close_errors += 1
+                if self.first_close_error is None:
+                    self.first_close_error = describe_with_origin(error)
+
+
+@dataclass
+class RunResult:
+    """How the step ended, with everything the report needs."""
+
+    status: Status
+    tally: Tally
+    output: GeneratorOutput | None = None
+    error: BaseException | None = None
+    signal: int | None = None
+    #: When the stop signal arrived (``time.monotonic()``).
+    signal_at: float | None = None
+    engine: str = ""
+    load_s: float = 0.0
+    generate_s: float = 0.0
+    started_generating: bool = False
+    #: The tokenizer the generator used (to decode the output), once the engine has loaded.
+    tokenizer: Any = None
+    #: ``trajectories.jsonl`` as the step appended to it (None when it could not be opened).
+    trajectories: TrajectoryLog | None = None
+    #: The batch's environment classes and trajectory ids, one per rollout.
+    env_classes: list[str] = field(default_factory=list)
+    trajectory_ids: list[Any] | None = None
+    #: When the step started (UTC, ISO 8601).
+    started_at: str = ""
+    #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
+    trace: TraceRecorder | None = None
+    #: The live metrics served at ``run.metrics_port`` while the step runs.
+    metrics: Any | None = None
+
+
+def is_duplicate(result: RunResult) -> bool:
+    """Whether a signal arriving now repeats ``result``'s stop (within :data:`DUPLICATE_SIGNAL_WINDOW_S`)."""
+    return result.signal_at is not None and time.monotonic() - result.signal_at < DUPLICATE_SIGNAL_WINDOW_S
+
+
+async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
+    async for signum in signals:
+        if result.signal is None:
+            result.signal = signum
+            result.signal_at = time.monotonic()
+            name = signal.Signals(signum).name
+            if result.started_generating:
+                say(
+                    f"\n{name} received: cancelling {result.tally.in_flight} rollouts in flight and closing their "
+                    "environments (send it again to exit without waiting)"
+                )
+            else:
+                say(f"\n{name} received: stopping before generation started (send it again to exit now)")
+            work.cancel()
+        elif is_duplicate(result):
+            continue  # the same stop, delivered to the process and to its group
+        else:
+            say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
+
+
+async def run_step(
+    cfg: RolloutConfig,
+    batch: GeneratorInput,
+    policy: Any | None,
+    *,
+    say: Callable[[str], None],
+    on_engine: Callable[[EngineSetup], None] | None = None,
+    after_signals: Callable[[RunResult], None] | None = None,
+) -> RunResult:
+    """Load the engine, run ``generate()`` once, and return how it ended; never raises ``Exception``.
+
+    ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
+    ``after_signals`` is called the moment the signal receiver is gone (the signals' handlers are
+    the defaults again), so that the caller can keep a repeated stop from killing what follows.
+    """
+    tally = Tally()
+    result = RunResult(
+        status="ok",
+        tally=tally,
+        env_classes=list(batch["env_classes"]),
+        trajectory_ids=batch.get("trajectory_ids"),
+        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        trace=TraceRecorder() if cfg.run.trace else None,
+    )
+    work = anyio.CancelScope()
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as watchers:
+            watchers.start_soon(_watch_signals, signals, work, result, say)
+            with work:
+                try:
+                    result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
+                    result.metrics = serve_metrics(cfg.run.metrics_port, cfg.run.metrics_host, say)
+                    await _load_and_generate(cfg, batch, policy, result, on_engine)
+                except Exception as exc:
+                    result.status = "failed"
+                    result.error = exc
+                finally:
+                    if result.trajectories is not None:
+                        result.trajectories.close()
+                    if result.metrics is not None:
+                        result.metrics.close()
+            watchers.cancel_scope.cancel()
+    if after_signals is not None:
+        after_signals(result)
+    if result.signal is not None and work.cancelled_caught:
+        result.status = "interrupted"
+        result.output = None
+    return result
+
+
+async def _load_and_generate(
+    cfg: RolloutConfig,
+    batch: GeneratorInput,
+    policy: Any | None,
+    result: RunResult,
+    on_engine: Callable[[EngineSetup], None] | None,
+) -> None:
+    started = time.monotonic()
+    try:
+        setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
+    finally:  # also when stopped while loading: the time spent is what the report shows
+        result.load_s = time.monotonic() - started
+    result.engine = setup.description
+    if on_engine is not None:
+        on_engine(setup)
+    async with setup.engine:
+        generator_class = (
+            StructuredVLMGymGenerator if cfg.generator.vision_language_generator else StructuredGymGenerator
+        )
+        generator = generator_class(
+            cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
+        )
+        generator.observers.append(result.tally)
+        if result.trace is not None:
+            generator.observers.append(result.trace)
+        if result.metrics is not None:
+            generator.observers.append(result.metrics)
+            result.metrics.count_env_workers(lambda: env_workers_alive(generator))
+        if result.trajectories is not None:
+            result.trajectories.tokenizer = setup.tokenizer
+            generator.observers.append(result.trajectories)
+        result.tokenizer = setup.tokenizer
+        result.started_generating = True
+        started = time.monotonic()
+        try:
+            start_local_ray_if_needed(cfg.environment.skyrl_gym)
+            result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
+        finally:
+            result.generate_s = time.monotonic() - started
+            with anyio.CancelScope(shield=True):
+                await generator.aclose()  # env worker processes / actors

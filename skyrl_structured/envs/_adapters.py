@@ -1,0 +1,275 @@
+"""Synchronous and half-async environments behind the async protocol, and the thread executor.
+
+:class:`SyncEnvAdapter` runs a ``skyrl_gym`` env's blocking ``init``/``step``/``close`` in the
+generator's worker threads (or inline when ``max_env_workers`` is 0); an env with async
+``init``/``step`` but a plain ``close`` gets that close run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+from .._runtime.wakers import LoopWaker
+from ..types import ConversationType
+from ._executors import EnvExecutor
+from ._threads import EnvCall, EnvThreadPool
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class AsyncEnvironment(Protocol):
+    """What the agent loop needs from an environment."""
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Any: ...
+
+    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]: ...
+
+    async def step(self, action: str) -> Any: ...
+
+    def get_metrics(self) -> Any: ...
+
+
+class EnvCallRunner(EnvExecutor):
+    """The thread executor: envs in this process, blocking calls inline or in an :class:`EnvThreadPool`."""
+
+    kind = "thread"
+
+    def __init__(self, pool: EnvThreadPool | None) -> None:
+        self.pool = pool
+
+    @property
+    def bound(self) -> int:
+        return 0 if self.pool is None else self.pool.max_workers
+
+    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+        # Looked up on the module at call time (as SkyRL does), so registering or patching later works.
+        return skyrl_gym.make(env_class, env_config=env_config, extras=extras)
+
+    @property
+    def inline(self) -> bool:
+        return self.pool is None
+
+    async def run(self, call: EnvCall[T]) -> T:
+        """Run ``call`` in a worker thread and return its result.
+
+        Cancelled while waiting, a call that has not started is skipped; one already running is
+        left to finish in its thread (the caller still holds it to wait for or chain a close after).
+        """
+        assert self.pool is not None
+        self.pool.submit(call)
+        try:
+            await call.wait()
+        except BaseException:
+            call.skip()
+            raise
+        return call.result()
+
+
+def _trivial_bodies() -> tuple[tuple[bytes, tuple[Any, ...]], ...]:
+    """(bytecode, constants after the docstring) of ``def f(self)`` whose body does nothing."""
+
+    def documented(self: Any) -> None:
+        """Only a docstring."""
+
+    def bare(self: Any) -> None:
+        pass
+
+    return tuple((f.__code__.co_code, f.__code__.co_consts[1:]) for f in (documented, bare))
+
+
+def _noop_base_closes() -> frozenset[Any]:
+    """skyrl_gym's base-class ``close`` functions, kept only if their body is seen to do nothing.
+
+    Checked on the bytecode, not assumed: a skyrl_gym whose base ``close`` does some work drops
+    out of the set, and its environments' closes go to a worker thread like any other.
+    """
+    trivial = _trivial_bodies()
+    found = set()
+    for cls in (skyrl_gym.Env, BaseTextEnv):
+        close = cls.__dict__.get("close")
+        code = getattr(close, "__code__", None)
+        if code is not None and not code.co_names and (code.co_code, code.co_consts[1:]) in trivial:
+            found.add(close)
+    return frozenset(found)
+
+
+_NOOP_BASE_CLOSES = _noop_base_closes()
+_OBJECT_GETATTRIBUTE: Any = object.__getattribute__
+
+
+def has_noop_close(env: Any) -> bool:
+    """True when ``env.close`` is exactly skyrl_gym's inherited do-nothing ``close``.
+
+    Looked up as Python would: an instance attribute, or a ``close`` defined by any class of the
+    MRO before the base one (a user override, even one that only calls ``super().close()``), or a
+    custom ``__getattribute__`` makes it False. Such a close cannot block, so it need not go to a
+    worker thread.
+    """
+    if "close" in getattr(env, "__dict__", ()):
+        return False
+    cls: Any = type(env)
+    # Attribute lookup on the class walks the MRO as an instance's lookup would, in C.
+    return cls.__getattribute__ is _OBJECT_GETATTRIBUTE and getattr(cls, "close", None) in _NOOP_BASE_CLOSES
+
+
+class SyncEnvAdapter:
+    """A synchronous ``skyrl_gym`` environment behind the async protocol."""
+
+    def __init__(self, env: Any, runner: EnvCallRunner) -> None:
+        self.env = env
+        self._runner = runner
+        self._in_flight: EnvCall[Any] | None = None
+        #: The event loop's waker, looked up by the first thread call and reused by the next ones.
+        self._waker: LoopWaker | None = None
+        #: A close handed to a thread that cleanup stopped waiting for; it still runs.
+        self.abandoned_close: EnvCall[None] | None = None
+
+    async def __aenter__(self) -> SyncEnvAdapter:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        pool = self._runner.pool
+        if pool is None:
+            self.env.close()
+            return
+        call = self._in_flight
+        noop_close = has_noop_close(self.env)
+        if noop_close and (call is None or call.skip() or call.done):
+            # Nothing runs in a thread and the close does nothing: no thread round-trip for it.
+            self.env.close()
+            return
+        close: EnvCall[None] = EnvCall(self._close, skippable=False, waker=self._waker)
+        if call is not None and not call.skip() and not call.done:
+            # The rollout was cancelled while a worker thread was inside init/step: let that call
+            # finish before closing, so close never runs concurrently with it.
+            try:
+                await self.settle(call)
+            except BaseException:
+                # env_cleanup_timeout_s ran out first: close it in that thread once the call returns.
+                call.then(close, pool)
+                self.abandoned_close = close
+                raise
+        pool.submit(close)
+        try:
+            await close.wait()
+        except BaseException:
+            self.abandoned_close = close
+            raise
+        close.result()
+
+    async def settle(self, call: EnvCall[Any]) -> None:
+        """Wait for a call still running in its thread (cleanup's bound applies)."""
+        await call.wait()
+
+    def _close(self) -> None:
+        late = self.abandoned_close is not None
+        try:
+            self.env.close()
+        except Exception as exc:
+            if late:
+                logger.warning("closing an environment after its cleanup was abandoned failed: %r", exc)
+            raise
+        if late:
+            logger.warning("closed an environment after its cleanup was abandoned (env_cleanup_timeout_s ran out)")
+
+    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
+        result: tuple[ConversationType, dict[str, Any]] = await self._call(self.env.init, prompt)
+        return result
+
+    async def step(self, action: str) -> Any:
+        return await self._call(self.env.step, action)
+
+    def get_metrics(self) -> Any:
+        return self.env.get_metrics()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._runner.inline:
+            return fn(*args)
+        call = EnvCall(fn, *args, waker=self._waker)
+        self._waker = call.waker
+        self._in_flight = call
+        result = await self._runner.run(call)
+        self._in_flight = None
+        return result
+
+
+class _AwaitingEnvAdapter:
+    """An environment with async ``init``/``step`` but no async context manager of its own.
+
+    Its ``close`` (or ``aclose``) is awaited when it is a coroutine function; a plain function is
+    blocking work like any sync env call, so it runs in a worker thread, never on the event loop.
+    """
+
+    def __init__(self, env: Any, runner: EnvCallRunner) -> None:
+        self.env = env
+        self._runner = runner
+        self.abandoned_close: EnvCall[Any] | None = None
+
+    async def __aenter__(self) -> _AwaitingEnvAdapter:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        closer = getattr(self.env, "aclose", None) or getattr(self.env, "close", None)
+        if closer is None:
+            return
+        if inspect.iscoroutinefunction(closer) or self._runner.pool is None:
+            result = closer()
+        else:
+            close: EnvCall[Any] = EnvCall(closer, skippable=False)
+            self._runner.pool.submit(close)
+            try:
+                await close.wait()
+            except BaseException:
+                self.abandoned_close = close
+                raise
+            result = close.result()
+        if inspect.isawaitable(result):
+            await result
+
+    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
+        result: tuple[ConversationType, dict[str, Any]] = await self.env.init(prompt)
+        return result
+
+    async def step(self, action: str) -> Any:
+        return await self.env.step(action)
+
+    def get_metrics(self) -> Any:
+        return self.env.get_metrics()
+
+
+def is_async_env(env: Any) -> bool:
+    """True when ``env`` already is an async context manager with async ``init`` and ``step``."""
+    return (
+        hasattr(env, "__aenter__")
+        and hasattr(env, "__aexit__")
+        and inspect.iscoroutinefunction(getattr(env, "step", None))
+        and inspect.iscoroutinefunction(getattr(env, "init", None))
+    )
+
+
+def _wrap(env: Any, runner: EnvExecutor) -> Any:
+    if is_async_env(env):
+        return env  # also every env handle of a process or Ray executor
+    if not isinstance(runner, EnvCallRunner):  # pragma: no cover - remote executors hand out async handles
+        raise TypeError(f"the {runner.kind} env executor returned a synchronous env: {env!r}")
+    if inspect.iscoroutinefunction(getattr(env, "step", None)):
+        return _AwaitingEnvAdapter(env, runner)
+    return SyncEnvAdapter(env, runner)

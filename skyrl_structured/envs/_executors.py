@@ -1,0 +1,166 @@
+"""The executor seam: where blocking environment code runs, and what happens to work nobody waits for.
+
+Every environment a rollout opens comes from one :class:`EnvExecutor`, chosen by
+``environment.skyrl_gym.env_executor``:
+
+- ``"thread"`` (the default, SkyRL's behaviour): :class:`~skyrl_structured.envs.EnvCallRunner`.
+  The env lives in the generator's process; ``init``/``step``/``close`` run in at most
+  ``max_env_workers`` daemon threads (:mod:`~skyrl_structured.envs._threads`), or inline with 0.
+- ``"process"``: :class:`~skyrl_structured.envs._process.ProcessEnvExecutor`. The env lives in one of
+  ``max_env_workers`` worker processes and is reached through a handle (:mod:`~skyrl_structured.envs._remote`).
+- ``"ray"``: :class:`~skyrl_structured.envs._ray.RayEnvExecutor`. The same handle; the workers are Ray actors.
+
+The seam is small: :meth:`EnvExecutor.make_env` returns an environment (a plain ``skyrl_gym`` env
+for threads, an async handle with ``init``/``step``/``close``/``get_metrics`` for the others),
+:meth:`EnvExecutor.check_env` refuses before any rollout what an executor cannot run,
+:attr:`EnvExecutor.bound` is the number of workers, :meth:`EnvExecutor.aclose` stops them. Killing
+a worker is the remote handles' business (:meth:`~skyrl_structured.envs._remote.WorkerPool.kill`).
+
+Abandoned work, the one set of rules for every executor (DESIGN rules 5, 9 and 14):
+
+1. A call whose rollout gave up before it *started* is skipped; a close, once submitted, always runs.
+2. A call whose rollout was cancelled while it *runs* is waited for by that env's cleanup (bounded by
+   ``env_cleanup_timeout_s``) before the close, so a close never races a step.
+3. When that bound (or, for a call in flight, the rollout's own ``rollout_timeout_s`` deadline) runs out:
+   a thread cannot be stopped, so the call keeps its thread, the close is chained after it, and the
+   env stays counted as live (``max_concurrent_rollouts``, ``max_env_workers``) until it returns;
+   a worker process or actor is killed (SIGTERM, then SIGKILL after a short grace, or ``ray.kill``),
+   every env living in it fails with :class:`EnvWorkerError`, and a fresh worker replaces it.
+4. Nothing abandoned keeps the process alive: threads are daemons; worker processes die with the
+   generator's process (parent-death signal and a pipe watchdog) and at ``aclose()``/interpreter exit.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+from ..config import invalid_value
+
+__all__ = ["ENV_EXECUTORS", "EnvExecutor", "EnvExecutorKind", "EnvWorkerError", "env_executor_kind", "make_executor"]
+
+logger = logging.getLogger(__name__)
+
+EnvExecutorKind = Literal["thread", "process", "ray"]
+ENV_EXECUTORS: tuple[str, ...] = get_args(EnvExecutorKind)
+
+
+class EnvWorkerError(RuntimeError):
+    """An environment's worker process (or Ray actor) died: killed past a deadline, or crashed.
+
+    Every environment living in that worker fails with it; the rollout is retried on a fresh worker
+    (``max_rollout_retries``) or becomes a placeholder, like any rollout error. The message names the
+    worker, the signal or exit code, and the call that was running.
+
+    Attributes:
+        worker: the worker's name (``"env-process-3 (pid 1234)"``).
+        exitcode: the process's exit code (negative: the signal that ended it), None when unknown.
+        killed: True when the generator killed it (a deadline passed), False for a crash.
+    """
+
+    def __init__(self, message: str, *, worker: str = "", exitcode: int | None = None, killed: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.exitcode = exitcode
+        self.killed = killed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_worker_error, (str(self), self.worker, self.exitcode, self.killed))
+
+
+def _rebuild_worker_error(message: str, worker: str, exitcode: int | None, killed: bool) -> EnvWorkerError:
+    return EnvWorkerError(message, worker=worker, exitcode=exitcode, killed=killed)
+
+
+class EnvExecutor(abc.ABC):
+    """Where a generator's environments live and their blocking calls run (see the module docstring)."""
+
+    #: ``"thread"``, ``"process"`` or ``"ray"``.
+    kind: str = "thread"
+
+    @property
+    @abc.abstractmethod
+    def bound(self) -> int:
+        """How many env calls may run at once (the workers); 0 for inline calls."""
+
+    @abc.abstractmethod
+    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+        """A new environment: a ``skyrl_gym`` env, or an async handle to one living in a worker.
+
+        ``stats`` (the batch's :class:`~skyrl_structured.envs.CleanupStats`) counts what the handle
+        sees: workers killed, worker crashes, envs lost with their worker.
+        """
+
+    @property
+    def workers_alive(self) -> int:
+        """Workers started and not known dead (worker processes, Ray actors); 0 where there are none."""
+        return 0
+
+    def check_env(self, env_class: str, env_config: Any, extras: Mapping[str, Any]) -> None:  # noqa: B027
+        """Refuse, before any rollout starts, an env this executor cannot run (``ValueError``, one line).
+
+        Threads run anything ``skyrl_gym.make`` can build, so the default accepts everything.
+        """
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Stop the workers (nothing to stop for threads: they are daemons that exit when idle)."""
+
+
+def env_executor_kind(skyrl_gym_cfg: Any) -> str:
+    """``environment.skyrl_gym.env_executor``, ``"thread"`` when the config lacks it (SkyRL's own).
+
+    Raises:
+        ValueError: a value other than ``thread``, ``process`` or ``ray``.
+    """
+    if isinstance(skyrl_gym_cfg, Mapping):
+        kind = skyrl_gym_cfg.get("env_executor", "thread")
+    else:
+        kind = getattr(skyrl_gym_cfg, "env_executor", "thread")
+    if kind is None:
+        return "thread"
+    if kind not in ENV_EXECUTORS:
+        raise invalid_value(
+            "environment.skyrl_gym.env_executor",
+            kind,
+            "one of 'thread', 'process', 'ray'",
+            "'thread' is SkyRL's behaviour; 'process' runs envs in killable worker processes (see docs/envs.md).",
+        )
+    return str(kind)
+
+
+def make_executor(skyrl_gym_cfg: Any, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
+    """The executor ``skyrl_gym_cfg`` asks for, or None for threads (the generator's own pool).
+
+    ``max_env_workers=0`` means inline calls whatever the executor: there is no worker to host an env.
+    """
+    kind = env_executor_kind(skyrl_gym_cfg)
+    if kind == "thread" or workers <= 0:
+        return None
+    if kind == "process":
+        from ._process import ProcessEnvExecutor
+
+        return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s)
+    from ._ray import RayEnvExecutor
+
+    num_cpus = getattr(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
+    return RayEnvExecutor(
+        workers, cleanup_timeout_s=cleanup_timeout_s, num_cpus=float(1.0 if num_cpus is None else num_cpus)
+    )
+
+
+def check_envs(executor: EnvExecutor, skyrl_gym_cfg: Any, env_classes: list[str], env_extras: list[Any]) -> None:
+    """Before any rollout: every env class and every row's extras can be run by ``executor``.
+
+    Raises:
+        ValueError: one line naming the env class, what cannot cross to a worker, and the fix.
+    """
+    from . import env_config_for
+
+    seen: set[str] = set()
+    for env_class, extras in zip(env_classes, env_extras, strict=True):
+        if env_class not in seen:
+            seen.add(env_class)
+            executor.check_env(env_class, env_config_for(skyrl_gym_cfg, env_class), {})
+        executor.check_env(env_class, None, extras or {})

@@ -1,0 +1,382 @@
+"""``env_executor="process"``: environments in spawned worker processes that can be killed.
+
+Each worker is a process forked by multiprocessing's fork server (``forkserver``, where the platform
+has it, else ``spawn``; never a bare ``fork`` of the generator, which has threads and an event loop)
+running :func:`~skyrl_structured.envs._worker.process_main`. The generator talks to it over one pipe,
+through two daemon threads of its own: a writer that sends every request queued since its last send
+as one message (a burst of a thousand cheap calls is a handful of messages) and a reader that
+resolves replies and wakes the event loop once per burst (the coalescing waker shared with the
+thread pool). That link is the same on asyncio and trio, needs no task of the event loop's, and
+costs nothing while a worker is idle; ``benchmarks/env_executors.py`` measures it against threads.
+
+A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF it
+watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import skyrl_gym
+
+from ._executors import EnvExecutor, EnvWorkerError
+from ._remote import Reply, Transport, WorkerEnv, WorkerPool
+from ._worker import EnvRecipe, process_main
+
+__all__ = ["ProcessEnvExecutor", "ProcessWorker", "env_recipe"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between SIGTERM and SIGKILL for a worker being killed.
+KILL_GRACE_S = 0.5
+#: What the fork server imports before forking workers (``__main__`` only when it is a file).
+FORKSERVER_PRELOAD = ("__main__", "skyrl_gym", "skyrl_structured.envs._worker")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class ProcessWorker(Transport):
+    """One spawned worker process and the two threads that carry its pipe."""
+
+    def __init__(self, index: int, context: Any) -> None:
+        super().__init__(f"env-process-{index}")
+        self._conn, child_conn = context.Pipe(duplex=True)
+        lifeline_r, self._lifeline = context.Pipe(duplex=False)
+        self._child_ends = (child_conn, lifeline_r)
+        self.process = context.Process(target=process_main, args=(child_conn, lifeline_r), name=self.name, daemon=True)
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[int, str, int, Any]] = collections.deque()
+        #: Requests sent and not answered, in the order the worker runs them (the first one is running).
+        self._pending: dict[int, Reply] = {}
+        self._ids = 0
+        self._closing = False
+        self._kill_reason: str | None = None
+        self._timer: threading.Timer | None = None
+        self._started = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
+        #: One thread at a time reaps the process (see _join).
+        self._reap = threading.Lock()
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        threading.Thread(target=self._start, name=f"{self.name}-start", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            self.process.start()
+        except BaseException as exc:
+            self._died(EnvWorkerError(f"env worker {self.name} could not start: {exc!r}", worker=self.name))
+            self._started.set()
+            return
+        finally:
+            for end in self._child_ends:
+                end.close()
+        self.name = f"{self.name} (pid {self.process.pid})"
+        self._reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
+        self._reader.start()
+        self._writer = threading.Thread(target=self._write, name=f"{self.name}-writer", daemon=True)
+        self._writer.start()
+        with self._cond:
+            self._started.set()
+            doomed = self._kill_reason is not None
+        if doomed:  # killed while it was starting
+            self._signal()
+
+    def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
+        with self._cond:
+            if self.death is not None:
+                error = self.death
+            else:
+                self._ids += 1
+                reply.call_id = self._ids
+                self._pending[self._ids] = reply
+                self._queue.append((self._ids, op, key, payload))
+                self._cond.notify()
+                return
+        reply.resolve(False, error)
+
+    def skip(self, reply: Reply) -> None:
+        with self._cond:
+            if reply.call_id in self._pending and self.death is None:
+                self._queue.append((0, "skip", 0, reply.call_id))
+                self._cond.notify()
+
+    def _write(self) -> None:
+        conn, cond, queue = self._conn, self._cond, self._queue
+        while True:
+            with cond:
+                while not queue and not self._closing:
+                    cond.wait()
+                if self._closing and not queue:
+                    return
+                batch = list(queue)
+                queue.clear()
+            try:
+                data = self._pickled(batch)
+                if data is not None:
+                    conn.send_bytes(data)
+            except (OSError, EOFError):
+                return  # the worker is gone; the reader reports it
+
+    def _pickled(self, batch: list[tuple[int, str, int, Any]]) -> bytes | None:
+        try:
+            return pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            kept = []
+            for request in batch:  # fail only the request that cannot cross the process boundary
+                try:
+                    pickle.dumps(request, pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    with self._cond:
+                        reply = self._pending.pop(request[0], None)
+                    if reply is not None:
+                        reply.resolve(False, TypeError(f"{reply.what}: its argument cannot be pickled: {exc!r}"))
+                else:
+                    kept.append(request)
+            return pickle.dumps(kept, pickle.HIGHEST_PROTOCOL) if kept else None
+
+    def _read(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                replies = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # pragma: no cover - a reply the worker could pickle but we cannot load
+                logger.error("env worker %s sent an unreadable reply: %r", self.name, exc)
+                continue
+            for call_id, ok, value in replies:
+                if call_id == "ready":
+                    continue
+                with self._cond:
+                    reply = self._pending.pop(call_id, None)
+                if reply is not None:
+                    reply.resolve(ok, value)
+        self._join(KILL_GRACE_S + 5.0)
+        self._died(self._death_error())
+
+    def _join(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the process to exit; its exit code (None: still running).
+
+        The fork server's ``Popen`` reads a child's exit code from a pipe once: a second thread polling
+        at the same moment (the reader and ``shutdown`` both wait for the exit) reads EOF and records
+        255 for a worker that exited cleanly, so the polls take turns.
+        """
+        with self._reap:
+            self.process.join(timeout_s)
+            code: int | None = self.process.exitcode
+            return code
+
+    def _death_error(self) -> EnvWorkerError:
+        code = self._join(0)
+        with self._cond:
+            running = next(iter(self._pending.values()), None)
+        what = f" while running {running.what}" if running is not None else " while idle"
+        how = f"exit code {code}" if code is None or code >= 0 else _signal_name(-code)
+        if self._kill_reason is not None:
+            message = f"env worker {self.name} was killed ({how}): {self._kill_reason}"
+        else:
+            message = f"env worker {self.name} died ({how}){what}"
+        return EnvWorkerError(message, worker=self.name, exitcode=code, killed=self._kill_reason is not None)
+
+    def _died(self, error: EnvWorkerError) -> None:
+        with self._cond:
+            if self.death is not None:
+                return
+            self.death = error
+            pending, self._pending = self._pending, {}
+            self._queue.clear()
+            self._closing = True
+            self._cond.notify_all()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._kill_reason is None and not self._shutting_down():
+            logger.warning("%s", error)
+        for reply in pending.values():
+            reply.resolve(False, error)
+        self._close_pipes()
+
+    def _shutting_down(self) -> bool:
+        return self._join(0) == 0
+
+    def _close_pipes(self) -> None:
+        for conn in (self._conn, self._lifeline):
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _terminate(self, reason: str) -> None:
+        with self._cond:
+            self._kill_reason = reason
+            started = self._started.is_set()
+        if started:  # else the starting thread sends the signal once the process exists
+            self._signal()
+
+    def _signal(self) -> None:
+        try:
+            self.process.terminate()
+        except (OSError, ValueError):  # pragma: no cover - already reaped
+            return
+        self._timer = threading.Timer(KILL_GRACE_S, self._force_kill)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _force_kill(self) -> None:
+        if self.death is None:
+            with contextlib.suppress(OSError, ValueError):  # already gone
+                self.process.kill()
+
+    def shutdown(self, timeout_s: float) -> None:
+        if not self._started.wait(timeout_s) or self._reader is None:
+            return  # its start failed (and was reported), or it is still starting after the wait
+        if self.death is None:
+            with self._cond:
+                self._ids += 1
+                self._queue.append((self._ids, "exit", 0, None))
+                self._cond.notify()
+            if self._join(timeout_s) is None:
+                with self._cond:
+                    self._kill_reason = "the generator shut its env workers down and it did not exit"
+                self.process.kill()
+                self._join(timeout_s)
+        # The reader sees the EOF, reports the death and closes the pipes: nothing is left open.
+        for thread in (self._reader, self._writer):
+            if thread is not None:
+                thread.join(timeout_s)
+        with contextlib.suppress(ValueError):  # still running after kill + join: left to the OS
+            self.process.close()
+
+
+def env_recipe(env_class: str) -> EnvRecipe:
+    """How a worker rebuilds ``env_class``: its registry id, an importable entry point, its kwargs.
+
+    Raises:
+        ValueError: the class is not registered, or cannot be imported by a worker (one line naming
+            the class and the fix).
+    """
+    spec = skyrl_gym.registry.get(env_class)
+    if spec is None:
+        known = ", ".join(sorted(skyrl_gym.registry))
+        raise ValueError(f"env class {env_class!r} is not registered with skyrl_gym (registered: {known})")
+    entry = spec.entry_point
+    kwargs = dict(spec.kwargs or {})
+    fix = (
+        "define it at module level in an importable module and register it by name "
+        "(skyrl_gym.register(id=..., entry_point='package.module:Class')), or use env_executor='thread'"
+    )
+    if isinstance(entry, str):
+        target = entry
+    else:
+        module = getattr(entry, "__module__", None)
+        qualname = getattr(entry, "__qualname__", "")
+        where = f"{module}.{qualname}"
+        if not module or "<" in qualname or "." in qualname:
+            raise ValueError(
+                f"env class {env_class!r} ({where}) cannot be rebuilt in an env worker process: "
+                f"it is a lambda or a nested definition; {fix}"
+            )
+        if module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+            raise ValueError(
+                f"env class {env_class!r} ({where}) is defined in __main__ of `python -c` or a REPL, which a "
+                f"worker process cannot import; {fix}"
+            )
+        found = getattr(sys.modules.get(module), qualname, None)
+        if found is not entry:
+            raise ValueError(
+                f"env class {env_class!r} ({where}) is not what `{module}:{qualname}` names, so a worker "
+                f"would build something else; {fix}"
+            )
+        target = f"{module}:{qualname}"
+    try:
+        pickle.dumps(kwargs)
+    except Exception as exc:
+        raise ValueError(
+            f"env class {env_class!r} was registered with kwargs that cannot be pickled for an env worker: "
+            f"{exc!r}; register it with plain values, or use env_executor='thread'"
+        ) from None
+    return env_class, target, kwargs
+
+
+def check_picklable(env_class: str, what: str, value: Any, executor: str) -> None:
+    """Refuse ``value`` (an env's config or extras) that cannot be sent to a worker; one line with the fix."""
+    try:
+        pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise ValueError(
+            f"the {what} of env class {env_class!r} cannot be pickled to reach an env worker "
+            f"(env_executor={executor!r}): {exc!r}; pass plain values (str, numbers, lists, dicts), "
+            "or use env_executor='thread'"
+        ) from None
+
+
+class RemoteEnvExecutor(EnvExecutor):
+    """What the process and Ray executors share: recipes, checks, handles, the pool's shutdown."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self._recipes: dict[str, EnvRecipe] = {}
+
+    @property
+    def bound(self) -> int:
+        return self.pool.size
+
+    @property
+    def workers_alive(self) -> int:
+        return len(self.pool.workers)
+
+    def _recipe(self, env_class: str) -> EnvRecipe:
+        recipe = self._recipes.get(env_class)
+        if recipe is None:
+            recipe = self._recipes[env_class] = env_recipe(env_class)
+        return recipe
+
+    def check_env(self, env_class: str, env_config: Any, extras: Mapping[str, Any]) -> None:
+        self._recipe(env_class)
+        check_picklable(env_class, "env_config", env_config, self.kind)
+        check_picklable(env_class, "env extras", extras, self.kind)
+
+    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+        return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats)
+
+
+class ProcessEnvExecutor(RemoteEnvExecutor):
+    """``max_env_workers`` spawned worker processes (see the module docstring)."""
+
+    kind = "process"
+
+    def __init__(self, workers: int, *, cleanup_timeout_s: float = 30.0, start_method: str | None = None) -> None:
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"env worker processes start with 'spawn' or 'forkserver', never {start_method!r}")
+        context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # The fork server imports these once; each worker forked from it then starts in milliseconds
+            # (a spawned one imports skyrl_gym afresh: about a second). No effect once the server runs.
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        pool = WorkerPool(workers, lambda index: ProcessWorker(index, context), cleanup_timeout_s=cleanup_timeout_s)
+        super().__init__(pool)
+        # At garbage collection or interpreter exit, whichever comes first (aclose() makes it a no-op).
+        self._finalizer = weakref.finalize(self, pool.shutdown, 2.0)
+
+    async def aclose(self) -> None:
+        import anyio
+
+        self._finalizer.detach()
+        await anyio.to_thread.run_sync(self.pool.shutdown, 5.0)

@@ -1,0 +1,229 @@
+"""``env_executor="ray"``: environments in Ray actors, so an env fleet can spread over a cluster's CPUs.
+
+Each worker is one actor (:class:`EnvActor`, ``env_worker_num_cpus`` CPUs each) hosting many envs, placed
+and killed by the same :class:`~skyrl_structured.envs._remote.WorkerPool` rules as worker processes. The
+executor joins the Ray that is running (``ray.is_initialized()``, else ``ray.init(address="auto")``:
+the user's cluster, or SkyRL's); it never starts one itself (the CLI does, for local runs).
+
+Replies: one daemon thread per executor waits on every request's ``ObjectRef`` with ``ray.wait`` and
+resolves them through the event loop's coalescing waker. So the event loop never awaits an
+``ObjectRef`` (which only asyncio can) and asyncio and trio take the same path. A deadline passed
+kills the actor with ``ray.kill``; a dead actor (killed, or crashed: ``os._exit``, a segfault, the OOM
+killer) fails every env in it with :class:`~skyrl_structured.EnvWorkerError`, and a new actor replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ._executors import EnvWorkerError
+from ._process import RemoteEnvExecutor
+from ._remote import Reply, Transport, WorkerPool
+from ._worker import EnvHost
+
+__all__ = ["EnvActor", "RayEnvExecutor"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class EnvActor:
+    """The Ray actor class: an :class:`~skyrl_structured.envs._worker.EnvHost` behind one method."""
+
+    def __init__(self) -> None:
+        self.host = EnvHost()
+
+    def call(self, op: str, key: int, payload: Any) -> tuple[bool, Any]:
+        try:
+            return True, self.host.handle(op, key, payload)
+        except BaseException as exc:  # the env's error travels back as a value, not as a Ray task error
+            from ._worker import _portable
+
+            return False, _portable(exc)
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        raise ValueError(
+            "`environment.skyrl_gym.env_executor='ray'` needs Ray: pip install 'skyrl-structured[ray]'"
+        ) from exc
+    return ray
+
+
+class _Poller:
+    """One thread resolving the replies of every actor of one executor as their ``ObjectRef`` complete."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._refs: dict[Any, tuple[Reply, RayWorker]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def add(self, ref: Any, reply: Reply, worker: RayWorker) -> None:
+        with self._cond:
+            self._refs[ref] = (reply, worker)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="skyrl-structured-ray-env-poller", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def forget(self, worker: RayWorker) -> list[Reply]:
+        with self._cond:
+            mine = [ref for ref, (_, w) in self._refs.items() if w is worker]
+            return [self._refs.pop(ref)[0] for ref in mine]
+
+    def stop(self, timeout_s: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        ray = _ray()
+        while True:
+            with self._cond:
+                while not self._refs and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                refs = list(self._refs)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                with self._cond:
+                    entry = self._refs.pop(ref, None)
+                if entry is not None:
+                    self._settle(ray, ref, *entry)
+
+    def _settle(self, ray: Any, ref: Any, reply: Reply, worker: RayWorker) -> None:
+        try:
+            ok, value = ray.get(ref)
+        except Exception as exc:  # the actor died (RayActorError and kin): the worker's death
+            worker.died(exc, running=reply)
+            reply.resolve(False, worker.death)
+            return
+        reply.resolve(ok, value)
+
+
+class RayWorker(Transport):
+    """One env actor."""
+
+    def __init__(self, index: int, poller: _Poller, num_cpus: float) -> None:
+        super().__init__(f"env-actor-{index}")
+        self._poller = poller
+        self._num_cpus = num_cpus
+        self._actor: Any = None
+        self._kill_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        ray = _ray()
+        actor_class = ray.remote(EnvActor)
+        self._actor = actor_class.options(num_cpus=self._num_cpus, max_concurrency=1).remote()
+
+    def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
+        if self.death is not None:
+            reply.resolve(False, self.death)
+            return
+        ref = self._actor.call.remote(op, key, payload)
+        self._poller.add(ref, reply, self)
+
+    def died(self, cause: BaseException, *, running: Reply | None) -> None:
+        """Record the actor's death (from the poller thread) and fail its other pending replies."""
+        with self._lock:
+            if self.death is not None:
+                return
+            killed = self._kill_reason is not None
+            if killed:
+                message = f"env worker {self.name} was killed (ray.kill): {self._kill_reason}"
+            else:
+                what = f" while running {running.what}" if running is not None else ""
+                message = f"env worker {self.name} died{what}: {type(cause).__name__}: {cause}"
+            self.death = EnvWorkerError(message.splitlines()[0], worker=self.name, killed=killed)
+        if not killed:
+            logger.warning("%s", self.death)
+        for reply in self._poller.forget(self):
+            reply.resolve(False, self.death)
+
+    def _terminate(self, reason: str) -> None:
+        self._kill_reason = reason
+        _ray().kill(self._actor, no_restart=True)
+
+    def shutdown(self, timeout_s: float) -> None:
+        if self._actor is not None and self.death is None:
+            self._kill_reason = "the generator shut its env workers down"
+            _ray().kill(self._actor, no_restart=True)
+            self.death = EnvWorkerError(f"env worker {self.name} was shut down", worker=self.name, killed=True)
+            for reply in self._poller.forget(self):
+                reply.resolve(False, self.death)
+
+
+class RayEnvExecutor(RemoteEnvExecutor):
+    """``max_env_workers`` Ray actors (see the module docstring)."""
+
+    kind = "ray"
+
+    def __init__(self, workers: int, *, cleanup_timeout_s: float = 30.0, num_cpus: float = 1.0) -> None:
+        if num_cpus < 0:
+            raise ValueError(f"`environment.skyrl_gym.env_worker_num_cpus` must be >= 0; got {num_cpus!r}")
+        self._poller = _Poller()
+        pool = WorkerPool(
+            workers, lambda index: RayWorker(index, self._poller, num_cpus), cleanup_timeout_s=cleanup_timeout_s
+        )
+        super().__init__(pool)
+
+    def check_env(self, env_class: str, env_config: Any, extras: Any) -> None:
+        connect()
+        super().check_env(env_class, env_config, extras)
+
+    async def aclose(self) -> None:
+        import anyio
+
+        await anyio.to_thread.run_sync(self._shutdown)
+
+    def _shutdown(self) -> None:
+        self.pool.shutdown(5.0)
+        self._poller.stop(5.0)
+
+
+def connect() -> None:
+    """Join the running Ray (a no-op once connected).
+
+    Raises:
+        ValueError: Ray is not installed, or no cluster is running (one line with the fix).
+    """
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ValueError(
+            "`environment.skyrl_gym.env_executor='ray'` found no running Ray cluster "
+            f"({type(exc).__name__}: {exc}); start one (`ray start --head`, or ray.init() in your entrypoint) "
+            "or use env_executor='process'"
+        ) from None
+
+
+def start_local_ray_if_needed(skyrl_gym_cfg: Any) -> None:
+    """The CLI's rule: ``env_executor='ray'`` with no Ray to join starts a local one on this machine."""
+    from ._executors import env_executor_kind
+
+    if env_executor_kind(skyrl_gym_cfg) != "ray":
+        return
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except (ConnectionError, RuntimeError):
+        logger.info("no Ray cluster to join: starting a local one for the env workers")
+        ray.init(include_dashboard=False, log_to_driver=False)

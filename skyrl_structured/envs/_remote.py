@@ -1,0 +1,358 @@
+"""Environments living in killable workers (processes or Ray actors), reached through async handles.
+
+A :class:`WorkerPool` holds at most ``max_env_workers`` workers, started on demand. Placement: a new
+env goes to a fresh worker while the pool is below its bound and every worker already hosts one,
+otherwise to the worker hosting the fewest live envs. So envs spread evenly, and a killed worker
+takes about ``live envs / workers`` of them with it (the collateral-kill trade-off, docs/envs.md).
+A worker runs its calls one at a time, in order: the bound on running env calls is the worker count,
+as with threads.
+
+A :class:`WorkerEnv` is the env's handle in the generator: ``init``/``step``/``close`` are requests to
+its worker, ``get_metrics`` reads what the worker sent with the last reply. The abandoned-work rules
+are :mod:`~skyrl_structured.envs._executors`'s; here is how they apply:
+
+- a call cancelled by a deadline that has passed (the rollout's ``rollout_timeout_s``, or cleanup's
+  ``env_cleanup_timeout_s``) while it runs kills the worker at once;
+- a call cancelled otherwise (``generate()`` cancelled, a sibling's failure) is waited for by the
+  env's close, inside cleanup's bound; the close follows it; past the bound the worker is killed;
+- a dead worker fails every call of its envs with :class:`~skyrl_structured.EnvWorkerError`; their
+  closes cannot run and are counted (``generate/envs_lost_with_worker``), as are the kill
+  (``generate/env_workers_killed``, in the batch whose call overran) or the crash
+  (``generate/env_worker_crashes``, in the batch that first saw it).
+
+A :class:`Transport` is one worker seen from the generator; :mod:`~skyrl_structured.envs._process`
+and :mod:`~skyrl_structured.envs._ray` implement it. Replies come back on a transport's own thread
+and wake the event loop through the coalescing waker of :mod:`~skyrl_structured.envs._threads`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Callable
+from functools import partial
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from .._runtime.wakers import LoopWaker, current_waker, resolve_future
+from ._executors import EnvWorkerError
+
+__all__ = ["Reply", "Transport", "WorkerEnv", "WorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+_keys = itertools.count(1)
+
+
+class Reply:
+    """One request's answer, set from any thread, awaited on the event loop (asyncio or trio)."""
+
+    __slots__ = ("_callbacks", "_lock", "_waker", "call_id", "done", "ok", "value", "what")
+
+    def __init__(self, what: str, waker: LoopWaker | None) -> None:
+        #: The transport's id for the request (to skip it), once submitted.
+        self.call_id: int = 0
+        #: ``"step of 'env'"``: names the call in a worker's death message.
+        self.what = what
+        self.done = False
+        self.ok = False
+        self.value: Any = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._waker = waker
+
+    def resolve(self, ok: bool, value: Any) -> None:
+        """Set the answer once (later calls are ignored) and wake whoever waits for it."""
+        with self._lock:
+            if self.done:
+                return
+            self.ok, self.value, self.done = ok, value, True
+            callbacks, self._callbacks = self._callbacks, []
+        waker = self._waker
+        for callback in callbacks:
+            if waker is not None:
+                try:
+                    waker(callback)
+                except Exception:  # pragma: no cover - the loop is gone: nobody waits
+                    logger.debug("an env worker reply arrived after its event loop closed", exc_info=True)
+
+    async def wait(self) -> None:
+        """Wait for the answer; cancellation leaves the request alone (the caller decides)."""
+        waker = self._waker if self._waker is not None else current_waker()
+        self._waker = waker
+        if waker.loop is not None:
+            future: asyncio.Future[None] = waker.loop.create_future()
+            if self._add(partial(resolve_future, future)):
+                await future
+            return
+        event = waker.event_class()
+        if self._add(event.set):
+            await event.wait()
+
+    def _add(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def result(self) -> Any:
+        if not self.ok:
+            raise self.value
+        return self.value
+
+
+class Transport(abc.ABC):
+    """One worker as the generator sees it: requests in, replies out, and a way to kill it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        #: Live envs placed on this worker (the placement's load), changed on the event loop only.
+        self.load = 0
+        #: Set once the worker is gone; every later request fails with it.
+        self.death: EnvWorkerError | None = None
+        self._killed = False
+        self._crash_counted = False
+
+    @property
+    def dead(self) -> bool:
+        return self.death is not None
+
+    @property
+    def usable(self) -> bool:
+        """False once dead or being killed: no new env is placed on it."""
+        return self.death is None and not self._killed
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the worker without blocking the event loop (requests may be submitted at once)."""
+
+    @abc.abstractmethod
+    def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
+        """Queue one request; ``reply`` is resolved when it is answered or the worker dies."""
+
+    def skip(self, reply: Reply) -> None:  # noqa: B027
+        """Ask the worker not to start ``reply``'s request if it has not yet (best effort; a no-op here)."""
+
+    @abc.abstractmethod
+    def _terminate(self, reason: str) -> None:
+        """Stop the worker now (SIGTERM then SIGKILL, or ``ray.kill``), non-blocking."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout_s: float) -> None:
+        """Blocking: ask the worker to exit, wait up to ``timeout_s``, then kill it; free everything."""
+
+    def kill(self, reason: str) -> bool:
+        """Kill the worker because ``reason``; True for the first kill of a live worker (count it)."""
+        if self._killed or self.dead:
+            return False
+        self._killed = True
+        logger.warning("killing env worker %s: %s", self.name, reason)
+        self._terminate(reason)
+        return True
+
+    def claim_crash(self) -> bool:
+        """True once for a worker that died on its own (the first env to see it counts the crash)."""
+        if self._crash_counted or self._killed or self.death is None or self.death.killed:
+            return False
+        self._crash_counted = True
+        return True
+
+
+class WorkerPool:
+    """At most ``size`` workers built by ``factory(index)``, started on demand, replaced when they die."""
+
+    def __init__(self, size: int, factory: Callable[[int], Transport], *, cleanup_timeout_s: float = 30.0) -> None:
+        self.size = size
+        #: Bounds the close of an env whose start was cancelled (the generator's env_cleanup_timeout_s).
+        self.cleanup_timeout_s = cleanup_timeout_s
+        self._factory = factory
+        self._workers: list[Transport] = []
+        self._started = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def place(self) -> Transport:
+        """The worker for a new env (see the module docstring); starts one if the rule says so."""
+        if self.closed:
+            raise RuntimeError("the generator's env workers were shut down (aclose() was called)")
+        live = [w for w in self._workers if w.usable]
+        if len(live) != len(self._workers):
+            self._workers = [w for w in self._workers if not w.dead]
+        if len(live) < self.size and (not live or min(w.load for w in live) > 0):
+            self._started += 1
+            worker = self._factory(self._started)
+            worker.start()
+            self._workers.append(worker)
+            live.append(worker)
+        worker = min(live, key=lambda w: w.load)
+        worker.load += 1
+        return worker
+
+    @property
+    def workers(self) -> list[Transport]:
+        """The workers started and not known dead."""
+        return [w for w in self._workers if not w.dead]
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Blocking: stop every worker (at ``aclose()``, garbage collection or interpreter exit)."""
+        self.closed = True
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            try:
+                worker.shutdown(timeout_s)
+            except Exception:  # pragma: no cover - shutting down must never raise
+                logger.exception("stopping env worker %s failed", worker.name)
+
+
+class WorkerEnv:
+    """One environment living in a worker: the async env protocol, over requests to that worker."""
+
+    def __init__(
+        self, pool: WorkerPool, env_class: str, recipe: Any, env_config: Any, extras: dict[str, Any], stats: Any
+    ) -> None:
+        self.env_class = env_class
+        self._pool = pool
+        self._make: Any = (recipe, env_config, extras)
+        self._stats = stats
+        self._key = next(_keys)
+        self._worker: Transport | None = None
+        self._waker: LoopWaker | None = None
+        self._in_flight: Reply | None = None
+        self._metrics: tuple[bool, Any] = (True, {})
+        self._closed = False
+
+    # ------------------------------------------------------------------ the async env protocol
+
+    async def __aenter__(self) -> WorkerEnv:
+        worker = self._worker = self._pool.place()
+        reply = self._submit(worker, "make", self._make)
+        try:
+            await self._await(worker, reply, cleanup=False)
+        except BaseException:
+            if not worker.dead and (not reply.done or reply.ok):
+                # Cancelled while (or just after) it was built: it exists, or will, so close it (requests
+                # run in order), shielded and bounded as any cleanup.
+                await self._close_unentered(worker)
+            self._release()
+            raise
+        self._make = None
+        if not reply.ok:
+            self._release()
+            error = reply.value
+            if isinstance(error, EnvWorkerError) and worker.claim_crash():
+                self._stats.env_worker_crashes += 1
+            raise error
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        worker = self._worker
+        if worker is None or self._closed:
+            return
+        try:
+            pending = self._in_flight
+            if pending is not None and not pending.done:
+                # Cancelled mid-call: let it finish (bounded by cleanup's scope) so close never races it.
+                await self._await(worker, pending, cleanup=True)
+            if worker.dead:
+                self._lost(worker)
+                return
+            reply = self._submit(worker, "close", None)
+            await self._await(worker, reply, cleanup=True)
+            if not reply.ok and isinstance(reply.value, EnvWorkerError):
+                self._lost(worker)
+                return
+            reply.result()
+        finally:
+            self._release()
+
+    async def _close_unentered(self, worker: Transport) -> None:
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self._pool.cleanup_timeout_s
+            close = self._submit(worker, "close", None)
+            try:
+                await self._await(worker, close, cleanup=True)
+            except Exception as exc:  # pragma: no cover - the close failed: it is logged, like any close error
+                logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, exc)
+        if close.done and not close.ok and not isinstance(close.value, EnvWorkerError):
+            logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, close.value)
+
+    async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        result: tuple[Any, dict[str, Any]] = await self._call("init", prompt)
+        return result
+
+    async def step(self, action: str) -> Any:
+        return await self._call("step", action)
+
+    def get_metrics(self) -> Any:
+        ok, value = self._metrics
+        if not ok:
+            raise value
+        return value
+
+    # ------------------------------------------------------------------ requests
+
+    def _submit(self, worker: Transport, op: str, payload: Any) -> Reply:
+        if self._waker is None:
+            self._waker = current_waker()
+        reply = Reply(f"`{op}` of env {self.env_class!r}", self._waker)
+        if worker.death is not None:
+            reply.resolve(False, worker.death)
+        else:
+            worker.submit(op, self._key, payload, reply)
+        return reply
+
+    async def _call(self, op: str, payload: Any) -> Any:
+        worker = self._worker
+        assert worker is not None
+        reply = self._submit(worker, op, payload)
+        await self._await(worker, reply, cleanup=False)
+        if not reply.ok:
+            error = reply.value
+            if isinstance(error, EnvWorkerError) and worker.claim_crash():
+                self._stats.env_worker_crashes += 1
+            raise error
+        if op in ("init", "step"):
+            value, self._metrics = reply.value
+            return value
+        return reply.value
+
+    async def _await(self, worker: Transport, reply: Reply, *, cleanup: bool) -> None:
+        """Wait for ``reply``; cancelled while it runs, kill the worker if a deadline has passed."""
+        deadline = anyio.current_effective_deadline()
+        try:
+            await reply.wait()
+        except BaseException:
+            if not reply.done:
+                # -inf: already cancelled when it was sent, by whatever scope: the close settles it.
+                if cleanup or (deadline != -math.inf and anyio.current_time() >= deadline):
+                    why = "env_cleanup_timeout_s" if cleanup else "its rollout's deadline (rollout_timeout_s)"
+                    if worker.kill(f"{reply.what} was still running past {why}"):
+                        self._stats.env_workers_killed += 1
+                else:
+                    worker.skip(reply)  # not started yet: it never will; started: the close waits for it
+                    self._in_flight = reply
+            raise
+        if reply is self._in_flight:
+            self._in_flight = None
+
+    def _lost(self, worker: Transport) -> None:
+        """This env's close cannot run: its worker is gone. Counted, never silently dropped."""
+        self._stats.envs_lost_with_worker += 1
+        if worker.claim_crash():
+            self._stats.env_worker_crashes += 1
+        logger.warning("environment %r was lost with its worker: %s", self.env_class, worker.death)
+
+    def _release(self) -> None:
+        if not self._closed and self._worker is not None:
+            self._closed = True
+            self._worker.load -= 1

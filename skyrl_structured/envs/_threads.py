@@ -1,0 +1,259 @@
+"""Worker threads for blocking environment calls, with abandoned work kept inside the bound.
+
+One :class:`EnvThreadPool` per generator runs ``skyrl_gym``'s synchronous ``init``/``step``/``close``
+in at most ``max_env_workers`` daemon threads. The policy, the same on asyncio and trio:
+
+- the bound counts live threads: a call abandoned by its rollout (cancelled, timed out) keeps its
+  thread until it returns, so no more than ``max_env_workers`` env calls ever run at once;
+- a call queued but not started when its rollout gives up is skipped, except a close: a close once
+  submitted always runs, however late;
+- threads are daemons, started on demand, so a call that never returns cannot keep the process
+  from exiting.
+
+Completions are handed back to the event loop without blocking the worker thread and coalesced:
+finished calls queue their callbacks in the loop's ``LoopWaker`` (``_runtime/wakers.py``), and only the first of a burst
+schedules a wake-up (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``), which then runs
+every callback queued by then. A thousand closes finishing together cost the loop one wake-up, not
+a thousand, and a worker never waits for a busy or already-closed loop.
+
+Env code that calls back into the event loop from one of these threads (``anyio.from_thread.run`` or
+``run_sync``) passes the loop's token: ``token=anyio.lowlevel.current_token()``, taken on the event
+loop, e.g. in the env's ``__init__`` (``skyrl_gym.make`` runs there). These are not anyio's worker
+threads, and the project claims them through no private anyio state (issue 21).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+from .._runtime.wakers import LoopWaker, Scheduler, current_waker, resolve_future
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PENDING, _RUNNING, _DONE, _SKIPPED = "pending", "running", "done", "skipped"
+
+_running_lock = threading.Lock()
+_running = 0
+
+
+def active_env_thread_calls() -> int:
+    """Environment calls still running in worker threads (abandoned ones included)."""
+    return _running
+
+
+def _count_running(delta: int) -> None:
+    global _running
+    with _running_lock:
+        _running += delta
+
+
+class EnvCall(Generic[T]):
+    """One blocking call for a worker thread: pending, then running, then done (or skipped)."""
+
+    __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_value", "_waker", "skippable")
+
+    def __init__(
+        self, fn: Callable[..., T], *args: Any, skippable: bool = True, waker: LoopWaker | None = None
+    ) -> None:
+        self._fn = fn
+        self._args = args
+        #: False for a close: once submitted it always runs.
+        self.skippable = skippable
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[tuple[Scheduler, Callable[[], None]]] = []
+        self._then: EnvCall[Any] | None = None
+        #: The loop's waker; a caller that already has it (from an earlier call) skips the lookup.
+        self._waker = waker if waker is not None else current_waker()
+
+    @property
+    def waker(self) -> LoopWaker:
+        """The event loop this call reports back to (pass it to the next call of the same task)."""
+        return self._waker
+
+    @property
+    def done(self) -> bool:
+        """True once the call returned or raised, or was skipped before it started."""
+        return self._state in (_DONE, _SKIPPED)
+
+    @property
+    def running(self) -> bool:
+        return self._state == _RUNNING
+
+    def skip(self) -> bool:
+        """Make a call that has not started never start; False if it started (or cannot be skipped)."""
+        with self._lock:
+            if self._state != _PENDING or not self.skippable:
+                return False
+            self._state = _SKIPPED
+            callbacks, self._callbacks = self._callbacks, []
+        self._notify(callbacks)
+        return True
+
+    def then(self, follower: EnvCall[Any], pool: EnvThreadPool) -> None:
+        """Run ``follower`` in this call's thread right after it returns (at once if it already has)."""
+        with self._lock:
+            if self._state in (_PENDING, _RUNNING):
+                self._then = follower
+                return
+        pool.submit(follower)
+
+    def add_done_callback(self, schedule: Scheduler, callback: Callable[[], None]) -> bool:
+        """Have ``schedule`` run ``callback`` once the call is done; False (and nothing kept) if it already is."""
+        with self._lock:
+            if self._state in (_DONE, _SKIPPED):
+                return False
+            self._callbacks.append((schedule, callback))
+            return True
+
+    async def wait(self) -> None:
+        """Wait until the call is done. Cancellation leaves the call alone: the caller decides."""
+        waker = self._waker
+        if waker.loop is not None:
+            future: asyncio.Future[None] = waker.loop.create_future()
+            if self.add_done_callback(waker, partial(resolve_future, future)):
+                await future
+            return
+        event = waker.event_class()
+        if self.add_done_callback(waker, event.set):
+            await event.wait()
+
+    def result(self) -> T:
+        """The call's return value, or its exception raised again."""
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def run(self) -> None:
+        """In a worker thread: run the call (unless skipped), then whatever was chained after it."""
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._state = _RUNNING
+        _count_running(1)
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            _count_running(-1)
+            with self._lock:
+                self._state = _DONE
+                callbacks, self._callbacks = self._callbacks, []
+                follower, self._then = self._then, None
+            self._notify(callbacks)
+        if follower is not None:
+            follower.run()
+
+    @staticmethod
+    def _notify(callbacks: list[tuple[Scheduler, Callable[[], None]]]) -> None:
+        for schedule, callback in callbacks:
+            # The loop may be gone (its generate() returned long ago): nobody is waiting then.
+            try:
+                schedule(callback)
+            except Exception:
+                logger.debug("an environment call finished after its event loop closed", exc_info=True)
+
+
+class EnvThreadPool:
+    """At most ``max_workers`` daemon threads, started on demand, that exit after ``idle_s`` idle.
+
+    Wake-ups are chained rather than one per call: a call queued while no thread is on its way
+    wakes (or starts) one thread; a thread that takes a call and finds more queued wakes the next.
+    A burst of a thousand cheap calls (the closes after a cancellation) so wakes a handful of threads
+    instead of making a thousand threads fight for the GIL, while blocking calls still fan out to
+    every allowed thread within a few thread switches.
+    """
+
+    def __init__(self, max_workers: int, *, idle_s: float = 10.0, name: str = "skyrl-structured-env") -> None:
+        if max_workers < 1:
+            raise ValueError(f"an env thread pool needs at least one worker, got {max_workers}")
+        self.max_workers = max_workers
+        self._idle_s = idle_s
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[EnvCall[Any]] = collections.deque()
+        self._threads = 0
+        self._sleeping = 0  # threads waiting for work
+        self._waking = 0  # threads notified or started that have not yet looked at the queue
+        self._started = 0
+
+    @property
+    def threads(self) -> int:
+        """Worker threads alive now (busy, abandoned or idle)."""
+        return self._threads
+
+    def submit(self, call: EnvCall[Any]) -> None:
+        """Queue ``call``; wake or start a thread for it unless one is already on its way."""
+        with self._cond:
+            self._queue.append(call)
+            if self._waking:
+                return
+            start = self._wake_one()
+        if start:
+            self._start()
+
+    def _wake_one(self) -> bool:
+        """Under the lock: notify a sleeping thread, or say that a new one is to start (False: at the bound)."""
+        if self._sleeping > self._waking:
+            self._waking += 1
+            self._cond.notify()
+            return False
+        if self._threads < self.max_workers:
+            self._threads += 1
+            self._waking += 1
+            self._started += 1
+            return True
+        return False
+
+    def _arrived(self) -> None:
+        """Under the lock: a thread that was started or woke up (notified or not) is here.
+
+        Never below zero: a thread that woke on its own timeout may take another's count, which only
+        makes the next call wake one thread more, never leaves a queued call with no thread coming.
+        """
+        if self._waking > 0:
+            self._waking -= 1
+
+    def _start(self) -> None:
+        threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
+
+    def _work(self) -> None:
+        cond, work = self._cond, self._queue
+        cond.acquire()
+        try:
+            self._arrived()  # started: was on its way, now here
+            while True:
+                while not work:
+                    self._sleeping += 1
+                    try:
+                        notified = cond.wait(self._idle_s)
+                    finally:
+                        self._sleeping -= 1
+                    self._arrived()
+                    if not notified and not work:
+                        self._threads -= 1
+                        return
+                call = work.popleft()
+                start = bool(work) and not self._waking and self._wake_one()
+                cond.release()
+                try:
+                    if start:
+                        self._start()
+                    call.run()
+                except BaseException:  # pragma: no cover - run() keeps every error; never lose the thread count
+                    logger.exception("an environment call escaped its worker")
+                finally:
+                    cond.acquire()
+        finally:
+            cond.release()

@@ -1,0 +1,110 @@
+"""The package layout is its layers: imports only go down, and no private module sits at the top.
+
+docs/architecture.md draws the layers; this keeps the drawing true. A module may import from its
+own layer or a lower one, never a higher one, so (for example) the env layer cannot reach into
+the supervisor, and the output layer cannot call the generator.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import skyrl_structured
+
+PACKAGE = Path(skyrl_structured.__file__).parent
+
+#: Each top-level module or package of ``skyrl_structured`` and its layer, lowest first.
+LAYERS: dict[str, int] = {
+    # the vocabulary every layer speaks
+    "types": 0,
+    "failures": 0,
+    "config": 0,
+    "observe": 0,
+    "_observers": 0,
+    "progress": 0,
+    "stream": 0,
+    "tiny": 0,
+    # how rollouts live and die
+    "_runtime": 1,
+    # what a rollout talks to, and its turns
+    "envs": 2,
+    "engines": 2,
+    "_episode": 2,
+    # results, and the checks made before any rollout
+    "_output": 3,
+    "validate": 3,
+    # the generators SkyRL sees
+    "generator": 4,
+    "vlm_generator": 4,
+    # what users run and import
+    "cli": 5,
+    "integrations": 5,
+    "testing": 5,
+    "__init__": 5,
+    "__main__": 5,
+}
+
+
+def _top(path: Path, root: Path = PACKAGE) -> str:
+    return path.relative_to(root).parts[0].removesuffix(".py")
+
+
+def _imported(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, top-level part of skyrl_structured) for each import in ``path``."""
+    # A module's package and an __init__'s package are both its parent directory.
+    package = list(path.relative_to(root).parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            elif node.module and node.module.startswith("skyrl_structured."):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            if target:
+                found.append((node.lineno, target[0]))
+            else:  # ``from . import x`` at the top: x is itself a top-level part
+                found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("skyrl_structured."):
+                    found.append((node.lineno, alias.name.split(".")[1]))
+    return found
+
+
+def test_every_top_level_part_has_a_layer():
+    parts = {_top(path) for path in PACKAGE.rglob("*.py")}
+    assert parts - set(LAYERS) == set(), "add the new module to LAYERS and to docs/architecture.md"
+
+
+def test_no_private_module_sits_flat_at_the_top():
+    flat = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert flat == [], "private modules live in their layer's package (_runtime, _episode, _output, envs, ...)"
+
+
+def test_imports_only_go_down():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = _top(path)
+        for line, target in _imported(path):
+            if target in LAYERS and LAYERS[target] > LAYERS[own]:
+                upward.append(
+                    f"{path.relative_to(PACKAGE)}:{line} imports {target} (layer {LAYERS[target]} > {LAYERS[own]})"
+                )
+    assert upward == []
+
+
+def test_the_checker_sees_upward_imports(tmp_path):
+    """The rule can fail: env modules that import the generator, relatively or not, are caught."""
+    (tmp_path / "envs" / "sub").mkdir(parents=True)
+    fake = tmp_path / "envs" / "sub" / "probe.py"
+    fake.write_text(
+        "from ...generator import StructuredGymGenerator\nimport skyrl_structured._output.collector\n"
+        "from .. import _open\n",
+        encoding="utf-8",
+    )
+    assert _top(fake, tmp_path) == "envs"
+    assert _imported(fake, tmp_path) == [(1, "generator"), (2, "_output"), (3, "envs")]
