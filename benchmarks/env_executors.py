@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -133,7 +133,7 @@ async def bench_hang(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]
 
 async def _cancel_once(tokenizer: Any, executor: str, workers: int, n: int) -> tuple[float, bool]:
     gen = _generator(tokenizer, executor, workers)
-    engine = gen.inference_engine_client
+    engine = cast(ScriptedEngine, gen.inference_engine_client)
     ledger = tempfile.mkdtemp(prefix="env-cancel-")
     extras = {"ledger_dir": ledger, "turns": 3, "on_step": {1: "sleep:0.02", 2: "sleep:0.02"}}
     try:

@@ -15,6 +15,7 @@ from .config import ResilienceSettings as ResilienceSettings
 from .config import SamplingParams as SamplingParams
 from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
+from .envs import EnvHandle as EnvHandle
 from .envs import open_env as open_env
 from .envs._executors import EnvWorkerError as EnvWorkerError
 from .failures import FailedRollout as FailedRollout
@@ -33,6 +34,7 @@ from .types import GeneratorOutput as GeneratorOutput
 from .types import InferenceClient as InferenceClient
 from .types import InferenceEngineInput as InferenceEngineInput
 from .types import InferenceEngineOutput as InferenceEngineOutput
+from .types import RenderingClient as RenderingClient
 from .types import StepWiseOutput as StepWiseOutput
 from .types import TrajectoryID as TrajectoryID
 from .types import TrajectoryOutput as TrajectoryOutput
@@ -48,6 +50,7 @@ __all__ = (
     "BatchMetadata",
     "ChatTemplateConfig",
     "ConversationType",
+    "EnvHandle",
     "EnvWorkerError",
     "FailedRollout",
     "FinishedTrajectory",
@@ -61,6 +64,7 @@ __all__ = (
     "InferenceEngineOutput",
     "MalformedEngineReplyError",
     "PromptTooLongError",
+    "RenderingClient",
     "ResilienceSettings",
     "RolloutCancelledError",
     "RolloutObserver",

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
+from .types import SkyRLConfig
+
 __all__ = [
     "FAILED_ROLLOUT_POLICIES",
     "FAILURE_BUDGET_ACTIONS",
@@ -261,13 +263,13 @@ class SkyRLGymConfig:
     env_worker_num_cpus: float = _help("CPUs Ray reserves for each env worker actor (env_executor='ray' only).", 1.0)
 
 
-def routed_experts_enabled(generator_cfg: Any) -> bool:
+def routed_experts_enabled(generator_cfg: SkyRLConfig) -> bool:
     """Whether ``generator.inference_engine.enable_return_routed_experts`` is on (any config object)."""
     engine_cfg = getattr(generator_cfg, "inference_engine", None)
     return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
 
 
-def _get(cfg: Any, name: str, default: Any) -> Any:
+def _get(cfg: SkyRLConfig, name: str, default: Any) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(name, default)
     return getattr(cfg, name, default)
@@ -433,7 +435,7 @@ _CHOICE_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def resolve_resilience(generator_cfg: Any) -> ResilienceSettings:
+def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
     """Read and check the new knobs from ``generator_cfg``; absent ones take their defaults.
 
     Every timeout follows one rule: a finite number of seconds > 0, and null (where the knob is

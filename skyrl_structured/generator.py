@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 from uuid import uuid4
 
 import anyio
@@ -40,7 +40,16 @@ from .envs._executors import EnvExecutor, check_envs, make_executor
 from .envs._threads import EnvThreadPool
 from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
 from .progress import Progress
-from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
+from .types import (
+    ConversationType,
+    GeneratorInput,
+    GeneratorOutput,
+    InferenceClient,
+    SkyRLConfig,
+    StepWiseOutput,
+    Tokenizer,
+    TrajectoryOutput,
+)
 from .validate import check_generator_config, check_generator_input
 
 __all__ = ["StructuredGymGenerator"]
@@ -53,7 +62,7 @@ class _SessionEnd(Cleanup):
 
     __slots__ = ("_context", "_session_id")
 
-    def __init__(self, context: RolloutContext, session_id: Hashable) -> None:
+    def __init__(self, context: RolloutContext, session_id: str) -> None:
         super().__init__()
         self._context = context
         self._session_id = session_id
@@ -114,10 +123,10 @@ class StructuredGymGenerator:
 
     def __init__(
         self,
-        generator_cfg: Any,
-        skyrl_gym_cfg: Any,
-        inference_engine_client: Any,
-        tokenizer: Any,
+        generator_cfg: SkyRLConfig,
+        skyrl_gym_cfg: SkyRLConfig,
+        inference_engine_client: InferenceClient,
+        tokenizer: Tokenizer,
         policy_model_name: str | None = None,
     ) -> None:
         self.generator_cfg = generator_cfg
@@ -301,7 +310,7 @@ class StructuredGymGenerator:
         """Whether a rollout's reward is one float (the custom chat template path), not one per token."""
         return bool(self.custom_chat_template)
 
-    def _session_end(self, context: RolloutContext, session_id: Hashable) -> Cleanup:
+    def _session_end(self, context: RolloutContext, session_id: str) -> Cleanup:
         """The cleanup step that tells the engine a rollout's session is over (counted and observed)."""
         return _SessionEnd(context, session_id)
 
@@ -332,7 +341,7 @@ class StructuredGymGenerator:
         """
         context = current_rollout(self, trajectory_id)
         started = time.monotonic()
-        session_id: Hashable = (
+        session_id: str = (
             f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}" if trajectory_id is not None else uuid4().hex
         )
         context.ref = dataclasses.replace(context.ref, session_id=session_id)
@@ -449,7 +458,7 @@ class StructuredGymGenerator:
 
     async def _generate_batched_observed(
         self,
-        client: Any,
+        client: InferenceClient,
         prompts: list[ConversationType],
         env_classes: list[str],
         env_extras: list[dict[str, Any]],
@@ -545,7 +554,8 @@ class StructuredGymGenerator:
             cleanup=result.cleanup,
             generator_cfg=cfg,
             resilience=self.resilience,
-            placeholder_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
+            # Set: ChatTokenizer refuses a tokenizer without an eos_token_id at construction.
+            placeholder_token_id=pad if pad is not None else cast(int, self.tokenizer.eos_token_id),
             custom_chat_template=self._rewards_are_floats(),
             routed_experts=routed_experts_enabled(cfg),
             env_classes=env_classes,

@@ -6,21 +6,28 @@ engine outputs work as they are, and ours can be handed to SkyRL's trainer.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NotRequired, Protocol, TypedDict, runtime_checkable
+from types import TracebackType
+from typing import Any, Literal, NotRequired, Protocol, TypeAlias, TypedDict, runtime_checkable
 
 __all__ = [
     "ROLLOUT_ERROR_STOP_REASON",
+    "AsyncEnvironment",
     "BatchMetadata",
     "ConversationType",
+    "EnvHandle",
+    "EnvStepOutput",
     "GeneratorInput",
     "GeneratorOutput",
     "InferenceClient",
     "InferenceEngineInput",
     "InferenceEngineOutput",
     "MessageType",
+    "RenderingClient",
+    "SkyRLConfig",
     "StepWiseOutput",
+    "Tokenizer",
     "TrajectoryID",
     "TrajectoryOutput",
 ]
@@ -32,6 +39,17 @@ ConversationType = list[MessageType]
 ROLLOUT_ERROR_STOP_REASON = "rollout_error"
 
 TrainingPhase = Literal["train", "eval"]
+
+SkyRLConfig: TypeAlias = Any
+"""A SkyRL configuration section, left untyped on purpose (the one place this is said).
+
+The generator takes SkyRL's own ``GeneratorConfig`` / ``SkyRLGymConfig`` (dataclasses), an OmegaConf
+``DictConfig`` from a Hydra entrypoint, or this package's :class:`~skyrl_structured.GeneratorConfig`
+and :class:`~skyrl_structured.SkyRLGymConfig`. It reads fields by attribute, and the knobs SkyRL
+lacks with their defaults when absent (``config._get``), so no one static type covers them all;
+SkyRL ships no type information for mypy to check its classes against anyway. Values read from
+such a config are checked where they are read (``config.resolve_resilience``, ``validate``).
+"""
 
 
 @dataclass
@@ -98,11 +116,99 @@ class InferenceEngineOutput(TypedDict, total=False):
 
 @runtime_checkable
 class InferenceClient(Protocol):
-    """The part of SkyRL's ``InferenceEngineInterface`` the generator calls."""
+    """The part of SkyRL's ``InferenceEngineInterface`` the generator calls, and nothing more.
+
+    Structural: SkyRL's own clients (``RemoteInferenceClient``, ...), this package's engines
+    (:mod:`skyrl_structured.engines`) and the scripted ones of :mod:`skyrl_structured.testing`
+    satisfy it without inheriting from it. The signatures are SkyRL 0.3.0's, so a client written
+    against SkyRL's interface fits: ``finish_session`` is called with the rollout's session id, a
+    ``str`` (SkyRL's own type for it; an engine that accepts any ``Hashable`` fits as well).
+    """
 
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput: ...
 
-    async def finish_session(self, session_id: Hashable) -> None: ...
+    async def finish_session(self, session_id: str) -> None: ...
+
+
+@runtime_checkable
+class RenderingClient(InferenceClient, Protocol):
+    """An :class:`InferenceClient` that also renders conversations: what the vision-language generator needs.
+
+    ``render_chat_completion({"json": {"model": ..., "messages": [...]}})`` is vLLM's render endpoint
+    as SkyRL's ``InferenceEngineInterface`` exposes it: ``{"token_ids": [...], "features": {...} | None}``.
+    A ``model_name`` attribute, where the client has one, is sent as the request's ``model``.
+    """
+
+    async def render_chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class EnvStepOutput(TypedDict):
+    """What an environment's ``step`` returns: ``skyrl_gym``'s ``BaseTextEnvStepOutput``, key for key.
+
+    The agent loop reads ``observations``, ``reward``, ``done`` and, when set, ``postprocessed_action``;
+    ``metadata`` may be left out.
+    """
+
+    observations: ConversationType
+    reward: float
+    done: bool
+    metadata: NotRequired[dict[str, Any]]
+    postprocessed_action: NotRequired[str | None]
+
+
+class EnvHandle(Protocol):
+    """What the agent loop needs from an opened environment: ``async with open_env(...) as env`` gives one.
+
+    Behind it: a synchronous ``skyrl_gym`` env run in the generator's worker threads, an env with
+    async ``init``/``step``, or a handle to an env in a worker process or Ray actor (``env_executor``).
+    """
+
+    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]: ...
+
+    async def step(self, action: str) -> EnvStepOutput: ...
+
+    def get_metrics(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class AsyncEnvironment(EnvHandle, Protocol):
+    """An environment that speaks the async protocol itself, so :func:`~skyrl_structured.open_env` uses it as is.
+
+    ``__aenter__`` returns the handle the rollout then calls (usually the env itself); ``__aexit__``
+    closes it, exactly once, whatever ended the rollout.
+    """
+
+    async def __aenter__(self) -> EnvHandle: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> object: ...
+
+
+class Tokenizer(Protocol):
+    """What the generator and its episodes call on a Hugging Face tokenizer.
+
+    Any ``transformers`` tokenizer with a chat template fits. The fast render path
+    (``_episode/fast_render.py``) also reads ``transformers`` internals; it takes its tokenizer as
+    ``Any`` for that reason and checks at run time what it may use.
+    """
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+    chat_template: str | None
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+    def apply_chat_template(self, conversation: ConversationType, **kwargs: Any) -> Any: ...
 
 
 @dataclass

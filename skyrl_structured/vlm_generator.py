@@ -20,14 +20,14 @@ from typing import Any
 
 from ._episode.vision import VisionEpisode
 from .generator import StructuredGymGenerator
-from .types import ConversationType, GeneratorInput, GeneratorOutput
+from .types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, SkyRLConfig, Tokenizer
 
 __all__ = ["StructuredVLMGymGenerator"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_vision_language_config(generator_cfg: Any) -> None:
+def check_vision_language_config(generator_cfg: SkyRLConfig) -> None:
     """What SkyRL's VLM generator refuses, in its order, each as one line naming the field and the fix.
 
     Raises:
@@ -71,17 +71,20 @@ class StructuredVLMGymGenerator(StructuredGymGenerator):
 
     def __init__(
         self,
-        generator_cfg: Any,
-        skyrl_gym_cfg: Any,
-        inference_engine_client: Any,
-        tokenizer: Any,
+        generator_cfg: SkyRLConfig,
+        skyrl_gym_cfg: SkyRLConfig,
+        inference_engine_client: InferenceClient,
+        tokenizer: Tokenizer,
         policy_model_name: str | None = None,
     ) -> None:
         # SkyRL's VLM generator refuses these before anything else is checked.
         check_vision_language_config(generator_cfg)
         super().__init__(generator_cfg, skyrl_gym_cfg, inference_engine_client, tokenizer, policy_model_name)
         self._episode = VisionEpisode(
-            generator_cfg=generator_cfg, eos_token_id=tokenizer.eos_token_id, policy_model_name=policy_model_name
+            # The chat tokenizer's: the same id, already checked to be set.
+            generator_cfg=generator_cfg,
+            eos_token_id=self._chat.eos_token_id,
+            policy_model_name=policy_model_name,
         )
 
     def _rewards_are_floats(self) -> bool:

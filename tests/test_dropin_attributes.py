@@ -123,7 +123,8 @@ def pick_tokenizer(assignment: Assignment, tokenizer: Any, strict_tokenizer: Any
 def build_pair(tokenizer: Any, cfg: Any, engines: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
     """(ours, SkyRL's) on the same configuration and tokenizer."""
     gym_cfg = SkyRLGymConfig(max_env_workers=4)
-    ours_engine, theirs_engine = engines or (None, None)
+    pair: tuple[Any, Any] = engines or (None, None)  # None: attribute checks that make no engine call
+    ours_engine, theirs_engine = pair
     ours = StructuredGymGenerator(cfg, gym_cfg, ours_engine, tokenizer)
     theirs = SkyRLGymGenerator(cfg, gym_cfg, theirs_engine, tokenizer)
     return ours, theirs

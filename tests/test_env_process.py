@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -203,7 +203,7 @@ async def test_a_lambda_entry_point_or_unpicklable_extras_are_refused_before_any
     finally:
         skyrl_gym.envs.registration.deregister("lambda_made_env")
         await gen.aclose()
-    assert gen.inference_engine_client.calls == []
+    assert cast(ScriptedEngine, gen.inference_engine_client).calls == []
     assert not list(tmp_path.glob("*.made"))
 
 

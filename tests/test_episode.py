@@ -12,6 +12,7 @@ from skyrl_structured._episode.episode import Episode
 from skyrl_structured._runtime.contexts import BatchContext, RolloutContext, sampling_params_dict
 from skyrl_structured.observe import RolloutRef
 from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.types import EnvStepOutput
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +28,7 @@ class TwoTurnEnv:
     async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
         return prompt, {}
 
-    async def step(self, action: str) -> dict[str, Any]:
+    async def step(self, action: str) -> EnvStepOutput:
         self.actions.append(action)
         if len(self.actions) == 1:
             return {"observations": [{"role": "user", "content": "Sure?"}], "reward": 0.25, "done": False}

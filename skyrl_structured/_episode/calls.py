@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .._runtime.contexts import RolloutContext
 from ..observe import EnvMethod, RolloutObserver
+from ..types import InferenceEngineOutput
 from .replies import ReplyParts, read_reply
 
 __all__ = ["engine_call", "env_call"]
@@ -23,7 +24,7 @@ _T = TypeVar("_T")
 
 
 async def engine_call(
-    context: RolloutContext, turn: int, prompt_tokens: int, request: Callable[[], Awaitable[Any]]
+    context: RolloutContext, turn: int, prompt_tokens: int, request: Callable[[], Awaitable[InferenceEngineOutput]]
 ) -> ReplyParts:
     """Send engine request ``turn`` and return its checked parts (:func:`.replies.read_reply`).
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from ..types import ConversationType
+from ..types import ConversationType, Tokenizer
 from .fast_render import FastRender, apply_template, as_ids
 from .templates import BUILTIN_CHAT_TEMPLATES, load_custom_chat_template
 
@@ -97,7 +97,9 @@ class ChatTokenizer:
         {"role": "user", "content": "I am a user."},
     ]
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None, *, multi_turn: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template_kwargs: Mapping[str, Any] | None, *, multi_turn: bool
+    ) -> None:
         self.tokenizer = tokenizer
         self.kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         if tokenizer.eos_token_id is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
-from ..types import ConversationType, StepWiseOutput, TrajectoryOutput
+from ..types import ConversationType, EnvHandle, InferenceEngineInput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
 from .calls import engine_call, env_call
 from .chat import ChatTokenizer
 
@@ -33,7 +33,7 @@ class EpisodeRunner(Protocol):
 
     async def run(
         self,
-        env: Any,
+        env: EnvHandle,
         prompt: ConversationType,
         *,
         context: RolloutContext,
@@ -102,7 +102,7 @@ class Episode:
     def __init__(
         self,
         *,
-        generator_cfg: Any,
+        generator_cfg: SkyRLConfig,
         chat: ChatTokenizer,
         custom_chat_template: str | None,
         encode_observation: ObservationEncoder,
@@ -121,7 +121,7 @@ class Episode:
 
     async def run(
         self,
-        env: Any,
+        env: EnvHandle,
         prompt: ConversationType,
         *,
         context: RolloutContext,
@@ -159,7 +159,11 @@ class Episode:
         return self.chat.render(history, add_generation_prompt=add_generation_prompt, chat_template=template)
 
     async def _start(
-        self, env: Any, prompt: ConversationType, context: RolloutContext, sampling_params: dict[str, Any] | None
+        self,
+        env: EnvHandle,
+        prompt: ConversationType,
+        context: RolloutContext,
+        sampling_params: dict[str, Any] | None,
     ) -> _Run:
         chat_history, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
         # With re-tokenization the generation prompt would land in both prompt and response ids.
@@ -183,7 +187,7 @@ class Episode:
         session_id: Hashable,
         cache_salt: str | None,
     ) -> _Turn:
-        engine_input = {
+        engine_input: InferenceEngineInput = {
             "prompt_token_ids": [list(run.input_ids)],
             "session_ids": [session_id],
             # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
@@ -223,23 +227,24 @@ class Episode:
             added_eos = True
         return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos)
 
-    async def _step(self, env: Any, run: _Run, turn: _Turn, context: RolloutContext) -> float:
+    async def _step(self, env: EnvHandle, run: _Run, turn: _Turn, context: RolloutContext) -> float:
         step = run.engine_calls - 1
         step_output = await env_call(context, "step", step, lambda: env.step(turn.output), timed=True)
         turn.new_obs = step_output["observations"]
         run.done = step_output["done"]
-        if step_output.get("postprocessed_action", None) is not None:
+        postprocessed_action = step_output.get("postprocessed_action", None)
+        if postprocessed_action is not None:
             logger.warning(
                 "the environment rewrote the action (postprocessed_action); its tokens are re-encoded "
                 "from text, which breaks token-in-token-out"
             )
-            turn.output = step_output["postprocessed_action"]
+            turn.output = postprocessed_action
             turn.output_ids = self.chat.tokenizer.encode(turn.output, add_special_tokens=False)
         turn.obs_ids = self.encode_observation(turn.new_obs, run.done)
         reward: float = step_output["reward"]
         return reward
 
-    def _record(self, env: Any, run: _Run, turn: _Turn, reward: float) -> None:
+    def _record(self, env: EnvHandle, run: _Run, turn: _Turn, reward: float) -> None:
         if self.step_wise:
             run.steps.append(
                 TrajectoryOutput(
@@ -304,7 +309,7 @@ class Episode:
 
     # ------------------------------------------------------------------ the trajectory
 
-    def _finish(self, env: Any, run: _Run) -> TrajectoryOutput | StepWiseOutput:
+    def _finish(self, env: EnvHandle, run: _Run) -> TrajectoryOutput | StepWiseOutput:
         env_metrics = env.get_metrics()
         if self.step_wise:
             for step, (reward, end) in zip(run.steps, run.per_step_rewards, strict=True):

@@ -18,10 +18,10 @@ import copy
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .._runtime.contexts import RolloutContext
-from ..types import ConversationType, TrajectoryOutput
+from ..types import ConversationType, EnvHandle, InferenceEngineInput, RenderingClient, SkyRLConfig, TrajectoryOutput
 from .calls import engine_call, env_call
 from .images import decode_vision_features
 from .replies import MalformedEngineReplyError, check_token_ids
@@ -72,7 +72,7 @@ class _VisionRun:
 class VisionEpisode:
     """Runs vision-language episodes for one generator configuration."""
 
-    def __init__(self, *, generator_cfg: Any, eos_token_id: int, policy_model_name: str | None) -> None:
+    def __init__(self, *, generator_cfg: SkyRLConfig, eos_token_id: int, policy_model_name: str | None) -> None:
         self.cfg = generator_cfg
         self.eos_token_id = eos_token_id
         self.policy_model_name = policy_model_name
@@ -81,7 +81,8 @@ class VisionEpisode:
         self, context: RolloutContext, conversation: ConversationType
     ) -> tuple[list[int], Mapping[str, Any] | None]:
         """Token ids of the whole conversation (generation prompt included) and the render's features."""
-        client = context.client
+        # The VLM generator refused a client without render_chat_completion before any rollout started.
+        client = cast(RenderingClient, context.client)
         payload = {"json": {"model": getattr(client, "model_name", None), "messages": conversation}}
         started = time.monotonic()
         try:
@@ -92,7 +93,7 @@ class VisionEpisode:
 
     async def run(
         self,
-        env: Any,
+        env: EnvHandle,
         prompt: ConversationType,
         *,
         context: RolloutContext,
@@ -136,14 +137,14 @@ class VisionEpisode:
 
     async def _turn(
         self,
-        env: Any,
+        env: EnvHandle,
         run: _VisionRun,
         context: RolloutContext,
         input_ids: list[int],
         session_id: Hashable,
         cache_salt: str | None,
     ) -> None:
-        engine_input = {
+        engine_input: InferenceEngineInput = {
             "prompt_token_ids": [input_ids],
             "session_ids": [session_id],
             # SkyRL's VLM generator sends the config's sampling params when the batch has none.
@@ -186,7 +187,7 @@ class VisionEpisode:
             logprobs.append(0.0)
         return True
 
-    def _assemble(self, env: Any, run: _VisionRun, prompt_ids: list[int]) -> TrajectoryOutput:
+    def _assemble(self, env: EnvHandle, run: _VisionRun, prompt_ids: list[int]) -> TrajectoryOutput:
         rewards = [0.0] * len(run.response_ids)
         for reward, index in run.rewards_at:
             rewards[index] = float(reward)

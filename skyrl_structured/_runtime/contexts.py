@@ -20,12 +20,14 @@ import time
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec
+from typing import Any, ParamSpec, Protocol
 
 import anyio
 
 from ..config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
+from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutRef
+from ..types import InferenceClient, SkyRLConfig
 from .cleanup import AbandonedClose, CleanupStats
 from .pauses import PauseClock
 
@@ -113,14 +115,28 @@ def _carries_seed(params: Mapping[str, Any]) -> bool:
     return params.get("seed") is not None or (isinstance(extra, Mapping) and extra.get("seed") is not None)
 
 
+class RolloutOwner(Protocol):
+    """What a standalone context reads from its generator (the generator's layer sits above this one)."""
+
+    @property
+    def inference_engine_client(self) -> InferenceClient: ...
+
+    @property
+    def generator_cfg(self) -> SkyRLConfig: ...
+
+    @property
+    def resilience(self) -> ResilienceSettings: ...
+
+
 @dataclass
 class BatchContext:
     """What one ``generate()`` call fixes for all its rollouts."""
 
-    #: The generator whose call this is (a context never leaks into another generator's rollouts).
-    generator: Any
+    #: The generator whose call this is (a context never leaks into another generator's rollouts):
+    #: compared by identity only.
+    generator: object
     #: The client rollouts call: the generator's own, or a trio-asyncio bridge to it.
-    client: Any
+    client: InferenceClient
     #: ``generator_cfg.sampling_params`` as a dict, computed once rather than per rollout.
     default_params: dict[str, Any]
     cleanup: CleanupStats = field(default_factory=CleanupStats)
@@ -157,7 +173,7 @@ class RolloutContext:
     abandoned: list[AbandonedClose] = field(default_factory=list)
 
     @property
-    def client(self) -> Any:
+    def client(self) -> InferenceClient:
         return self.batch.client
 
     @property
@@ -221,7 +237,7 @@ def activate(context: RolloutContext) -> _Active:
     return _Active(context)
 
 
-def current_rollout(generator: Any, trajectory_id: Any | None = None) -> RolloutContext:
+def current_rollout(generator: RolloutOwner, trajectory_id: Any | None = None) -> RolloutContext:
     """The attempt ``generator``'s supervisor started, or a standalone one (``agent_loop`` called directly)."""
     context = _CURRENT.get()
     if context is not None and context.batch.generator is generator:

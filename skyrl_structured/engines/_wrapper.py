@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+from ..types import InferenceClient
+
 __all__ = ["EngineWrapper"]
 
 
@@ -16,8 +18,9 @@ class EngineWrapper:
     methods) is the wrapped client's, so a wrapper can stand in for the client anywhere.
     """
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, engine: InferenceClient) -> None:
+        # A proxy: every attribute the wrapper lacks is the wrapped client's, so it holds it as Any.
+        self.engine: Any = engine
 
     async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         return await self.engine.generate(input_batch, *args, **kwargs)

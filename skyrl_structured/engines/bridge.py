@@ -43,7 +43,7 @@ from typing import Any, ParamSpec, TypeVar
 import anyio
 import anyio.lowlevel
 
-from ..types import InferenceEngineInput, InferenceEngineOutput
+from ..types import InferenceClient, InferenceEngineInput, InferenceEngineOutput
 from ._optional import import_optional
 from .errors import EngineError
 
@@ -88,7 +88,7 @@ def _trio_asyncio() -> Any:
     return import_optional("trio_asyncio", "trio", needed_by="using an asyncio-only client under trio")
 
 
-def needs_asyncio_bridge(client: Any) -> bool:
+def needs_asyncio_bridge(client: object) -> bool:
     """Whether ``client`` must be reached through the bridge when running under trio.
 
     A client says so itself with a ``requires_asyncio`` attribute; otherwise clients from
@@ -165,8 +165,10 @@ class AsyncioBridge:
             someone else owns the client's lifetime).
     """
 
-    def __init__(self, client: Any, *, enter_client: bool = True) -> None:
-        self.client = client
+    def __init__(self, client: InferenceClient, *, enter_client: bool = True) -> None:
+        # A proxy: besides the protocol's two methods it reaches the client's render_chat_completion,
+        # its async context and any other attribute, so it holds the client as Any.
+        self.client: Any = client
         self.enter_client = enter_client
         self._stack: AsyncExitStack | None = None
 
@@ -216,7 +218,7 @@ class AsyncioBridge:
 
 
 @asynccontextmanager
-async def bridged_client(client: Any) -> AsyncIterator[Any]:
+async def bridged_client(client: InferenceClient) -> AsyncIterator[InferenceClient]:
     """The client to call in this block: ``client`` itself, or, under trio, a bridge to it when it is asyncio-only.
 
     For code that receives a client it does not own (a generator's ``generate()``): the client's

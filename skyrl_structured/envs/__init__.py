@@ -17,6 +17,7 @@ included) is logged and counted but never replaces the rollout's own result or e
 """
 
 from .._runtime.cleanup import CleanupStats
+from ..types import EnvHandle
 from ._adapters import AsyncEnvironment, EnvCallRunner, SyncEnvAdapter, is_async_env
 from ._adapters import has_noop_close as has_noop_close
 from ._open import env_config_for, open_env
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncEnvironment",
     "CleanupStats",
     "EnvCallRunner",
+    "EnvHandle",
     "EnvThreadPool",
     "SyncEnvAdapter",
     "active_env_thread_calls",

@@ -11,13 +11,14 @@ import inspect
 import logging
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeGuard, TypeVar
 
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
+from .._runtime.cleanup import CleanupStats
 from .._runtime.wakers import LoopWaker
-from ..types import ConversationType
+from ..types import AsyncEnvironment, ConversationType, EnvStepOutput, SkyRLConfig
 from ._executors import EnvExecutor
 from ._threads import EnvCall, EnvThreadPool
 
@@ -26,21 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@runtime_checkable
-class AsyncEnvironment(Protocol):
-    """What the agent loop needs from an environment."""
-
-    async def __aenter__(self) -> Any: ...
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> Any: ...
-
-    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]: ...
-
-    async def step(self, action: str) -> Any: ...
-
-    def get_metrics(self) -> Any: ...
+__all__ = ["AsyncEnvironment", "EnvCallRunner", "SyncEnvAdapter", "has_noop_close", "is_async_env"]
 
 
 class EnvCallRunner(EnvExecutor):
@@ -55,7 +42,9 @@ class EnvCallRunner(EnvExecutor):
     def bound(self) -> int:
         return 0 if self.pool is None else self.pool.max_workers
 
-    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+    def make_env(
+        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+    ) -> object:
         # Looked up on the module at call time (as SkyRL does), so registering or patching later works.
         return skyrl_gym.make(env_class, env_config=env_config, extras=extras)
 
@@ -129,6 +118,8 @@ def has_noop_close(env: Any) -> bool:
 class SyncEnvAdapter:
     """A synchronous ``skyrl_gym`` environment behind the async protocol."""
 
+    # ``env`` is what ``skyrl_gym.make`` built: skyrl_gym ships no type information, and user envs
+    # only duck-type its ``Env``, so it stays ``Any`` (here and in ``_AwaitingEnvAdapter``).
     def __init__(self, env: Any, runner: EnvCallRunner) -> None:
         self.env = env
         self._runner = runner
@@ -192,11 +183,13 @@ class SyncEnvAdapter:
         result: tuple[ConversationType, dict[str, Any]] = await self._call(self.env.init, prompt)
         return result
 
-    async def step(self, action: str) -> Any:
-        return await self._call(self.env.step, action)
+    async def step(self, action: str) -> EnvStepOutput:
+        result: EnvStepOutput = await self._call(self.env.step, action)
+        return result
 
-    def get_metrics(self) -> Any:
-        return self.env.get_metrics()
+    def get_metrics(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = self.env.get_metrics()
+        return metrics
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._runner.inline:
@@ -248,14 +241,16 @@ class _AwaitingEnvAdapter:
         result: tuple[ConversationType, dict[str, Any]] = await self.env.init(prompt)
         return result
 
-    async def step(self, action: str) -> Any:
-        return await self.env.step(action)
+    async def step(self, action: str) -> EnvStepOutput:
+        result: EnvStepOutput = await self.env.step(action)
+        return result
 
-    def get_metrics(self) -> Any:
-        return self.env.get_metrics()
+    def get_metrics(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = self.env.get_metrics()
+        return metrics
 
 
-def is_async_env(env: Any) -> bool:
+def is_async_env(env: object) -> TypeGuard[AsyncEnvironment]:
     """True when ``env`` already is an async context manager with async ``init`` and ``step``."""
     return (
         hasattr(env, "__aenter__")
@@ -265,7 +260,7 @@ def is_async_env(env: Any) -> bool:
     )
 
 
-def _wrap(env: Any, runner: EnvExecutor) -> Any:
+def _wrap(env: object, runner: EnvExecutor) -> AsyncEnvironment:
     if is_async_env(env):
         return env  # also every env handle of a process or Ray executor
     if not isinstance(runner, EnvCallRunner):  # pragma: no cover - remote executors hand out async handles

@@ -37,7 +37,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+from .._runtime.cleanup import CleanupStats
 from ..config import invalid_value
+from ..types import SkyRLConfig
 
 __all__ = ["ENV_EXECUTORS", "EnvExecutor", "EnvExecutorKind", "EnvWorkerError", "env_executor_kind", "make_executor"]
 
@@ -86,8 +88,15 @@ class EnvExecutor(abc.ABC):
         """How many env calls may run at once (the workers); 0 for inline calls."""
 
     @abc.abstractmethod
-    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+    def make_env(
+        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+    ) -> object:
         """A new environment: a ``skyrl_gym`` env, or an async handle to one living in a worker.
+
+        The handle is an :class:`~skyrl_structured.AsyncEnvironment`, used as is; anything else is a
+        synchronous (or half-async) ``skyrl_gym`` env that ``open_env`` puts behind the async protocol.
+        ``env_config`` is the env's section of the gym config (a mapping or an attribute bag, as
+        SkyRL hands it to ``skyrl_gym.make``).
 
         ``stats`` (the batch's :class:`~skyrl_structured.envs.CleanupStats`) counts what the handle
         sees: workers killed, worker crashes, envs lost with their worker.
@@ -98,7 +107,7 @@ class EnvExecutor(abc.ABC):
         """Workers started and not known dead (worker processes, Ray actors); 0 where there are none."""
         return 0
 
-    def check_env(self, env_class: str, env_config: Any, extras: Mapping[str, Any]) -> None:  # noqa: B027
+    def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:  # noqa: B027
         """Refuse, before any rollout starts, an env this executor cannot run (``ValueError``, one line).
 
         Threads run anything ``skyrl_gym.make`` can build, so the default accepts everything.
@@ -108,7 +117,7 @@ class EnvExecutor(abc.ABC):
         """Stop the workers (nothing to stop for threads: they are daemons that exit when idle)."""
 
 
-def env_executor_kind(skyrl_gym_cfg: Any) -> str:
+def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> str:
     """``environment.skyrl_gym.env_executor``, ``"thread"`` when the config lacks it (SkyRL's own).
 
     Raises:
@@ -130,7 +139,7 @@ def env_executor_kind(skyrl_gym_cfg: Any) -> str:
     return str(kind)
 
 
-def make_executor(skyrl_gym_cfg: Any, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
+def make_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
     """The executor ``skyrl_gym_cfg`` asks for, or None for threads (the generator's own pool).
 
     ``max_env_workers=0`` means inline calls whatever the executor: there is no worker to host an env.
@@ -150,7 +159,9 @@ def make_executor(skyrl_gym_cfg: Any, workers: int, *, cleanup_timeout_s: float 
     )
 
 
-def check_envs(executor: EnvExecutor, skyrl_gym_cfg: Any, env_classes: list[str], env_extras: list[Any]) -> None:
+def check_envs(
+    executor: EnvExecutor, skyrl_gym_cfg: SkyRLConfig, env_classes: list[str], env_extras: list[Any]
+) -> None:
     """Before any rollout: every env class and every row's extras can be run by ``executor``.
 
     Raises:

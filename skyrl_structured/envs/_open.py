@@ -9,6 +9,7 @@ from typing import Any
 
 from .._runtime.cleanup import AbandonedClose, Cleanup, CleanupStats, run_cleanups
 from ..observe import CleanupOutcome, RolloutEmitter, RolloutObserver
+from ..types import EnvHandle, SkyRLConfig
 from ._adapters import _wrap
 from ._executors import EnvExecutor
 
@@ -28,7 +29,7 @@ class _OpenEnv(Cleanup):
     def __init__(
         self,
         env_class: str,
-        raw: Any,
+        raw: object,
         runner: EnvExecutor,
         cleanup_timeout: float,
         stats: CleanupStats,
@@ -46,7 +47,7 @@ class _OpenEnv(Cleanup):
         self._then = then
         self._exit: tuple[type[BaseException] | None, BaseException | None, TracebackType | None] = (None, None, None)
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> EnvHandle:
         try:
             return await self._env.__aenter__()
         except BaseException:
@@ -90,7 +91,7 @@ class _OpenEnv(Cleanup):
             self._observe(RolloutObserver.cleanup_finished, "env_close", outcome, error)
 
 
-def env_config_for(skyrl_gym_cfg: Any, env_class: str) -> Any:
+def env_config_for(skyrl_gym_cfg: SkyRLConfig, env_class: str) -> SkyRLConfig:
     """An environment's configuration: an attribute of the gym config, or ``env_configs[env_class]``."""
     found = getattr(skyrl_gym_cfg, env_class, None)
     if found is not None:
@@ -101,7 +102,7 @@ def env_config_for(skyrl_gym_cfg: Any, env_class: str) -> Any:
 def open_env(
     env_class: str,
     *,
-    env_config: Any,
+    env_config: SkyRLConfig,
     extras: dict[str, Any],
     runner: EnvExecutor,
     cleanup_timeout: float,
@@ -109,7 +110,7 @@ def open_env(
     abandoned: list[AbandonedClose] | None = None,
     observe: EnvObserver | None = None,
     _then: Cleanup | None = None,
-) -> AbstractAsyncContextManager[Any]:
+) -> AbstractAsyncContextManager[EnvHandle]:
     """Create an environment with ``skyrl_gym.make`` and close it exactly once on exit.
 
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or

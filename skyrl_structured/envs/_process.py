@@ -29,6 +29,8 @@ from typing import Any
 
 import skyrl_gym
 
+from .._runtime.cleanup import CleanupStats
+from ..types import SkyRLConfig
 from ._executors import EnvExecutor, EnvWorkerError
 from ._remote import Reply, Transport, WorkerEnv, WorkerPool
 from ._worker import EnvRecipe, process_main
@@ -346,12 +348,14 @@ class RemoteEnvExecutor(EnvExecutor):
             recipe = self._recipes[env_class] = env_recipe(env_class)
         return recipe
 
-    def check_env(self, env_class: str, env_config: Any, extras: Mapping[str, Any]) -> None:
+    def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:
         self._recipe(env_class)
         check_picklable(env_class, "env_config", env_config, self.kind)
         check_picklable(env_class, "env extras", extras, self.kind)
 
-    def make_env(self, env_class: str, *, env_config: Any, extras: dict[str, Any], stats: Any) -> Any:
+    def make_env(
+        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+    ) -> WorkerEnv:
         return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats)
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+from ..types import SkyRLConfig
 from ._executors import EnvWorkerError
 from ._process import RemoteEnvExecutor
 from ._remote import Reply, Transport, WorkerPool
@@ -180,7 +182,7 @@ class RayEnvExecutor(RemoteEnvExecutor):
         )
         super().__init__(pool)
 
-    def check_env(self, env_class: str, env_config: Any, extras: Any) -> None:
+    def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:
         connect()
         super().check_env(env_class, env_config, extras)
 
@@ -213,7 +215,7 @@ def connect() -> None:
         ) from None
 
 
-def start_local_ray_if_needed(skyrl_gym_cfg: Any) -> None:
+def start_local_ray_if_needed(skyrl_gym_cfg: SkyRLConfig) -> None:
     """The CLI's rule: ``env_executor='ray'`` with no Ray to join starts a local one on this machine."""
     from ._executors import env_executor_kind
 

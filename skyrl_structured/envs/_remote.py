@@ -40,7 +40,9 @@ from typing import Any
 
 import anyio
 
+from .._runtime.cleanup import CleanupStats
 from .._runtime.wakers import LoopWaker, current_waker, resolve_future
+from ..types import ConversationType, EnvStepOutput, SkyRLConfig
 from ._executors import EnvWorkerError
 
 __all__ = ["Reply", "Transport", "WorkerEnv", "WorkerPool"]
@@ -216,7 +218,13 @@ class WorkerEnv:
     """One environment living in a worker: the async env protocol, over requests to that worker."""
 
     def __init__(
-        self, pool: WorkerPool, env_class: str, recipe: Any, env_config: Any, extras: dict[str, Any], stats: Any
+        self,
+        pool: WorkerPool,
+        env_class: str,
+        recipe: Any,
+        env_config: SkyRLConfig,
+        extras: dict[str, Any],
+        stats: CleanupStats,
     ) -> None:
         self.env_class = env_class
         self._pool = pool
@@ -286,18 +294,20 @@ class WorkerEnv:
         if close.done and not close.ok and not isinstance(close.value, EnvWorkerError):
             logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, close.value)
 
-    async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
-        result: tuple[Any, dict[str, Any]] = await self._call("init", prompt)
+    async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
+        result: tuple[ConversationType, dict[str, Any]] = await self._call("init", prompt)
         return result
 
-    async def step(self, action: str) -> Any:
-        return await self._call("step", action)
+    async def step(self, action: str) -> EnvStepOutput:
+        result: EnvStepOutput = await self._call("step", action)
+        return result
 
-    def get_metrics(self) -> Any:
+    def get_metrics(self) -> dict[str, Any]:
         ok, value = self._metrics
         if not ok:
             raise value
-        return value
+        metrics: dict[str, Any] = value
+        return metrics
 
     # ------------------------------------------------------------------ requests
 
