@@ -185,6 +185,7 @@ class AsyncEnvironment(EnvHandle, Protocol):
     ) -> object: ...
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     """What the generator and its episodes call on a Hugging Face tokenizer.
 
