@@ -6,7 +6,7 @@ engine outputs work as they are, and ours can be handed to SkyRL's trainer.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, NotRequired, Protocol, TypeAlias, TypedDict, runtime_checkable
@@ -207,7 +207,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str | list[str]: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str | list[str]: ...
 
     def apply_chat_template(self, conversation: ConversationType, **kwargs: Any) -> Any: ...
 

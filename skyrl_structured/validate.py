@@ -12,6 +12,7 @@ import skyrl_gym
 from .config import ResilienceSettings, check_number, routed_experts_enabled
 from .envs._executors import env_executor_kind
 from .envs._registration import is_import_path, register_import_path
+from .types import SkyRLConfig
 
 __all__ = [
     "GeneratorOutputError",
@@ -29,7 +30,10 @@ class GeneratorOutputError(ValueError):
 
 
 def check_generator_config(
-    generator_cfg: Any, skyrl_gym_cfg: Any, settings: ResilienceSettings, custom_chat_template: str | None
+    generator_cfg: SkyRLConfig,
+    skyrl_gym_cfg: SkyRLConfig,
+    settings: ResilienceSettings,
+    custom_chat_template: str | None,
 ) -> None:
     """Reject, at construction, every combination SkyRL rejects and those our knobs cannot honour.
 

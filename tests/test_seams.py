@@ -14,6 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from skyrl_structured import AsyncEnvironment, InferenceClient, RenderingClient
 from skyrl_structured.engines import AsyncioBridge, HTTPEngine, TransformersEngine, VLLMEngine
@@ -45,6 +48,10 @@ INFERENCE_CLIENTS: tuple[type[InferenceClient], ...] = (
 
 #: Checked by mypy: the clients the vision-language generator can render with.
 RENDERING_CLIENTS: tuple[type[RenderingClient], ...] = (HTTPEngine, AsyncioBridge, ScriptedVLMEngine, RenderingEngine)
+
+#: Checked by mypy, as far as transformers lets it: a method whose signature conflicts with
+#: Tokenizer's fails; a missing one cannot, as its tokenizers answer any attribute (``__getattr__``).
+TOKENIZERS: tuple[type[Tokenizer], ...] = (PreTrainedTokenizerBase, TokenizersBackend, SentencePieceBackend)
 
 #: Checked by mypy: what open_env yields, for each way an env can live.
 ENV_HANDLES: tuple[type[AsyncEnvironment], ...] = (SyncEnvAdapter, _AwaitingEnvAdapter, WorkerEnv)
@@ -92,6 +99,7 @@ def test_a_sync_env_is_wrapped_into_a_handle(ledger):
 
 
 def test_the_tokenizers_in_use_are_tokenizers(tokenizer):
+    assert isinstance(tokenizer, TOKENIZERS)
     assert isinstance(tokenizer, Tokenizer)
     assert not isinstance(object(), Tokenizer)
 

@@ -15,9 +15,14 @@ from collections.abc import Callable, Hashable, Mapping
 from functools import partial
 from typing import Any
 
-from ..types import ConversationType
+from ..types import ConversationType, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# The tokenizer is ``Any`` in the fast path below (``FastRender``, ``_stock_path``, the probes): it reads
+# transformers internals (``tokenizer._tokenizer``, the class's own encoding methods, the compiled
+# template) that no protocol describes, and checks at run time what it may use. ``apply_template``,
+# the reference, needs only the public :class:`~skyrl_structured.types.Tokenizer`.
 
 
 def as_ids(rendered: Any) -> list[int]:
@@ -28,7 +33,7 @@ def as_ids(rendered: Any) -> list[int]:
 
 
 def apply_template(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     messages: ConversationType,
     add_generation_prompt: bool,
     chat_template: str | None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+
+from ..types import SkyRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _read_template_file(path: str) -> str:
         return f.read()
 
 
-def load_custom_chat_template(chat_template_cfg: Any) -> str | None:
+def load_custom_chat_template(chat_template_cfg: SkyRLConfig) -> str | None:
     """The Jinja2 template selected by a ``chat_template`` config, or None for the tokenizer's own.
 
     Accepts SkyRL's ``ChatTemplateConfig``, ours, a mapping, or None.

@@ -18,7 +18,7 @@ from .._episode.images import empty_rows_like
 from .._runtime.cleanup import CleanupStats
 from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
 from ..failures import FailedRollout, failure_summary
-from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, StepWiseOutput, TrajectoryOutput
+from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
 from .metrics import failure_metrics, rollout_metrics
 
 __all__ = [
@@ -235,7 +235,7 @@ def collect(
     *,
     retries: int,
     cleanup: CleanupStats,
-    generator_cfg: Any,
+    generator_cfg: SkyRLConfig,
     resilience: ResilienceSettings,
     placeholder_token_id: int,
     custom_chat_template: bool,
@@ -325,7 +325,7 @@ class _Rows:
 def build_generator_output(
     outputs: list[Any],
     *,
-    generator_cfg: Any,
+    generator_cfg: SkyRLConfig,
     resilience: ResilienceSettings,
     routed_experts: bool,
     env_classes: list[str],
@@ -420,7 +420,7 @@ def _metrics(
     )
 
 
-def _apply_filters(cfg: Any, rewards: list[Any], loss_masks: list[Any], stop_reasons: list[str]) -> list[Any]:
+def _apply_filters(cfg: SkyRLConfig, rewards: list[Any], loss_masks: list[Any], stop_reasons: list[str]) -> list[Any]:
     """SkyRL's ``zero_reward_on_non_stop`` (rewards, in place) and ``apply_overlong_filtering`` (masks)."""
     if cfg.zero_reward_on_non_stop:
         for r, reason in enumerate(stop_reasons):

@@ -189,6 +189,8 @@ class _WindowDecoder:
         return window[len(released) :]
 
 
+# The tokenizer stays Any here: the stream decoder reaches into its ``backend_tokenizer`` (a
+# ``tokenizers.Tokenizer``, where there is one), which no protocol of ours describes.
 def _decoder(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> _StreamDecoder | _WindowDecoder:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..types import InferenceEngineInput
+from ..types import InferenceEngineInput, Tokenizer
 
 __all__ = ["request_prompt_ids"]
 
 
-def request_prompt_ids(input_batch: InferenceEngineInput, tokenizer: Any, *, engine: str) -> list[list[int]]:
+def request_prompt_ids(
+    input_batch: InferenceEngineInput, tokenizer: Tokenizer | None, *, engine: str
+) -> list[list[int]]:
     """One list of token ids per prompt: ``prompt_token_ids`` as sent, else the chat ``prompts`` templated.
 
     ``engine`` names the engine class in the error raised when chat prompts arrive without a tokenizer.

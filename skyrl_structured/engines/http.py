@@ -34,7 +34,7 @@ from typing import Any, Literal, Self
 from anyio.lowlevel import RunVar
 
 from .._runtime.pauses import PausableDeadline, current_clock
-from ..types import InferenceEngineInput, InferenceEngineOutput
+from ..types import InferenceEngineInput, InferenceEngineOutput, Tokenizer
 from ._gather import gather_in_order
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
@@ -136,7 +136,7 @@ class HTTPEngine(AsyncResource):
         base_urls: str | Sequence[str],
         model: str,
         *,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         default_sampling_params: Mapping[str, Any] | None = None,

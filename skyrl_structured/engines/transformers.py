@@ -34,7 +34,7 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 
-from ..types import InferenceEngineInput, InferenceEngineOutput
+from ..types import InferenceEngineInput, InferenceEngineOutput, Tokenizer
 from ._gather import gather_in_order
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
@@ -83,7 +83,7 @@ class TransformersEngine(AsyncResource):
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         device: str | None = None,
         default_sampling_params: Mapping[str, Any] | None = None,

@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ..types import InferenceEngineInput, InferenceEngineOutput
+from ..types import InferenceEngineInput, InferenceEngineOutput, Tokenizer
 from ._gather import gather_in_order
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
@@ -177,7 +177,7 @@ class VLLMEngine(AsyncResource):
         async_llm_engine: Any,
         *,
         default_sampling_params: Mapping[str, Any] | None = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         abort_timeout_s: float = 10.0,
         owns_engine: bool = False,
         sampling_params_factory: Callable[[dict[str, Any]], Any] | None = None,

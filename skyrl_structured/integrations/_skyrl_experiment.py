@@ -22,6 +22,7 @@ except ImportError as exc:
     ) from exc
 
 from ..generator import StructuredGymGenerator
+from ..types import InferenceClient, SkyRLConfig, Tokenizer
 from ._weight_sync import pause_during_weight_sync
 from .skyrl import structured_generator
 
@@ -37,7 +38,9 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
     (SkyRL's entrypoint picks its VLM generator on the same key).
     """
 
-    def get_generator(self, cfg: Any, tokenizer: Any, inference_engine_client: Any) -> StructuredGymGenerator:
+    def get_generator(
+        self, cfg: SkyRLConfig, tokenizer: Tokenizer, inference_engine_client: InferenceClient
+    ) -> StructuredGymGenerator:
         # failure_budget_action defaults to warn for the fully-async trainer (see structured_generator).
         return structured_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
 
@@ -52,12 +55,12 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
 
 
 @ray.remote(num_cpus=1)  # type: ignore[misc,untyped-decorator]
-def skyrl_entrypoint(cfg: Any) -> None:
+def skyrl_entrypoint(cfg: SkyRLConfig) -> None:
     # As in SkyRL: the training loop runs in a Ray task, not on the head node.
     StructuredPPOExp(cfg).run()
 
 
-def run(cfg: Any) -> None:
+def run(cfg: SkyRLConfig) -> None:
     """Validate ``cfg`` the way SkyRL does, start Ray, and train."""
     validate_cfg(cfg)
     initialize_ray(cfg)

@@ -46,6 +46,7 @@ from ..config import (
     resolve_resilience,
 )
 from ..generator import StructuredGymGenerator
+from ..types import InferenceClient, SkyRLConfig, Tokenizer
 from ..validate import check_generator_config
 from ..vlm_generator import StructuredVLMGymGenerator, check_vision_language_config
 
@@ -131,7 +132,7 @@ class StructuredTrainConfig(_SkyRLTrainConfig):  # type: ignore[misc]
     generator: StructuredGeneratorConfig = field(default_factory=StructuredGeneratorConfig)
 
 
-def check_structured_config(cfg: Any) -> None:
+def check_structured_config(cfg: SkyRLConfig) -> None:
     """Refuse, before Ray starts, what :class:`~skyrl_structured.StructuredGymGenerator` would refuse.
 
     Raises:
@@ -146,7 +147,10 @@ def check_structured_config(cfg: Any) -> None:
 
 
 def structured_generator(
-    cfg: Any, tokenizer: Any, inference_engine_client: Any, policy_model_name: str | None = None
+    cfg: SkyRLConfig,
+    tokenizer: Tokenizer,
+    inference_engine_client: InferenceClient,
+    policy_model_name: str | None = None,
 ) -> StructuredGymGenerator:
     """The generator ``StructuredPPOExp.get_generator`` returns for ``cfg`` (SkyRL's root config).
 
@@ -169,7 +173,7 @@ def structured_generator(
     )
 
 
-def fully_async_failure_budget(cfg: Any) -> None:
+def fully_async_failure_budget(cfg: SkyRLConfig) -> None:
     """Default ``generator.failure_budget_action`` to ``warn`` for SkyRL's fully-async trainer, in place.
 
     That trainer calls ``generate()`` once per prompt group, and its generation worker exits the
@@ -293,7 +297,7 @@ def usage(width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _refuse_fully_async(cfg: Any) -> None:
+def _refuse_fully_async(cfg: SkyRLConfig) -> None:
     if getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False):
         raise ValueError(
             "`trainer.fully_async.enabled=true`: this entrypoint (and trainer.override_entrypoint) drives SkyRL's "
