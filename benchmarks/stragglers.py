@@ -37,13 +37,20 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured import (
+    GeneratorConfig,
+    InferenceEngineOutput,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
 from skyrl_structured.config import FAILED_ROLLOUT_POLICIES, FailedRolloutPolicy
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 
@@ -75,7 +82,7 @@ class LognormalEngine(InstantEngine):
         z = random.Random(f"{self.seed}/{session_id}").gauss(0.0, 1.0)
         return self.median_s * math.exp(self.sigma * z)
 
-    async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> InferenceEngineOutput:
         session_id = input_batch["session_ids"][0]
         await anyio.sleep(self.latency(session_id))
         return self.reply(session_id)

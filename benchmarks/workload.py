@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import threading
 import zlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,14 @@ import anyio
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured import (
+    GeneratorConfig,
+    InferenceEngineOutput,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
 
 BENCH_ENV = "skyrl_structured_bench"
 
@@ -97,7 +104,7 @@ class InstantEngine:
         self.calls = 0
         self.finished = 0
 
-    def reply(self, session_id: Hashable) -> dict[str, Any]:
+    def reply(self, session_id: Hashable) -> InferenceEngineOutput:
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         self.calls += 1
@@ -110,7 +117,7 @@ class InstantEngine:
             "response_logprobs": [list(self.pool.logprobs[k])],
         }
 
-    async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> InferenceEngineOutput:
         return self.reply(input_batch["session_ids"][0])
 
     async def finish_session(self, session_id: Hashable) -> None:
@@ -135,7 +142,7 @@ class LatencyEngine(InstantEngine):
     def latency(self, session_id: Hashable, turn: int) -> float:
         return random.Random(f"{self.seed}/{session_id}/{turn}").uniform(self.low, self.high)
 
-    async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> InferenceEngineOutput:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.capacity)
         session_id = input_batch["session_ids"][0]
@@ -153,7 +160,7 @@ class BlockingEngine(InstantEngine):
         self.waiting = 0
         self.all_in: anyio.Event | None = None
 
-    async def generate(self, input_batch: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> InferenceEngineOutput:
         assert self.all_in is not None
         self.waiting += 1
         if self.waiting == self.expected:

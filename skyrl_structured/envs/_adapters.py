@@ -100,7 +100,7 @@ _NOOP_BASE_CLOSES = _noop_base_closes()
 _OBJECT_GETATTRIBUTE: Any = object.__getattribute__
 
 
-def has_noop_close(env: Any) -> bool:
+def has_noop_close(env: object) -> bool:
     """True when ``env.close`` is exactly skyrl_gym's inherited do-nothing ``close``.
 
     Looked up as Python would: an instance attribute, or a ``close`` defined by any class of the

@@ -39,7 +39,7 @@ import anyio.lowlevel
 from ..config import GeneratorConfig, SkyRLGymConfig
 from ..engines._wrapper import EngineWrapper
 from ..generator import StructuredGymGenerator
-from ..types import GeneratorInput, TrajectoryID
+from ..types import GeneratorInput, InferenceClient, TrajectoryID
 from ._wrappers import TAG_KEY
 from .chaos import ChaosError
 from .engines import Reply, ScriptedEngine
@@ -158,7 +158,7 @@ class Setup:
         # The generator's session id for a trajectory id (SkyRL's scheme).
         return f"check{index}_0"
 
-    def generator(self, case: Case, env_id: str, engine: Any) -> StructuredGymGenerator:
+    def generator(self, case: Case, env_id: str, engine: InferenceClient) -> StructuredGymGenerator:
         fields = {
             **self.generator_overrides,
             "skip_failed_rollouts": case.skip_failed_rollouts,

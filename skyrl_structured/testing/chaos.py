@@ -37,6 +37,7 @@ from typing import Any, Literal
 import anyio
 
 from ..engines._wrapper import EngineWrapper
+from ..types import InferenceClient
 from ._wrappers import ENV_STAGES, register_wrapper_env
 
 __all__ = [
@@ -264,7 +265,7 @@ class ChaosEngine(EngineWrapper):
     is the wrapped engine's.
     """
 
-    def __init__(self, engine: Any, policy: ChaosPolicy) -> None:
+    def __init__(self, engine: InferenceClient, policy: ChaosPolicy) -> None:
         super().__init__(engine)
         self.policy = policy
 

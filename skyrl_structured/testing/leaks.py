@@ -37,6 +37,7 @@ import anyio
 
 from ..engines._wrapper import EngineWrapper
 from ..envs import active_env_thread_calls
+from ..types import InferenceClient
 from ._census import current_backend, describe_task, live_tasks, loop_identity, thread_states
 from ._wrappers import register_wrapper_env, unregister_wrapper_env
 from .envs import EnvLedger
@@ -55,7 +56,7 @@ class TrackedEngine(EngineWrapper):
     Every other attribute is the wrapped engine's.
     """
 
-    def __init__(self, engine: Any, tracker: LeakTracker) -> None:
+    def __init__(self, engine: InferenceClient, tracker: LeakTracker) -> None:
         super().__init__(engine)
         self.tracker = tracker
 
@@ -126,7 +127,7 @@ class LeakTracker:
         self._env_ids.append(wrapped)
         return wrapped
 
-    def track_engine(self, engine: Any) -> TrackedEngine:
+    def track_engine(self, engine: InferenceClient) -> TrackedEngine:
         """Wrap ``engine`` so that its sessions are tracked; pass the result to the generator."""
         self._baseline_tasks()
         return TrackedEngine(engine, self)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._episode.images import encode_feature_item
 from ..engines._wrapper import EngineWrapper
+from ..types import InferenceClient
 from .engines import ScriptedEngine
 
 __all__ = [
@@ -234,7 +235,7 @@ class RenderingEngine(EngineWrapper):
     ``mm_features`` and sees the image placeholder tokens (what the CLI's offline multimodal default runs).
     """
 
-    def __init__(self, engine: Any, renderer: Any, *, model_name: str = "scripted-vlm") -> None:
+    def __init__(self, engine: InferenceClient, renderer: Any, *, model_name: str = "scripted-vlm") -> None:
         super().__init__(engine)
         self.renderer = renderer
         self.model_name = model_name
