@@ -156,11 +156,14 @@ class EnvStepOutput(TypedDict):
     postprocessed_action: NotRequired[str | None]
 
 
+@runtime_checkable
 class EnvHandle(Protocol):
     """What the agent loop needs from an opened environment: ``async with open_env(...) as env`` gives one.
 
     Behind it: a synchronous ``skyrl_gym`` env run in the generator's worker threads, an env with
     async ``init``/``step``, or a handle to an env in a worker process or Ray actor (``env_executor``).
+    (``isinstance`` sees only that the methods exist, not that they are async: a sync ``skyrl_gym``
+    env passes it too, which is why :func:`~skyrl_structured.envs.is_async_env` decides.)
     """
 
     async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]: ...

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from skyrl_structured import AsyncEnvironment, InferenceClient, RenderingClient
+from skyrl_structured import AsyncEnvironment, EnvHandle, InferenceClient, RenderingClient
 from skyrl_structured.engines import AsyncioBridge, HTTPEngine, TransformersEngine, VLLMEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
 from skyrl_structured.envs import EnvCallRunner, SyncEnvAdapter
@@ -94,6 +94,7 @@ def test_a_sync_env_is_wrapped_into_a_handle(ledger):
     handle = _wrap(raw, EnvCallRunner(None))
     assert isinstance(handle, SyncEnvAdapter)
     assert isinstance(handle, AsyncEnvironment)
+    assert isinstance(handle, EnvHandle)
     assert not isinstance(raw, AsyncEnvironment)
     raw.close()
 

@@ -443,7 +443,7 @@ async def test_env_code_without_a_token_gets_anyios_own_error(tokenizer, anyio_b
 def _batch_context() -> Any:
     from skyrl_structured._runtime.contexts import BatchContext
 
-    return BatchContext(generator=None, client=ScriptedEngine.from_replies(None), default_params={})
+    return BatchContext(generator=None, client=ScriptedEngine.from_replies(None, "never asked"), default_params={})
 
 
 async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):

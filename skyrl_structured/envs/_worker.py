@@ -76,7 +76,7 @@ class EnvHost:
         raise ValueError(f"unknown env worker request {op!r}")
 
     @staticmethod
-    def _metrics(env: Any) -> tuple[bool, Any]:
+    def _metrics(env: Any) -> tuple[bool, Any]:  # env: what skyrl_gym.make built (untyped upstream)
         # Sent with every init/step reply: the handle's get_metrics() is synchronous and cannot ask.
         try:
             return True, env.get_metrics()
