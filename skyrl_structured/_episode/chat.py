@@ -42,23 +42,19 @@ class _RenderMemo:
     bounded in number and in total tokens; ids are stored as tuples and handed out as fresh lists.
     """
 
-    __slots__ = ("_entries", "_lock", "_tokens", "hits", "misses")
+    __slots__ = ("_entries", "_lock", "_tokens")
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Hashable, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self._tokens = 0
-        self.hits = 0
-        self.misses = 0
 
     def get(self, key: Hashable) -> list[int] | None:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
-                self.misses += 1
                 return None
             self._entries.move_to_end(key)
-            self.hits += 1
         return list(found)
 
     def put(self, key: Hashable, ids: list[int]) -> None:
@@ -74,11 +70,6 @@ class _RenderMemo:
             while len(self._entries) > _MEMO_ENTRIES or self._tokens > _MEMO_TOKENS:
                 _, evicted = self._entries.popitem(last=False)
                 self._tokens -= len(evicted)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._tokens = 0
 
 
 class ChatTokenizer:

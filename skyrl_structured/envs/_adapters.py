@@ -157,9 +157,9 @@ class SyncEnvAdapter:
         close: EnvCall[None] = EnvCall(self._close, skippable=False, waker=self._waker)
         if call is not None and not call.skip() and not call.done:
             # The rollout was cancelled while a worker thread was inside init/step: let that call
-            # finish before closing, so close never runs concurrently with it.
+            # finish before closing, so close never runs concurrently with it (cleanup's bound applies).
             try:
-                await self.settle(call)
+                await call.wait()
             except BaseException:
                 # env_cleanup_timeout_s ran out first: close it in that thread once the call returns.
                 call.then(close, pool)
@@ -172,10 +172,6 @@ class SyncEnvAdapter:
             self.abandoned_close = close
             raise
         close.result()
-
-    async def settle(self, call: EnvCall[Any]) -> None:
-        """Wait for a call still running in its thread (cleanup's bound applies)."""
-        await call.wait()
 
     def _close(self) -> None:
         late = self.abandoned_close is not None

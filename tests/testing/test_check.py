@@ -330,10 +330,13 @@ def test_check_catches_environments_left_open(monkeypatch):
 
 
 def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypatch):
-    async def do_not_wait(self, call):
-        return None
+    close = SyncEnvAdapter.__aexit__
 
-    monkeypatch.setattr(SyncEnvAdapter, "settle", do_not_wait)
+    async def forget_the_running_call(self, exc_type, exc, tb):
+        self._in_flight = None  # BUG: cleanup no longer sees the step still running in its thread
+        await close(self, exc_type, exc, tb)
+
+    monkeypatch.setattr(SyncEnvAdapter, "__aexit__", forget_the_running_call)
     report = check_structured_concurrency(
         SCRIPTED_ENV,
         raise_on_failure=False,
