@@ -8,6 +8,7 @@ import time
 import anyio
 import pytest
 
+from skyrl_structured.envs import wait_env_thread_calls
 from skyrl_structured.envs._threads import EnvCall, EnvThreadPool, active_env_thread_calls
 
 pytestmark = pytest.mark.anyio
@@ -188,3 +189,21 @@ async def test_calls_that_need_each_other_run_together_across_idle_timeouts(anyi
                 await call.wait()
             call.result()  # BrokenBarrierError if the other call never ran alongside
         await anyio.sleep(0.005 * (round_ % 4))
+
+
+async def test_wait_env_thread_calls_waits_for_a_running_call_and_says_whether_it_returned(anyio_backend):
+    pool = EnvThreadPool(1)
+    release, started = threading.Event(), threading.Event()
+
+    def blocking() -> None:
+        started.set()
+        release.wait(10)
+
+    call = EnvCall(blocking)
+    pool.submit(call)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
+    assert not await anyio.to_thread.run_sync(wait_env_thread_calls, 0.05)  # still running: timed out
+    release.set()
+    assert await anyio.to_thread.run_sync(wait_env_thread_calls, 10)
+    assert active_env_thread_calls() == 0
+    await call.wait()

@@ -20,7 +20,7 @@ from .._runtime.cleanup import CleanupStats
 from ._adapters import AsyncEnvironment, EnvCallRunner, SyncEnvAdapter, is_async_env
 from ._adapters import has_noop_close as has_noop_close
 from ._open import env_config_for, open_env
-from ._threads import EnvThreadPool, active_env_thread_calls
+from ._threads import EnvThreadPool, active_env_thread_calls, wait_env_thread_calls
 
 __all__ = [
     "AsyncEnvironment",
@@ -32,4 +32,5 @@ __all__ = [
     "env_config_for",
     "is_async_env",
     "open_env",
+    "wait_env_thread_calls",
 ]
