@@ -95,12 +95,18 @@ async def test_a_pending_call_can_be_skipped_but_a_close_cannot(anyio_backend):
 
 async def test_a_waiter_cancelled_leaves_the_call_running(anyio_backend):
     pool = EnvThreadPool(1)
-    release = threading.Event()
-    call = EnvCall(release.wait, 10, skippable=False)
+    release, started = threading.Event(), threading.Event()
+
+    def work() -> bool:
+        started.set()
+        return release.wait(10)
+
+    call = EnvCall(work, skippable=False)
     pool.submit(call)
     with anyio.move_on_after(0.05):
         await call.wait()
-    await _until(lambda: call.running)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
+    assert not call.done
     assert active_env_thread_calls() >= 1
     release.set()
     await call.wait()
@@ -109,17 +115,18 @@ async def test_a_waiter_cancelled_leaves_the_call_running(anyio_backend):
 
 async def test_then_runs_the_follower_in_the_same_thread_right_after(anyio_backend):
     pool = EnvThreadPool(2)
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     threads: list[threading.Thread] = []
 
     def first() -> None:
         threads.append(threading.current_thread())
+        started.set()
         release.wait(10)
 
     call = EnvCall(first)
     follower = EnvCall(lambda: threads.append(threading.current_thread()), skippable=False)
     pool.submit(call)
-    await _until(lambda: call.running)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
     call.then(follower, pool)
     release.set()
     await follower.wait()

@@ -100,10 +100,6 @@ class EnvCall(Generic[T]):
         """True once the call returned or raised, or was skipped before it started."""
         return self._state in (_DONE, _SKIPPED)
 
-    @property
-    def running(self) -> bool:
-        return self._state == _RUNNING
-
     def skip(self) -> bool:
         """Make a call that has not started never start; False if it started (or cannot be skipped)."""
         with self._lock:
