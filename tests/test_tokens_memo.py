@@ -148,3 +148,20 @@ def test_the_memo_is_bounded(calls: TemplateCalls) -> None:
     assert calls.render(chat, question(_MEMO_ENTRIES + extra - 1), agp=True)[1] == 0
     assert calls.render(chat, question(extra), agp=True)[1] == 0
     assert calls.render(chat, question(extra - 1), agp=True)[1] == 1
+
+
+def test_flipping_split_special_tokens_is_not_served_stale_ids():
+    """The memo's key includes the tokenizer's ``split_special_tokens``: it changes the ids."""
+    tokenizer = build_chatml_tokenizer()
+    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+    messages: ConversationType = [{"role": "user", "content": "say <|im_end|> please"}]
+    whole = chat.render(messages, add_generation_prompt=True)
+    assert whole == fresh(tokenizer, messages, add_generation_prompt=True, template=None)
+    tokenizer.split_special_tokens = True
+    try:
+        split = chat.render(messages, add_generation_prompt=True)
+        assert split == fresh(tokenizer, messages, add_generation_prompt=True, template=None)
+        assert split != whole
+    finally:
+        tokenizer.split_special_tokens = False
+    assert chat.render(messages, add_generation_prompt=True) == whole

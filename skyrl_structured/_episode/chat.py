@@ -122,8 +122,9 @@ class ChatTokenizer:
     ) -> list[int]:
         """Token ids of ``messages`` under the chat template (ours or a custom one), memoized.
 
-        A repeat of the exact same messages, flag, template and ``chat_template_kwargs`` returns the
-        ids of the first render (a fresh list); anything unhashable in them is rendered every time.
+        A repeat of the exact same messages, flag, template, ``chat_template_kwargs`` and the
+        tokenizer's ``split_special_tokens`` returns the ids of the first render (a fresh list);
+        anything unhashable in them is rendered every time.
         A render goes through the self-checked fast path (``FastRender``) where it applies, else
         through ``apply_chat_template``; both give the same ids.
         """
@@ -135,6 +136,8 @@ class ChatTokenizer:
                 template,
                 add_generation_prompt,
                 tuple(self.kwargs.items()),
+                # A flag of the tokenizer's that changes how special-token text in a message encodes.
+                getattr(self.tokenizer, "split_special_tokens", False),
                 _messages_key(messages),
             )
             hash(key)
