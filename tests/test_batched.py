@@ -22,13 +22,16 @@ from skyrl_structured import (
     RolloutObserver,
     RolloutRef,
     SamplingParams,
+    TrajectoryStream,
 )
 from skyrl_structured.cli._run import Tally
+from skyrl_structured.observe import TraceRecorder
 from skyrl_structured.progress import Progress
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
 from .helpers import make_batch, make_generator, not_none, other_tasks, turn_replies
+from .trace_check import children, spans_by_track
 
 pytestmark = pytest.mark.anyio
 
@@ -203,6 +206,33 @@ async def test_the_progress_bar_counts_a_batched_run(tokenizer, anyio_backend, m
     assert (bar.done, bar.failed, bar.in_flight) == (ROWS, 0, 0)
     assert bar._bar is not None
     assert bar._bar.n == ROWS
+
+
+async def test_the_trace_and_the_stream_show_each_prompt_of_a_batched_run(tokenizer, anyio_backend):
+    recorder, stream = TraceRecorder(), TrajectoryStream()
+    gen = _batched(tokenizer)
+    gen.observers.extend([recorder, stream])
+    out = await gen.generate(make_batch(ROWS, EnvLedger()), disable_tqdm=True)
+
+    tracks = spans_by_track(recorder.trace())
+    assert sorted(tracks) == [(1, i) for i in range(ROWS)]
+    for i in range(ROWS):
+        spans = tracks[(1, i)]
+        (attempt,) = [s for s in spans if s["cat"] == "attempt"]
+        assert [s["name"] for s in children(spans, attempt)] == [
+            "env.make",
+            "env.init",
+            "engine",
+            "env.step",
+            "env.close",
+        ]
+        (engine,) = [s for s in spans if s["name"] == "engine"]
+        # The engine's own counts: the prompt's tokens, and the reply's before the cut to max_tokens.
+        assert engine["args"]["prompt_tokens"] == len(out["prompt_token_ids"][i])
+        assert engine["args"]["response_tokens"] > len(out["response_ids"][i]) == 4
+    records = [record async for record in stream]
+    assert sorted(r.index for r in records) == list(range(ROWS))
+    assert all(not r.failed and r.attempts == 1 for r in records)
 
 
 async def test_a_failed_batched_call_fails_every_unfinished_rollout(tokenizer, anyio_backend):
