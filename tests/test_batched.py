@@ -191,6 +191,20 @@ async def test_each_prompt_of_a_batched_run_is_a_rollout_to_the_observers(tokeni
     assert (tally.envs_opened, tally.envs_closed, tally.env_close_errors) == (ROWS, ROWS, 0)
 
 
+async def test_generate_batched_called_directly_is_observed_too(tokenizer, anyio_backend):
+    # SkyRL's own entry point (its generate() calls it): the same rows, the same per-prompt events.
+    recorder = Recorder()
+    gen = _batched(tokenizer, ScriptedEngine(tokenizer, turn_replies("a long answer #### 7")))
+    expected = await gen.generate(make_batch(ROWS, EnvLedger(), with_ids=False), disable_tqdm=True)
+    gen.observers.append(recorder)
+    batch = make_batch(ROWS, EnvLedger(), with_ids=False)
+    out = await gen.generate_batched(batch["prompts"], batch["env_classes"], not_none(batch.get("env_extras")), 4)
+    for key in ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs"):
+        assert out[key] == expected[key], key
+    assert [e[1] for e in recorder.named("attempt_started")] == list(range(ROWS))
+    assert recorder.named("rollout_finished") == [("rollout_finished", i, False) for i in range(ROWS)]
+
+
 async def test_the_progress_bar_counts_a_batched_run(tokenizer, anyio_backend, monkeypatch):
     bars: list[Progress] = []
 
