@@ -17,19 +17,22 @@ import pytest
 
 from skyrl_structured import (
     FinishedTrajectory,
+    GeneratorConfig,
     InferenceEngineInput,
     MalformedEngineReplyError,
     RolloutObserver,
     RolloutRef,
     SamplingParams,
+    SkyRLGymConfig,
     TrajectoryStream,
 )
 from skyrl_structured.cli._run import Tally
 from skyrl_structured.observe import TraceRecorder
 from skyrl_structured.progress import Progress
-from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
+from . import test_parity_upstream as parity
 from .helpers import make_batch, make_generator, not_none, other_tasks, turn_replies
 from .trace_check import children, spans_by_track
 
@@ -416,3 +419,35 @@ async def test_a_malformed_batched_reply_raises_the_reply_error(tokenizer, anyio
     assert other_tasks() == before
     finished = recorder.named("engine_call_finished")
     assert finished == [("engine_call_finished", i, 0, None, "MalformedEngineReplyError") for i in range(ROWS)]
+
+
+# ---------------------------------------------------------------------- parity with SkyRL 0.3.0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("workers", [4, 0])
+def test_batched_parity_with_overlong_filtering_salt_and_no_logprobs(tokenizer, backend, workers):
+    # Differential against SkyRL's own generator (the parity suite's oracle), beyond its batched case:
+    # a cut reply, overlong filtering, no logprobs, a cache salt and a model name, inline env calls.
+    cfg = GeneratorConfig(
+        batched=True,
+        apply_overlong_filtering=True,
+        sampling_params=SamplingParams(max_generate_length=6, logprobs=None),
+    )
+    replies = {1: "Let me think. #### 8", 2: Reply("and on and on", stop_reason="length"), 3: "#### 8"}
+    ours, engine = parity.check_parity(
+        "batched_single_turn",
+        tokenizer,
+        backend,
+        cfg,
+        parity.batch(3, env_class="gsm8k"),
+        replies=replies,
+        logprobs=False,
+        gym_cfg=SkyRLGymConfig(max_env_workers=workers),
+        wv=3,
+        policy_model_name="policy",
+    )
+    assert ours["stop_reasons"] == ["stop", "length", "stop"]
+    assert not any(ours["loss_masks"][1])
+    assert ours["rollout_logprobs"] is None
+    assert {(c.cache_salt, c.model) for c in engine.calls} == {("policy@3", "policy")}
