@@ -87,11 +87,11 @@ async def generate_batched(
         trajectories = await _run(
             rollouts, setup, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt
         )
+        output = _output(trajectories, env_classes, batch, setup.overlong_filtering)
     except BaseException as exc:
         rollouts.abort(exc)
         batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
         raise
-    output = _output(trajectories, env_classes, batch, setup.overlong_filtering)
     batch.observers.emit(RolloutObserver.batch_finished, count, 0)
     return output
 
