@@ -26,7 +26,7 @@ from anyio.lowlevel import RunVar
 
 from ._episode.chat import ChatTokenizer, load_custom_chat_template
 from ._episode.episode import Episode, EpisodeRunner
-from ._output.batched import generate_batched
+from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import collect
 from ._runtime.cleanup import Cleanup, run_cleanups
 from ._runtime.contexts import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
@@ -38,7 +38,7 @@ from .engines.bridge import bridged_client
 from .envs import EnvCallRunner, env_config_for, open_env
 from .envs._executors import EnvExecutor, check_envs, make_executor
 from .envs._threads import EnvThreadPool
-from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
+from .observe import CleanupOutcome, Observers, RolloutObserver
 from .progress import Progress
 from .types import ConversationType, GeneratorInput, GeneratorOutput, StepWiseOutput, TrajectoryOutput
 from .validate import check_generator_config, check_generator_input
@@ -414,6 +414,7 @@ class StructuredGymGenerator:
                     input_batch.get("trajectory_ids", None),
                     sampling_params,
                     cache_salt,
+                    disable_tqdm,
                 )
             progress = Progress(len(prompts), disable=disable_tqdm)
             batch = BatchContext(
@@ -447,6 +448,26 @@ class StructuredGymGenerator:
         if self._env_executor is not None:
             await self._env_executor.aclose()
 
+    def _batched_setup(self) -> BatchedSetup:
+        """The collaborators the batched path takes from this generator (never the generator itself)."""
+        return BatchedSetup(
+            runner=self._env_runner(),
+            skyrl_gym_cfg=self.skyrl_gym_cfg,
+            chat=self._chat,
+            max_turns=self.max_turns,
+            cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
+            overlong_filtering=bool(self.generator_cfg.apply_overlong_filtering),
+            policy_model_name=self.policy_model_name,
+        )
+
+    def _batched_context(self, client: Any, observers: Observers) -> BatchContext:
+        return BatchContext(
+            generator=self,
+            client=client,
+            default_params=sampling_params_dict(self.generator_cfg.sampling_params),
+            observers=observers,
+        )
+
     async def _generate_batched_observed(
         self,
         client: Any,
@@ -456,34 +477,24 @@ class StructuredGymGenerator:
         trajectory_ids: list[Any] | None,
         sampling_params: dict[str, Any] | None,
         cache_salt: str | None,
+        disable_tqdm: bool,
     ) -> GeneratorOutput:
-        """The batched path, with the batch events and one ``trajectory_finished`` per row at its end."""
-        observers = Observers(self.observers)
-        observers.emit(RolloutObserver.batch_started, len(prompts))
-        started = time.monotonic()
+        """The batched path of ``generate()``: its observers and the progress bar hear each prompt's rollout."""
+        progress = Progress(len(prompts), disable=disable_tqdm)
         try:
-            output = await generate_batched(
-                self,
-                client,
+            return await generate_batched(
+                self._batched_context(client, Observers([progress, *self.observers])),
+                self._batched_setup(),
                 prompts,
                 env_classes,
                 env_extras,
                 self.generator_cfg.sampling_params.max_generate_length,
                 sampling_params,
                 cache_salt=cache_salt,
+                trajectory_ids=trajectory_ids,
             )
-        except BaseException as exc:
-            observers.emit(RolloutObserver.batch_aborted, len(prompts), exc)
-            raise
-        if observers.wants(RolloutObserver.trajectory_finished):
-            records = batched_records(
-                output, env_classes=env_classes, trajectory_ids=trajectory_ids, elapsed=time.monotonic() - started
-            )
-            for record in records:
-                rollout = RolloutRef(record.index, 1, record.trajectory_id)
-                observers.emit(RolloutObserver.trajectory_finished, rollout, record)
-        observers.emit(RolloutObserver.batch_finished, len(prompts), 0)
-        return output
+        finally:
+            progress.close()
 
     async def generate_batched(
         self,
@@ -494,10 +505,20 @@ class StructuredGymGenerator:
         sampling_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
     ) -> GeneratorOutput:
-        """SkyRL's single-turn batched path (``generator.batched=true``): one engine call for the batch."""
+        """SkyRL's single-turn batched path (``generator.batched=true``): one engine call for the batch.
+
+        ``generator.observers`` hear each prompt as a rollout (no progress bar here).
+        """
         async with bridged_client(self.inference_engine_client) as client:
             return await generate_batched(
-                self, client, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+                self._batched_context(client, Observers(self.observers)),
+                self._batched_setup(),
+                prompts,
+                env_classes,
+                env_extras,
+                max_tokens,
+                sampling_params,
+                cache_salt=cache_salt,
             )
 
     async def _generate_rollouts(
