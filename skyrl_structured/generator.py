@@ -402,6 +402,12 @@ class StructuredGymGenerator:
         sampling_params = input_batch.get("sampling_params", None)
         cache_salt = self._compute_cache_salt()
 
+        if self.batched and type(self).generate_batched is not StructuredGymGenerator.generate_batched:
+            # A subclass's own generate_batched is what SkyRL's generate() calls: call it the same way.
+            max_tokens = self.generator_cfg.sampling_params.max_generate_length
+            return await self.generate_batched(
+                prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+            )
         # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
         # trio-asyncio for the whole batch; anywhere else the client is used as is.
         async with bridged_client(self.inference_engine_client) as client:

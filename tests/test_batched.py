@@ -24,6 +24,7 @@ from skyrl_structured import (
     RolloutRef,
     SamplingParams,
     SkyRLGymConfig,
+    StructuredGymGenerator,
     TrajectoryStream,
 )
 from skyrl_structured.cli._run import Tally
@@ -206,6 +207,35 @@ async def test_generate_batched_called_directly_is_observed_too(tokenizer, anyio
         assert out[key] == expected[key], key
     assert [e[1] for e in recorder.named("attempt_started")] == list(range(ROWS))
     assert recorder.named("rollout_finished") == [("rollout_finished", i, False) for i in range(ROWS)]
+
+
+async def test_generate_calls_a_subclass_s_own_generate_batched(tokenizer, anyio_backend):
+    # SkyRL's generate() calls self.generate_batched in batched mode: an override must be used.
+    calls: list[tuple[int, int, str | None]] = []
+
+    class Custom(StructuredGymGenerator):
+        async def generate_batched(  # type: ignore[override]
+            self, prompts, env_classes, env_extras, max_tokens, sampling_params=None, cache_salt=None
+        ):
+            calls.append((len(prompts), max_tokens, cache_salt))
+            out = await super().generate_batched(
+                prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+            )
+            out["rewards"] = [0.25] * len(prompts)  # what this subclass returns is what generate() returns
+            return out
+
+    def build(cls: type[StructuredGymGenerator]) -> StructuredGymGenerator:
+        engine = ScriptedEngine(tokenizer, turn_replies("a long answer #### 7"))
+        cfg = GeneratorConfig(batched=True, max_turns=1, sampling_params=SamplingParams(max_generate_length=4))
+        return cls(cfg, SkyRLGymConfig(max_env_workers=2), engine, tokenizer)
+
+    plain = build(StructuredGymGenerator)
+    expected = await plain.generate(make_batch(ROWS, EnvLedger(), with_ids=False), disable_tqdm=True)
+    out = await build(Custom).generate(make_batch(ROWS, EnvLedger(), with_ids=False), disable_tqdm=True)
+    assert calls == [(ROWS, 4, None)]
+    assert out["response_ids"] == expected["response_ids"]
+    assert out["rewards"] == [0.25] * ROWS
+    assert expected["rewards"] != out["rewards"]
 
 
 async def test_the_progress_bar_counts_a_batched_run(tokenizer, anyio_backend, monkeypatch):
