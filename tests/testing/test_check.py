@@ -23,9 +23,9 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_structured import StructuredGymGenerator
 from skyrl_structured._episode import calls as _calls
 from skyrl_structured._runtime import supervisor as _supervisor
+from skyrl_structured._runtime.sessions import SessionEnd
 from skyrl_structured.envs import SyncEnvAdapter
 from skyrl_structured.envs._threads import EnvCall
-from skyrl_structured.generator import _SessionEnd
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
 from skyrl_structured.testing.check import ATTACK_KINDS, CANCEL_STAGES, FAULT_STAGES
 
@@ -353,7 +353,7 @@ def test_check_catches_close_racing_a_step_still_running_in_its_thread(monkeypat
 
 
 def test_check_catches_unfinished_sessions(monkeypatch):
-    class NeverFinish(_SessionEnd):
+    class NeverFinish(SessionEnd):
         def run(self):
             return anyio.lowlevel.checkpoint()  # BUG: never tells the engine the session is over
 
