@@ -16,29 +16,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
-from types import TracebackType
 from typing import Any, cast
 from uuid import uuid4
 
 import anyio
-from anyio.lowlevel import RunVar
 
 from ._episode.chat import ChatTokenizer, load_custom_chat_template
 from ._episode.episode import Episode, EpisodeRunner
-from ._output.batched import generate_batched
+from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import collect
 from ._runtime.cleanup import Cleanup, run_cleanups
 from ._runtime.contexts import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from ._runtime.pauses import PauseClock
+from ._runtime.pauses import PauseClock, PausedBlock
+from ._runtime.sessions import SessionEnd
+from ._runtime.slots import RolloutSlots
 from ._runtime.supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import EnvCallRunner, env_config_for, open_env
-from .envs._executors import EnvExecutor, check_envs, make_executor
-from .envs._threads import EnvThreadPool
-from .observe import CleanupOutcome, Observers, RolloutObserver, RolloutRef, batched_records
+from .envs import env_config_for, open_env
+from .envs._executors import EnvExecutor
+from .envs._workers import EnvWorkers
+from .observe import Observers, RolloutObserver
 from .progress import Progress
 from .types import (
     ConversationType,
@@ -55,49 +54,6 @@ from .validate import check_generator_config, check_generator_input
 __all__ = ["StructuredGymGenerator"]
 
 logger = logging.getLogger(__name__)
-
-
-class _SessionEnd(Cleanup):
-    """Ending one rollout's inference session: ``finish_session``, counted and observed."""
-
-    __slots__ = ("_context", "_session_id")
-
-    def __init__(self, context: RolloutContext, session_id: str) -> None:
-        super().__init__()
-        self._context = context
-        self._session_id = session_id
-
-    def describe(self) -> str:
-        return f"finish_session({self._session_id!r})"
-
-    def run(self) -> Awaitable[Any]:
-        self._context.emit(RolloutObserver.cleanup_started, "finish_session")
-        finishing: Awaitable[Any] = self._context.client.finish_session(self._session_id)
-        return finishing
-
-    def outcome(self, outcome: CleanupOutcome, error: BaseException | None) -> None:
-        if outcome == "error":
-            self._context.cleanup.finish_session_errors += 1
-        elif outcome == "timeout":
-            self._context.cleanup.finish_session_timeouts += 1
-        self._context.emit(RolloutObserver.cleanup_finished, "finish_session", outcome, error)
-
-
-class _Paused:
-    """The async context manager of :meth:`StructuredGymGenerator.paused`."""
-
-    __slots__ = ("_clock",)
-
-    def __init__(self, clock: PauseClock) -> None:
-        self._clock = clock
-
-    async def __aenter__(self) -> None:
-        self._clock.pause()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._clock.resume()
 
 
 class StructuredGymGenerator:
@@ -155,16 +111,11 @@ class StructuredGymGenerator:
             policy_model_name=policy_model_name,
             routed_experts=routed_experts_enabled(generator_cfg),
         )
-        # Worker threads for blocking env calls, shared by every generate() of this generator (as
-        # SkyRL's env executor is); created on first use.
-        self._env_pool: EnvThreadPool | None = None
-        # Or worker processes / Ray actors (environment.skyrl_gym.env_executor), started on first use.
-        self._env_executor: EnvExecutor | None = make_executor(
+        # Worker threads, processes or Ray actors for env calls, shared by every generate() of this generator.
+        self._envs = EnvWorkers(
             skyrl_gym_cfg, self.max_env_workers, cleanup_timeout_s=self.resilience.env_cleanup_timeout_s
         )
-        # The max_concurrent_rollouts slots, shared by every concurrent generate() of this generator
-        # (SkyRL's fully-async trainer runs one per prompt group): one limiter per event loop.
-        self._rollout_slots: RunVar[anyio.CapacityLimiter] = RunVar(f"skyrl_structured_slots_{id(self)}")
+        self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
 
@@ -238,35 +189,16 @@ class StructuredGymGenerator:
     def env_workers_alive(self) -> int:
         """Env workers alive now: the worker threads (0 before the first threaded env call), or the
         worker processes or Ray actors of ``environment.skyrl_gym.env_executor`` (for live gauges)."""
-        if self._env_executor is not None:
-            return self._env_executor.workers_alive
-        return self._env_pool.threads if self._env_pool is not None else 0
+        return self._envs.alive
 
     # ------------------------------------------------------------------ helpers
 
     def _env_runner(self) -> EnvExecutor:
-        if self._env_executor is not None:
-            return self._env_executor
-        if self.max_env_workers <= 0:
-            return EnvCallRunner(None)
-        if self._env_pool is None or self._env_pool.max_workers != self.max_env_workers:
-            self._env_pool = EnvThreadPool(self.max_env_workers)
-        return EnvCallRunner(self._env_pool)
+        return self._envs.runner(self.max_env_workers)
 
     def _slots(self) -> anyio.CapacityLimiter | None:
-        """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded).
-
-        FIFO on both backends (anyio's asyncio limiter queues waiters in order, trio's parks them in a
-        FIFO lot), so a large call cannot starve a small one that queued first.
-        """
-        bound = self.resilience.max_concurrent_rollouts
-        if bound is None:
-            return None
-        slots = self._rollout_slots.get(None)
-        if slots is None or slots.total_tokens != bound:
-            slots = anyio.CapacityLimiter(bound)
-            self._rollout_slots.set(slots)
-        return slots
+        """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
+        return self._rollout_slots.current(self.resilience.max_concurrent_rollouts)
 
     # ------------------------------------------------------------------ pauses (weight sync)
 
@@ -287,9 +219,9 @@ class StructuredGymGenerator:
         """
         self.pauses.resume()
 
-    def paused(self) -> _Paused:
+    def paused(self) -> PausedBlock:
         """``async with generator.paused():`` holds one pause for the block."""
-        return _Paused(self.pauses)
+        return PausedBlock(self.pauses)
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
@@ -312,7 +244,7 @@ class StructuredGymGenerator:
 
     def _session_end(self, context: RolloutContext, session_id: str) -> Cleanup:
         """The cleanup step that tells the engine a rollout's session is over (counted and observed)."""
-        return _SessionEnd(context, session_id)
+        return SessionEnd(context, session_id)
 
     # ------------------------------------------------------------------ one rollout
 
@@ -406,24 +338,34 @@ class StructuredGymGenerator:
         env_extras = input_batch.get("env_extras")
         if env_extras is None:
             env_extras = [{} for _ in prompts]
-        if self._env_executor is not None:
-            check_envs(self._env_executor, self.skyrl_gym_cfg, env_classes, env_extras)
+        self._envs.check(self.skyrl_gym_cfg, env_classes, env_extras)
         sampling_params = input_batch.get("sampling_params", None)
         cache_salt = self._compute_cache_salt()
 
-        # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
-        # trio-asyncio for the whole batch; anywhere else the client is used as is.
-        async with bridged_client(self.inference_engine_client) as client:
-            if self.batched:
-                return await self._generate_batched_observed(
-                    client,
+        if self.batched:
+            max_tokens = cfg.sampling_params.max_generate_length
+            if type(self).generate_batched is not StructuredGymGenerator.generate_batched:
+                # A subclass's own generate_batched is what SkyRL's generate() calls: call it the same way.
+                return await self.generate_batched(
+                    prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+                )
+            progress = Progress(len(prompts), disable=disable_tqdm)
+            try:
+                return await self._batched(
                     prompts,
                     env_classes,
                     env_extras,
-                    input_batch.get("trajectory_ids", None),
+                    max_tokens,
                     sampling_params,
                     cache_salt,
+                    trajectory_ids=input_batch.get("trajectory_ids", None),
+                    progress=progress,
                 )
+            finally:
+                progress.close()
+        # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
+        # trio-asyncio for the whole batch; anywhere else the client is used as is.
+        async with bridged_client(self.inference_engine_client) as client:
             progress = Progress(len(prompts), disable=disable_tqdm)
             batch = BatchContext(
                 generator=self,
@@ -453,46 +395,7 @@ class StructuredGymGenerator:
 
         Also run at garbage collection and at interpreter exit; call it when done with the generator.
         """
-        if self._env_executor is not None:
-            await self._env_executor.aclose()
-
-    async def _generate_batched_observed(
-        self,
-        client: InferenceClient,
-        prompts: list[ConversationType],
-        env_classes: list[str],
-        env_extras: list[dict[str, Any]],
-        trajectory_ids: list[Any] | None,
-        sampling_params: dict[str, Any] | None,
-        cache_salt: str | None,
-    ) -> GeneratorOutput:
-        """The batched path, with the batch events and one ``trajectory_finished`` per row at its end."""
-        observers = Observers(self.observers)
-        observers.emit(RolloutObserver.batch_started, len(prompts))
-        started = time.monotonic()
-        try:
-            output = await generate_batched(
-                self,
-                client,
-                prompts,
-                env_classes,
-                env_extras,
-                self.generator_cfg.sampling_params.max_generate_length,
-                sampling_params,
-                cache_salt=cache_salt,
-            )
-        except BaseException as exc:
-            observers.emit(RolloutObserver.batch_aborted, len(prompts), exc)
-            raise
-        if observers.wants(RolloutObserver.trajectory_finished):
-            records = batched_records(
-                output, env_classes=env_classes, trajectory_ids=trajectory_ids, elapsed=time.monotonic() - started
-            )
-            for record in records:
-                rollout = RolloutRef(record.index, 1, record.trajectory_id)
-                observers.emit(RolloutObserver.trajectory_finished, rollout, record)
-        observers.emit(RolloutObserver.batch_finished, len(prompts), 0)
-        return output
+        await self._envs.aclose()
 
     async def generate_batched(
         self,
@@ -503,10 +406,52 @@ class StructuredGymGenerator:
         sampling_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
     ) -> GeneratorOutput:
-        """SkyRL's single-turn batched path (``generator.batched=true``): one engine call for the batch."""
+        """SkyRL's single-turn batched path (``generator.batched=true``): one engine call for the batch.
+
+        ``generator.observers`` hear each prompt as a rollout (no progress bar here).
+        """
+        return await self._batched(prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt)
+
+    async def _batched(
+        self,
+        prompts: list[ConversationType],
+        env_classes: list[str],
+        env_extras: list[dict[str, Any]],
+        max_tokens: int,
+        sampling_params: dict[str, Any] | None,
+        cache_salt: str | None,
+        *,
+        trajectory_ids: list[Any] | None = None,
+        progress: Progress | None = None,
+    ) -> GeneratorOutput:
+        """The batched path with this generator's collaborators (never the generator itself)."""
+        setup = BatchedSetup(
+            runner=self._env_runner(),
+            skyrl_gym_cfg=self.skyrl_gym_cfg,
+            chat=self._chat,
+            max_turns=self.max_turns,
+            cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
+            overlong_filtering=bool(self.generator_cfg.apply_overlong_filtering),
+            policy_model_name=self.policy_model_name,
+        )
+        observers = Observers(self.observers if progress is None else [progress, *self.observers])
         async with bridged_client(self.inference_engine_client) as client:
+            batch = BatchContext(
+                generator=self,
+                client=client,
+                default_params=sampling_params_dict(self.generator_cfg.sampling_params),
+                observers=observers,
+            )
             return await generate_batched(
-                self, client, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+                batch,
+                setup,
+                prompts,
+                env_classes,
+                env_extras,
+                max_tokens,
+                sampling_params,
+                cache_salt=cache_salt,
+                trajectory_ids=trajectory_ids,
             )
 
     async def _generate_rollouts(

@@ -330,35 +330,6 @@ def failed_record(
     )
 
 
-def batched_records(
-    output: Any, *, env_classes: Sequence[str], trajectory_ids: Sequence[Any] | None, elapsed: float
-) -> list[FinishedTrajectory]:
-    """One record per row of the batched path's ``GeneratorOutput`` (one engine call, no retries)."""
-    logprobs = output.get("rollout_logprobs")
-    records = []
-    for i, response in enumerate(output["response_ids"]):
-        reward = output["rewards"][i]
-        step = TrajectoryStep(
-            prompt_ids=_ints(output["prompt_token_ids"][i]),
-            response_ids=_ints(response),
-            loss_mask=_ints(output["loss_masks"][i]),
-            reward=tuple(float(r) for r in reward) if isinstance(reward, list | tuple) else float(reward),
-            stop_reason=str(output["stop_reasons"][i]),
-            logprobs=tuple(float(p) for p in logprobs[i]) if logprobs is not None else None,
-        )
-        records.append(
-            FinishedTrajectory(
-                index=i,
-                trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
-                env_class=str(env_classes[i]),
-                attempts=1,
-                elapsed=elapsed,
-                steps=(step,),
-            )
-        )
-    return records
-
-
 # Observers built on the classes above, public from here; imported last because they subclass them.
 from ._observers.otel import OpenTelemetryObserver as OpenTelemetryObserver  # noqa: E402
 from ._observers.prometheus import PrometheusObserver as PrometheusObserver  # noqa: E402

@@ -1,10 +1,11 @@
-"""Builders shared by the generator tests: batches of scripted rollouts and a task census."""
+"""Builders shared by the generator tests: batches of scripted rollouts, a task census, template-call counts."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable, Hashable
+from types import TracebackType
 from typing import Any, TypeVar
 
 import sniffio
@@ -17,6 +18,7 @@ from skyrl_structured import (
     StructuredGymGenerator,
     TrajectoryID,
 )
+from skyrl_structured._episode.chat import ChatTokenizer
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
@@ -96,3 +98,49 @@ def not_none(value: T | None) -> T:
     """``value``, asserted not None: reads an optional output field where a statement cannot narrow it."""
     assert value is not None
     return value
+
+
+class TemplateCalls:
+    """Counts a tokenizer's own ``apply_chat_template`` calls, through a wrapper set on the instance.
+
+    What it tells about a ``ChatTokenizer`` render: no call, the memo or the fast render path served
+    it; one call, ``apply_chat_template`` did. The fast path's stock-tokenizer rule refuses an instance
+    with its own ``apply_chat_template``, and a ``ChatTokenizer`` reads that rule once, when it is built:
+    count from after that to watch the fast path (once the template's self-check, which calls
+    ``apply_chat_template``, has run on a first render), from before it to leave only the memo in
+    front of ``apply_chat_template``. Leaving the block deletes the wrapper (``monkeypatch`` would
+    leave a bound method on the instance, which the stock-tokenizer rule refuses as well).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.count = 0
+
+    def __enter__(self) -> TemplateCalls:
+        original = self.tokenizer.apply_chat_template
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        self.tokenizer.apply_chat_template = counted
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        del self.tokenizer.apply_chat_template
+
+    def render(
+        self, chat: ChatTokenizer, messages: Any, *, agp: bool, template: str | None = None
+    ) -> tuple[list[int], int]:
+        """``chat.render(...)``'s ids, and how many ``apply_chat_template`` calls it made."""
+        before = self.count
+        ids = chat.render(messages, add_generation_prompt=agp, chat_template=template)
+        return ids, self.count - before
+
+    def observation_ids(self, chat: ChatTokenizer, observation: Any, *, done: bool) -> tuple[list[int], int]:
+        """``chat.observation_ids(...)`` (multi-turn), and how many ``apply_chat_template`` calls it made."""
+        before = self.count
+        ids = chat.observation_ids(observation, done=done, multi_turn=True)
+        return ids, self.count - before

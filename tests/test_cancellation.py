@@ -16,7 +16,7 @@ import pytest
 import skyrl_gym
 
 from skyrl_structured import GeneratorInput
-from skyrl_structured.envs import active_env_thread_calls
+from skyrl_structured.envs import active_env_thread_calls, wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
 
@@ -55,9 +55,7 @@ def hooked_batch(n: int, ledger: EnvLedger, **hooks: Any) -> GeneratorInput:
 
 
 async def wait_thread_calls_drained() -> None:
-    with anyio.fail_after(10):
-        while active_env_thread_calls():  # noqa: ASYNC110 - a counter fed by threads; nothing to wait on
-            await anyio.sleep(0.01)
+    assert await anyio.to_thread.run_sync(wait_env_thread_calls, 10)
 
 
 async def cancel_when(started: anyio.Event, gen, batch, *, after_cancel: Callable[[], object] | None = None) -> bool:

@@ -13,7 +13,8 @@ from skyrl_gym.envs.sql.env import Text2SQLEnvConfig
 
 from skyrl_structured import GeneratorConfig, SamplingParams
 from skyrl_structured.cli import main
-from skyrl_structured.cli._config import ConfigError, check_config, load_config
+from skyrl_structured.cli._checks import check_config
+from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import load_dataset
 from skyrl_structured.cli._engine import chaos_policy
 from skyrl_structured.cli._help import keys_help
@@ -26,6 +27,7 @@ from skyrl_structured.cli._schema import (
     CLISkyRLGymConfig,
     key_specs,
 )
+from skyrl_structured.cli._values import ConfigError
 from skyrl_structured.envs import env_config_for
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from skyrl_structured import SamplingParams, TrajectoryID
-from skyrl_structured.cli._config import ConfigError
 from skyrl_structured.cli._data import build_batch, engine_sampling_params, load_dataset
+from skyrl_structured.cli._values import ConfigError
 
 ROWS = [
     {

@@ -19,8 +19,9 @@ import pytest
 from skyrl_structured import tiny
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import build_batch, load_dataset
-from skyrl_structured.cli._report import format_summary, summarize
 from skyrl_structured.cli._run import run_step
+from skyrl_structured.cli._summary import summarize
+from skyrl_structured.cli._table import format_summary
 
 
 @pytest.mark.anyio

@@ -17,8 +17,10 @@ from skyrl_structured import (
 )
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import build_batch, load_dataset
-from skyrl_structured.cli._report import format_summary, summarize, write_outputs
+from skyrl_structured.cli._outputs import write_outputs
 from skyrl_structured.cli._run import RunResult, Tally
+from skyrl_structured.cli._summary import summarize
+from skyrl_structured.cli._table import format_summary
 from skyrl_structured.cli._trajectories import TrajectoryLog
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
@@ -231,7 +233,7 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
 
 
 def test_counts_read_in_the_singular_where_they_are_one():
-    from skyrl_structured.cli._report import batch_line, environments_line
+    from skyrl_structured.cli._summary import batch_line, environments_line
 
     assert batch_line(1, 1, 1, "d.jsonl") == "1 prompt x 1 sample = 1 rollout from d.jsonl"
     assert batch_line(12, 4, 48, "d.jsonl") == "12 prompts x 4 samples = 48 rollouts from d.jsonl"

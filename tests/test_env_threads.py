@@ -8,6 +8,7 @@ import time
 import anyio
 import pytest
 
+from skyrl_structured.envs import wait_env_thread_calls
 from skyrl_structured.envs._threads import EnvCall, EnvThreadPool, active_env_thread_calls
 
 pytestmark = pytest.mark.anyio
@@ -94,12 +95,18 @@ async def test_a_pending_call_can_be_skipped_but_a_close_cannot(anyio_backend):
 
 async def test_a_waiter_cancelled_leaves_the_call_running(anyio_backend):
     pool = EnvThreadPool(1)
-    release = threading.Event()
-    call = EnvCall(release.wait, 10, skippable=False)
+    release, started = threading.Event(), threading.Event()
+
+    def work() -> bool:
+        started.set()
+        return release.wait(10)
+
+    call = EnvCall(work, skippable=False)
     pool.submit(call)
     with anyio.move_on_after(0.05):
         await call.wait()
-    await _until(lambda: call.running)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
+    assert not call.done
     assert active_env_thread_calls() >= 1
     release.set()
     await call.wait()
@@ -108,17 +115,18 @@ async def test_a_waiter_cancelled_leaves_the_call_running(anyio_backend):
 
 async def test_then_runs_the_follower_in_the_same_thread_right_after(anyio_backend):
     pool = EnvThreadPool(2)
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     threads: list[threading.Thread] = []
 
     def first() -> None:
         threads.append(threading.current_thread())
+        started.set()
         release.wait(10)
 
     call = EnvCall(first)
     follower = EnvCall(lambda: threads.append(threading.current_thread()), skippable=False)
     pool.submit(call)
-    await _until(lambda: call.running)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
     call.then(follower, pool)
     release.set()
     await follower.wait()
@@ -188,3 +196,21 @@ async def test_calls_that_need_each_other_run_together_across_idle_timeouts(anyi
                 await call.wait()
             call.result()  # BrokenBarrierError if the other call never ran alongside
         await anyio.sleep(0.005 * (round_ % 4))
+
+
+async def test_wait_env_thread_calls_waits_for_a_running_call_and_says_whether_it_returned(anyio_backend):
+    pool = EnvThreadPool(1)
+    release, started = threading.Event(), threading.Event()
+
+    def blocking() -> None:
+        started.set()
+        release.wait(10)
+
+    call = EnvCall(blocking)
+    pool.submit(call)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
+    assert not await anyio.to_thread.run_sync(wait_env_thread_calls, 0.05)  # still running: timed out
+    release.set()
+    assert await anyio.to_thread.run_sync(wait_env_thread_calls, 10)
+    assert active_env_thread_calls() == 0
+    await call.wait()

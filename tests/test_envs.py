@@ -217,6 +217,23 @@ class InheritedProxyEnv(ProxyingEnv):
     """Inherits the custom lookup."""
 
 
+def test_skyrl_gyms_base_closes_do_nothing():
+    """The shortcut's premise, checked against the installed skyrl_gym: its base ``close`` bodies
+    are empty (only a docstring or ``pass``), so running one on the event loop cannot block."""
+
+    def documented(self):
+        """Only a docstring."""
+
+    def bare(self):
+        pass
+
+    empty = {(f.__code__.co_code, f.__code__.co_consts[1:]) for f in (documented, bare)}
+    for cls in (skyrl_gym.Env, BaseTextEnv):
+        code = cls.close.__code__
+        assert not code.co_names, f"{cls.__name__}.close calls {code.co_names}: drop it from _NOOP_BASE_CLOSES"
+        assert (code.co_code, code.co_consts[1:]) in empty, f"{cls.__name__}.close does work"
+
+
 def test_only_the_inherited_noop_close_is_recognised():
     from skyrl_structured.envs import has_noop_close
 

@@ -15,8 +15,9 @@ from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGener
 from skyrl_structured._runtime.supervisor import describe_error
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import build_batch, load_dataset
-from skyrl_structured.cli._report import format_summary, summarize
 from skyrl_structured.cli._run import RunResult, Tally
+from skyrl_structured.cli._summary import summarize
+from skyrl_structured.cli._table import format_summary
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 

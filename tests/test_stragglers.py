@@ -162,13 +162,11 @@ async def test_a_straggler_that_finishes_within_the_grace_is_kept(tokenizer, any
         async with anyio.create_task_group() as group:
             gen.pause()
             group.start_soon(run)
-            while ledger.closed < 8:  # noqa: ASYNC110 - the eight quick rollouts are final: the grace has begun
-                await anyio.sleep(0.01)
+            assert await anyio.to_thread.run_sync(ledger.wait_for, lambda: ledger.closed >= 8, 20)
             await anyio.sleep(0.2)  # four graces' worth of wall time: paused, none of it counts
             assert "out" not in result
             handler.release.set()  # q4_1 finishes within its grace
-            while ledger.closed < 9:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+            assert await anyio.to_thread.run_sync(ledger.wait_for, lambda: ledger.closed >= 9, 20)
             gen.resume()  # now the grace runs out and q4_0 is cut
     out = result["out"]
     assert out["stop_reasons"] == ["stop"] * 8 + [ROLLOUT_ERROR_STOP_REASON, "stop"]
@@ -190,8 +188,7 @@ async def test_a_batch_whose_stragglers_all_finish_does_not_wait_out_the_grace(t
     with anyio.fail_after(30):  # far less than the grace: the grace ends with its last rollout
         async with anyio.create_task_group() as group:
             group.start_soon(run)
-            while ledger.closed < 2:  # noqa: ASYNC110 - the cutoff is reached, the grace has begun
-                await anyio.sleep(0.01)
+            assert await anyio.to_thread.run_sync(ledger.wait_for, lambda: ledger.closed >= 2, 20)
             handler.release.set()
     assert result["out"]["stop_reasons"] == ["stop"] * 4
     assert metrics(result["out"])["generate/num_cut_rollouts"] == 0
@@ -248,8 +245,7 @@ async def test_group_scope_counts_each_prompt_group_on_its_own(tokenizer, anyio_
             # the other one its grace: pausing makes that grace outlast it, whichever finishes first.
             gen.pause()
             handler.release.set()
-            while ledger.closed < 12:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+            assert await anyio.to_thread.run_sync(ledger.wait_for, lambda: ledger.closed >= 12, 20)
             gen.resume()
     out = result["out"]
     cut = [ROLLOUT_ERROR_STOP_REASON]

@@ -15,7 +15,7 @@ import pytest
 import skyrl_gym
 
 from skyrl_structured import GeneratorInput, RolloutCancelledError
-from skyrl_structured.envs import active_env_thread_calls
+from skyrl_structured.envs import wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
 
@@ -38,11 +38,10 @@ def _raiser(exc: BaseException, *, on_turn: int = 1):
 
 async def _drain_threads(ledger: EnvLedger | None = None) -> None:
     """Wait for env calls still running in threads and, given a ledger, for every close (queued ones too)."""
-    with anyio.fail_after(10):
-        # A poll: the count of env calls in threads (abandoned ones included) and the ledger's closes
-        # are fed by worker threads, and neither has a hook an event loop could wait on.
-        while active_env_thread_calls() or (ledger is not None and ledger.never_closed()):  # noqa: ASYNC110
-            await anyio.sleep(0.01)
+    # Both are fed by worker threads: wait on their conditions in a thread.
+    if ledger is not None:
+        assert await anyio.to_thread.run_sync(ledger.wait_for, lambda: not ledger.never_closed(), 10)
+    assert await anyio.to_thread.run_sync(wait_env_thread_calls, 10)
 
 
 def _sessions_finished(engine: ScriptedEngine) -> None:

@@ -17,6 +17,7 @@ from skyrl_structured._episode.chat import BUILTIN_CHAT_TEMPLATES, ChatTokenizer
 from skyrl_structured._episode.fast_render import FAST_RENDER_TRANSFORMERS, FastRender
 from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
+from tests.helpers import TemplateCalls
 from tests.test_tokens_memo import CUSTOM_TEMPLATE
 
 # A Llama-style template that reads the tokenizer's special tokens from the template variables.
@@ -72,20 +73,29 @@ def fresh(tokenizer: Any, messages: ConversationType, *, add_generation_prompt: 
     return list(out["input_ids"] if isinstance(out, dict) else out)
 
 
-def fast_of(chat: ChatTokenizer) -> FastRender:
-    assert chat._fast is not None, "a stock fast tokenizer gets the fast path"
-    return chat._fast
+# Rendered once per template before a render is watched: a template's first render runs its self-check, which calls
+# apply_chat_template. No drawn conversation is this one: st.text draws 40 characters at most, no piece has a 'w'.
+WARM_UP: ConversationType = [{"role": "user", "content": "warm-up: the first render of a template checks it both ways"}]
 
 
-def render_unmemoized(chat: ChatTokenizer, messages: ConversationType, *, agp: bool, template: str | None) -> Any:
-    """``chat.render`` with the memo emptied first, so the render path itself answers."""
-    chat.memo.clear()
-    return chat.render(messages, add_generation_prompt=agp, chat_template=template)
+def warmed(chat: ChatTokenizer, *templates: str | None) -> ChatTokenizer:
+    """``chat``, with each template's self-check done."""
+    for template in templates:
+        chat.render(WARM_UP, add_generation_prompt=True, chat_template=template)
+    return chat
+
+
+def render_watched(
+    chat: ChatTokenizer, messages: ConversationType, *, agp: bool, template: str | None
+) -> tuple[list[int], int]:
+    """``chat.render``'s ids, and the ``apply_chat_template`` calls it made: 0 where the fast path served it."""
+    with TemplateCalls(chat.tokenizer) as calls:
+        return calls.render(chat, messages, agp=agp, template=template)
 
 
 @pytest.fixture(scope="module")
 def chat(tokenizer: Any) -> ChatTokenizer:
-    return ChatTokenizer(tokenizer, None, multi_turn=True)
+    return warmed(ChatTokenizer(tokenizer, None, multi_turn=True), *TEMPLATES.values())
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
@@ -96,10 +106,10 @@ def test_fast_render_is_token_exact(
 ) -> None:
     template = TEMPLATES[name]
     expected = fresh(tokenizer, messages, add_generation_prompt=add_generation_prompt, template=template)
-    served = fast_of(chat).renders
-    assert render_unmemoized(chat, messages, agp=add_generation_prompt, template=template) == expected
-    assert fast_of(chat).renders == served + 1, "the fast path served this render"
-    assert not fast_of(chat).disabled
+    ids, slow = render_watched(chat, messages, agp=add_generation_prompt, template=template)
+    assert ids == expected
+    # Not apply_chat_template: the fast path served it (an example drawn twice, the memo, after the fast path).
+    assert slow == 0
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +128,16 @@ def test_fast_render_is_token_exact_on_the_qwen_vocabulary(
     # 151k tokens, Qwen2.5's pre-tokenizer regex, an NFC normalizer and 22 added tokens (two of them not special).
     chat = _qwen_chat(qwen_tokenizer)
     expected = fresh(qwen_tokenizer, messages, add_generation_prompt=add_generation_prompt, template=None)
-    served = fast_of(chat).renders
-    assert render_unmemoized(chat, messages, agp=add_generation_prompt, template=None) == expected
-    assert fast_of(chat).renders == served + 1
+    assert render_watched(chat, messages, agp=add_generation_prompt, template=None) == (expected, 0)
 
 
 _QWEN_CHATS: dict[int, ChatTokenizer] = {}
 
 
 def _qwen_chat(tokenizer: Any) -> ChatTokenizer:
-    return _QWEN_CHATS.setdefault(id(tokenizer), ChatTokenizer(tokenizer, None, multi_turn=True))
+    if id(tokenizer) not in _QWEN_CHATS:
+        _QWEN_CHATS[id(tokenizer)] = warmed(ChatTokenizer(tokenizer, None, multi_turn=True), None)
+    return _QWEN_CHATS[id(tokenizer)]
 
 
 @_HYPOTHESIS
@@ -136,8 +146,8 @@ def test_observation_ids_through_the_fast_path(
     chat: ChatTokenizer, tokenizer: Any, observation: ConversationType, done: bool
 ) -> None:
     full = fresh(tokenizer, [*chat.base_conversation, *observation], add_generation_prompt=not done, template=None)
-    chat.memo.clear()
-    assert chat.observation_ids(observation, done=done, multi_turn=True) == full[len(chat.base_ids) :]
+    with TemplateCalls(tokenizer) as calls:
+        assert calls.observation_ids(chat, observation, done=done) == (full[len(chat.base_ids) :], 0)
 
 
 THINKING_TEMPLATE = (
@@ -159,9 +169,8 @@ def test_chat_template_kwargs_reach_the_template(tokenizer: Any, enable_thinking
         return_dict=False,
         enable_thinking=enable_thinking,
     )
-    served = fast_of(chat).renders
-    assert render_unmemoized(chat, messages, agp=True, template=THINKING_TEMPLATE) == list(expected)
-    assert fast_of(chat).renders == served + 1
+    warmed(chat, THINKING_TEMPLATE)
+    assert render_watched(chat, messages, agp=True, template=THINKING_TEMPLATE) == (list(expected), 0)
 
 
 def test_kwargs_that_are_apply_chat_template_options_keep_their_meaning(tokenizer: Any) -> None:
@@ -169,11 +178,10 @@ def test_kwargs_that_are_apply_chat_template_options_keep_their_meaning(tokenize
     chat = ChatTokenizer(tokenizer, {"continue_final_message": True}, multi_turn=False)
     messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi the"}]
     expected = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False)
-    served = fast_of(chat).renders
-    ids = render_unmemoized(chat, messages, agp=False, template=None)
+    ids, slow = render_watched(chat, messages, agp=False, template=None)
     assert ids == list(expected)
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHi the")
-    assert fast_of(chat).renders == served
+    assert slow == 1  # apply_chat_template rendered it: the fast path does not take its options
 
 
 # Messages apply_chat_template rewrites before the template sees them: a None value is dropped, reasoning is
@@ -201,9 +209,7 @@ def test_messages_apply_chat_template_rewrites_keep_its_meaning(tokenizer: Any, 
     chat = ChatTokenizer(tokenizer, None, multi_turn=True)
     messages = [{"role": "user", "content": "q"}, message]
     expected = fresh(tokenizer, messages, add_generation_prompt=False, template=SHOW_FIELDS)
-    served = fast_of(chat).renders
-    assert render_unmemoized(chat, messages, agp=False, template=SHOW_FIELDS) == expected
-    assert fast_of(chat).renders == served
+    assert render_watched(chat, messages, agp=False, template=SHOW_FIELDS) == (expected, 1)
     text = tokenizer.decode(expected)
     assert "calls" not in text
     assert "None" not in text
@@ -217,14 +223,11 @@ def test_a_template_error_is_the_same_error(tokenizer: Any) -> None:
     with pytest.raises(jinja2.TemplateError, match="system first"):
         fresh(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=False, template=template)
     with pytest.raises(jinja2.TemplateError, match="system first"):
-        render_unmemoized(chat, [{"role": "user", "content": "hi"}], agp=False, template=template)
+        chat.render([{"role": "user", "content": "hi"}], add_generation_prompt=False, chat_template=template)
     # The template still renders what it accepts, through the fast path.
     accepted = [{"role": "system", "content": "s"}]
-    served = fast_of(chat).renders
-    assert render_unmemoized(chat, accepted, agp=False, template=template) == fresh(
-        tokenizer, accepted, add_generation_prompt=False, template=template
-    )
-    assert fast_of(chat).renders == served + 1
+    expected = fresh(tokenizer, accepted, add_generation_prompt=False, template=template)
+    assert render_watched(chat, accepted, agp=False, template=template) == (expected, 0)
 
 
 def test_backend_truncation_is_never_served(tokenizer: Any) -> None:
@@ -233,7 +236,7 @@ def test_backend_truncation_is_never_served(tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "a question long enough to cut"}]
     expected = fresh(tok, messages, add_generation_prompt=True, template=None)
     tok.backend_tokenizer.enable_truncation(max_length=3)  # set by hand; apply_chat_template would clear it
-    assert render_unmemoized(chat, messages, agp=True, template=None) == expected
+    assert render_watched(chat, messages, agp=True, template=None) == (expected, 1)
     assert len(expected) > 3
 
 
@@ -241,16 +244,19 @@ def test_split_special_tokens_is_honoured(tokenizer: Any) -> None:
     tok = build_chatml_tokenizer()
     chat = ChatTokenizer(tok, None, multi_turn=True)
     messages = [{"role": "user", "content": "hi"}]
-    normal = render_unmemoized(chat, messages, agp=False, template=None)
+    later = [{"role": "user", "content": "hi again"}]
+    normal = chat.render(messages, add_generation_prompt=False)
     tok.split_special_tokens = True  # special tokens are then encoded as their text
-    first = render_unmemoized(chat, messages, agp=False, template=None)
-    expected = fresh(tok, messages, add_generation_prompt=False, template=None)
-    served = fast_of(chat).renders
-    again = render_unmemoized(chat, messages, agp=False, template=None)
-    assert first == again == expected
+    first, first_slow = render_watched(chat, later, agp=False, template=None)
+    expected = fresh(tok, later, add_generation_prompt=False, template=None)
+    # Once the backend agrees with the flag (apply_chat_template set it), the fast path serves it.
+    second = [{"role": "user", "content": "hi once more"}]
+    again, again_slow = render_watched(chat, second, agp=False, template=None)
+    assert first == expected
+    assert again == fresh(tok, second, add_generation_prompt=False, template=None)
     assert tok.convert_tokens_to_ids("<|im_start|>") in normal
     assert tok.convert_tokens_to_ids("<|im_start|>") not in expected
-    assert fast_of(chat).renders == served + 1  # once the backend agrees with the flag, the fast path serves it
+    assert (first_slow, again_slow) == (1, 0)
 
 
 class _BosTokenizer(PreTrainedTokenizerFast):
@@ -276,12 +282,12 @@ def _bos_tokenizer() -> Any:
 
 def test_a_tokenizer_with_its_own_encoding_keeps_it() -> None:
     tok = _bos_tokenizer()
-    chat = ChatTokenizer(tok, None, multi_turn=True)
-    assert chat._fast is None
+    chat = warmed(ChatTokenizer(tok, None, multi_turn=True), None)
     messages = [{"role": "user", "content": "hello"}]
-    ids = chat.render(messages, add_generation_prompt=True)
+    ids, slow = render_watched(chat, messages, agp=True, template=None)
     assert ids == fresh(tok, messages, add_generation_prompt=True, template=None)
     assert ids[0] == tok.pad_token_id
+    assert slow == 1  # every render goes through apply_chat_template, the tokenizer's own encoding included
 
 
 def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptureFixture) -> None:
@@ -293,7 +299,6 @@ def test_the_self_check_turns_the_fast_path_off_for_good(caplog: pytest.LogCaptu
     assert fast.render(messages, True, tok.chat_template, {}) is None
     assert fast.disabled
     assert fast.render(messages, True, CUSTOM_TEMPLATE, {}) is None
-    assert fast.renders == 0
     notes = [
         r
         for r in caplog.records
@@ -331,9 +336,7 @@ def test_a_transformers_outside_the_checked_range_takes_the_slow_path(
     with caplog.at_level(logging.INFO, logger="skyrl_structured._episode.fast_render"):
         assert FastRender.for_tokenizer(tokenizer) is None
     assert "transformers 6.0.0 is outside >=4.46,<6" in caplog.text
-    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
-    assert chat._fast is None
+    chat = warmed(ChatTokenizer(tokenizer, None, multi_turn=True), None)
     messages: ConversationType = [{"role": "user", "content": "Hi"}]
-    assert chat.render(messages, add_generation_prompt=True) == fresh(
-        tokenizer, messages, add_generation_prompt=True, template=None
-    )
+    expected = fresh(tokenizer, messages, add_generation_prompt=True, template=None)
+    assert render_watched(chat, messages, agp=True, template=None) == (expected, 1)

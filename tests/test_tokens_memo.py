@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -9,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skyrl_structured._episode.chat import _MEMO_ENTRIES, BUILTIN_CHAT_TEMPLATES, ChatTokenizer
+from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
+from tests.helpers import TemplateCalls
 
 # A custom template unlike ChatML: role names in brackets, a BOS-like prefix, its own generation prompt.
 CUSTOM_TEMPLATE = """\
@@ -38,94 +41,127 @@ def fresh(
 
 
 @pytest.fixture(scope="module")
-def chat(tokenizer: Any) -> ChatTokenizer:
-    return ChatTokenizer(tokenizer, None, multi_turn=True)
+def calls() -> Iterator[TemplateCalls]:
+    """A tokenizer of this module's own whose ``apply_chat_template`` calls are counted from the start.
+
+    Counted before any ``ChatTokenizer`` is built on it, so none of them takes the fast path: every
+    render the memo does not serve is exactly one ``apply_chat_template`` call, and a hit is none.
+    """
+    with TemplateCalls(build_chatml_tokenizer()) as counted:
+        yield counted
+
+
+@pytest.fixture(scope="module")
+def chat(calls: TemplateCalls) -> ChatTokenizer:
+    return ChatTokenizer(calls.tokenizer, None, multi_turn=True)
+
+
+def new_chat(calls: TemplateCalls) -> ChatTokenizer:
+    return ChatTokenizer(calls.tokenizer, None, multi_turn=True)
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=_conversation, add_generation_prompt=st.booleans())
 def test_memoized_render_is_token_exact(
-    chat: ChatTokenizer, tokenizer: Any, name: str, messages: ConversationType, add_generation_prompt: bool
+    chat: ChatTokenizer, calls: TemplateCalls, name: str, messages: ConversationType, add_generation_prompt: bool
 ) -> None:
-    template = TEMPLATES[name]
-    expected = fresh(tokenizer, messages, add_generation_prompt=add_generation_prompt, template=template)
-    first = chat.render(messages, add_generation_prompt=add_generation_prompt, chat_template=template)
-    hits = chat.memo.hits
-    again = chat.render(
-        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, chat_template=template
-    )
+    template, agp = TEMPLATES[name], add_generation_prompt
+    expected = fresh(calls.tokenizer, messages, add_generation_prompt=agp, template=template)
+    first, _ = calls.render(chat, messages, agp=agp, template=template)
+    again, rendered = calls.render(chat, [dict(m) for m in messages], agp=agp, template=template)
     assert first == expected
     assert again == expected
-    assert chat.memo.hits == hits + 1  # the repeat (an equal copy, not the same object) came from the memo
+    assert rendered == 0  # the repeat (an equal copy, not the same object) came from the memo
     # The other flag is another entry, never the cached one.
-    other = chat.render(messages, add_generation_prompt=not add_generation_prompt, chat_template=template)
-    assert other == fresh(tokenizer, messages, add_generation_prompt=not add_generation_prompt, template=template)
+    other, _ = calls.render(chat, messages, agp=not agp, template=template)
+    assert other == fresh(calls.tokenizer, messages, add_generation_prompt=not agp, template=template)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(observation=st.lists(_message, min_size=1, max_size=3), done=st.booleans())
 def test_observation_ids_match_the_fixed_base_encoding(
-    chat: ChatTokenizer, tokenizer: Any, observation: ConversationType, done: bool
+    chat: ChatTokenizer, calls: TemplateCalls, observation: ConversationType, done: bool
 ) -> None:
-    full = fresh(tokenizer, [*chat.base_conversation, *observation], add_generation_prompt=not done, template=None)
+    conversation = [*chat.base_conversation, *observation]
+    full = fresh(calls.tokenizer, conversation, add_generation_prompt=not done, template=None)
     expected = full[len(chat.base_ids) :]
-    assert chat.observation_ids(observation, done=done, multi_turn=True) == expected
-    assert chat.observation_ids(observation, done=done, multi_turn=True) == expected
+    assert calls.observation_ids(chat, observation, done=done)[0] == expected
+    assert calls.observation_ids(chat, observation, done=done) == (expected, 0)  # the memo's
 
 
-def test_a_new_chat_template_on_the_tokenizer_is_not_served_stale_ids(tokenizer: Any) -> None:
-    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+def test_a_new_chat_template_on_the_tokenizer_is_not_served_stale_ids(calls: TemplateCalls) -> None:
+    tokenizer = calls.tokenizer
+    chat = new_chat(calls)
     messages = [{"role": "user", "content": "hello there"}]
     before = chat.render(messages, add_generation_prompt=True)
     saved = tokenizer.chat_template
     try:
         tokenizer.chat_template = CUSTOM_TEMPLATE
-        after = chat.render(messages, add_generation_prompt=True)
+        after, rendered = calls.render(chat, messages, agp=True)
     finally:
         tokenizer.chat_template = saved
     assert after == fresh(tokenizer, messages, add_generation_prompt=True, template=CUSTOM_TEMPLATE)
     assert after != before
-    assert chat.render(messages, add_generation_prompt=True) == before
+    assert rendered == 1
+    assert calls.render(chat, messages, agp=True) == (before, 0)  # the first template's entry still holds
 
 
-def test_a_changed_base_conversation_changes_observation_ids(tokenizer: Any) -> None:
-    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+def test_a_changed_base_conversation_changes_observation_ids(calls: TemplateCalls) -> None:
+    chat = new_chat(calls)
     observation = [{"role": "user", "content": "tool says 4"}]
     chat.observation_ids(observation, done=False, multi_turn=True)
     chat.base_conversation[0]["content"] = "You are a terse assistant."  # edited in place, as SkyRL allows
-    full = fresh(tokenizer, [*chat.base_conversation, *observation], add_generation_prompt=True, template=None)
-    assert chat.observation_ids(observation, done=False, multi_turn=True) == full[len(chat.base_ids) :]
-    assert chat.memo.hits == 0
+    conversation = [*chat.base_conversation, *observation]
+    full = fresh(calls.tokenizer, conversation, add_generation_prompt=True, template=None)
+    assert calls.observation_ids(chat, observation, done=False) == (full[len(chat.base_ids) :], 1)
 
 
-def test_handed_out_ids_are_independent_copies(tokenizer: Any) -> None:
-    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+def test_handed_out_ids_are_independent_copies(calls: TemplateCalls) -> None:
+    chat = new_chat(calls)
     messages = [{"role": "user", "content": "count to three"}]
     first = chat.render(messages, add_generation_prompt=True)
     expected = list(first)
     first.append(-1)
-    assert chat.render(messages, add_generation_prompt=True) == expected
+    assert calls.render(chat, messages, agp=True) == (expected, 0)  # from the memo, untouched by the append
 
 
-def test_unhashable_content_is_rendered_every_time(tokenizer: Any) -> None:
-    chat = ChatTokenizer(tokenizer, None, multi_turn=True)
+def test_unhashable_content_is_rendered_every_time(calls: TemplateCalls) -> None:
+    chat = new_chat(calls)
     template = "{%- for m in messages -%}{{- m['role'] ~ (m['parts'] | join(',')) ~ '<|im_end|>' -}}{%- endfor -%}"
     messages = [{"role": "user", "content": "x", "parts": ["a", "b"]}]
-    misses, hits = chat.memo.misses, chat.memo.hits
-    one = chat.render(messages, add_generation_prompt=False, chat_template=template)
-    two = chat.render(messages, add_generation_prompt=False, chat_template=template)
-    assert one == two == fresh(tokenizer, messages, add_generation_prompt=False, template=template)
-    assert (chat.memo.misses, chat.memo.hits) == (misses, hits)
+    expected = fresh(calls.tokenizer, messages, add_generation_prompt=False, template=template)
+    assert calls.render(chat, messages, agp=False, template=template) == (expected, 1)
+    assert calls.render(chat, messages, agp=False, template=template) == (expected, 1)
 
 
-def test_the_memo_is_bounded(tokenizer: Any) -> None:
+def test_the_memo_is_bounded(calls: TemplateCalls) -> None:
+    chat = new_chat(calls)
+
+    def question(i: int) -> ConversationType:
+        return [{"role": "user", "content": f"q{i}"}]
+
+    extra = 50
+    for i in range(_MEMO_ENTRIES + extra):
+        chat.render(question(i), add_generation_prompt=True)
+    # The oldest went first: the last _MEMO_ENTRIES questions are kept, the one before them is rendered again.
+    assert calls.render(chat, question(_MEMO_ENTRIES + extra - 1), agp=True)[1] == 0
+    assert calls.render(chat, question(extra), agp=True)[1] == 0
+    assert calls.render(chat, question(extra - 1), agp=True)[1] == 1
+
+
+def test_flipping_split_special_tokens_is_not_served_stale_ids():
+    """The memo's key includes the tokenizer's ``split_special_tokens``: it changes the ids."""
+    tokenizer = build_chatml_tokenizer()
     chat = ChatTokenizer(tokenizer, None, multi_turn=True)
-    for i in range(_MEMO_ENTRIES + 50):
-        chat.render([{"role": "user", "content": f"q{i}"}], add_generation_prompt=True)
-    assert len(chat.memo._entries) == _MEMO_ENTRIES
-    # The oldest went first: rendering it again is a miss, the newest a hit.
-    hits = chat.memo.hits
-    chat.render([{"role": "user", "content": f"q{_MEMO_ENTRIES + 49}"}], add_generation_prompt=True)
-    chat.render([{"role": "user", "content": "q0"}], add_generation_prompt=True)
-    assert chat.memo.hits == hits + 1
+    messages: ConversationType = [{"role": "user", "content": "say <|im_end|> please"}]
+    whole = chat.render(messages, add_generation_prompt=True)
+    assert whole == fresh(tokenizer, messages, add_generation_prompt=True, template=None)
+    tokenizer.split_special_tokens = True
+    try:
+        split = chat.render(messages, add_generation_prompt=True)
+        assert split == fresh(tokenizer, messages, add_generation_prompt=True, template=None)
+        assert split != whole
+    finally:
+        tokenizer.split_special_tokens = False
+    assert chat.render(messages, add_generation_prompt=True) == whole

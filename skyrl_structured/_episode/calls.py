@@ -4,21 +4,23 @@ Both episodes (:class:`~skyrl_structured._episode.episode.Episode` and
 :class:`~skyrl_structured._episode.vision.VisionEpisode`) make their ``generate`` requests and their
 ``env.init`` / ``env.step`` calls through these two helpers, so every rollout, text or
 vision-language, emits the same ``engine_call_*`` and ``env_call_*`` events (the trace recorder's
-``engine`` and ``env.*`` spans) and fills the same ``llm`` / ``env`` time splits.
+``engine`` and ``env.*`` spans) and fills the same ``llm`` / ``env`` time splits. SkyRL's batched
+single-turn path sends one request for all its rollouts through :func:`shared_engine_call`, which
+tells each of them the same two events.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from .._runtime.contexts import RolloutContext
 from ..observe import EnvMethod, RolloutObserver
 from ..types import InferenceEngineOutput
-from .replies import ReplyParts, read_reply
+from .replies import ReplyParts, read_replies, read_reply
 
-__all__ = ["engine_call", "env_call"]
+__all__ = ["engine_call", "env_call", "shared_engine_call"]
 
 _T = TypeVar("_T")
 
@@ -46,6 +48,39 @@ async def engine_call(
         raise
     context.emit(RolloutObserver.engine_call_finished, turn, len(parts[1]), parts[2], None)
     return parts
+
+
+async def shared_engine_call(
+    contexts: Sequence[RolloutContext],
+    prompt_tokens: Sequence[int],
+    request: Callable[[], Awaitable[InferenceEngineOutput]],
+) -> list[ReplyParts]:
+    """Send one engine request on behalf of several rollouts (turn 0 of each) and return each one's checked parts.
+
+    The batched path's rule: every rollout hears its own ``engine_call_started`` (with its prompt's
+    token count) before the request goes out and its own ``engine_call_finished`` once the whole
+    reply passed :func:`.replies.read_replies`; each waited the whole call, so each ``llm`` split
+    gets its time. When the call or the check raises (a cancellation included), every rollout's
+    ``engine_call_finished`` carries the error, which is then re-raised.
+    """
+    for context, tokens in zip(contexts, prompt_tokens, strict=True):
+        context.emit(RolloutObserver.engine_call_started, 0, tokens)
+    try:
+        started = time.monotonic()
+        try:
+            reply = await request()
+        finally:
+            elapsed = time.monotonic() - started
+            for context in contexts:
+                context.time_splits["llm"] += elapsed
+        all_parts = read_replies(reply, len(contexts))
+    except BaseException as exc:
+        for context in contexts:
+            context.emit(RolloutObserver.engine_call_finished, 0, None, None, exc)
+        raise
+    for context, parts in zip(contexts, all_parts, strict=True):
+        context.emit(RolloutObserver.engine_call_finished, 0, len(parts[1]), parts[2], None)
+    return all_parts
 
 
 async def env_call(

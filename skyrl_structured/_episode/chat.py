@@ -42,23 +42,19 @@ class _RenderMemo:
     bounded in number and in total tokens; ids are stored as tuples and handed out as fresh lists.
     """
 
-    __slots__ = ("_entries", "_lock", "_tokens", "hits", "misses")
+    __slots__ = ("_entries", "_lock", "_tokens")
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Hashable, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self._tokens = 0
-        self.hits = 0
-        self.misses = 0
 
     def get(self, key: Hashable) -> list[int] | None:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
-                self.misses += 1
                 return None
             self._entries.move_to_end(key)
-            self.hits += 1
         return list(found)
 
     def put(self, key: Hashable, ids: list[int]) -> None:
@@ -74,11 +70,6 @@ class _RenderMemo:
             while len(self._entries) > _MEMO_ENTRIES or self._tokens > _MEMO_TOKENS:
                 _, evicted = self._entries.popitem(last=False)
                 self._tokens -= len(evicted)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._tokens = 0
 
 
 class ChatTokenizer:
@@ -133,8 +124,9 @@ class ChatTokenizer:
     ) -> list[int]:
         """Token ids of ``messages`` under the chat template (ours or a custom one), memoized.
 
-        A repeat of the exact same messages, flag, template and ``chat_template_kwargs`` returns the
-        ids of the first render (a fresh list); anything unhashable in them is rendered every time.
+        A repeat of the exact same messages, flag, template, ``chat_template_kwargs`` and the
+        tokenizer's ``split_special_tokens`` returns the ids of the first render (a fresh list);
+        anything unhashable in them is rendered every time.
         A render goes through the self-checked fast path (``FastRender``) where it applies, else
         through ``apply_chat_template``; both give the same ids.
         """
@@ -146,6 +138,8 @@ class ChatTokenizer:
                 template,
                 add_generation_prompt,
                 tuple(self.kwargs.items()),
+                # A flag of the tokenizer's that changes how special-token text in a message encodes.
+                getattr(self.tokenizer, "split_special_tokens", False),
                 _messages_key(messages),
             )
             hash(key)

@@ -152,7 +152,7 @@ class FastRender:
     takes apply_chat_template. A failed self-check turns the fast path off for this tokenizer for good.
     """
 
-    __slots__ = ("_compile", "_lock", "_reserved", "_verdicts", "backend", "disabled", "renders", "tokenizer")
+    __slots__ = ("_compile", "_lock", "_reserved", "_verdicts", "backend", "disabled", "tokenizer")
 
     def __init__(self, tokenizer: Any, compile_template: Callable[[str], Any]) -> None:
         self.tokenizer = tokenizer
@@ -162,8 +162,6 @@ class FastRender:
         self._verdicts: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.disabled = False
-        #: Renders served by the fast path (for tests and profiling).
-        self.renders = 0
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> FastRender | None:
@@ -210,9 +208,7 @@ class FastRender:
             compiled = self._verify(key, template, kwargs, messages)
         if compiled is _REJECTED or self.disabled:
             return None
-        ids = self._render_fast(compiled, messages, add_generation_prompt, kwargs)
-        self.renders += 1
-        return ids
+        return self._render_fast(compiled, messages, add_generation_prompt, kwargs)
 
     def _render_fast(
         self, compiled: Any, messages: ConversationType, add_generation_prompt: bool, kwargs: Any

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MalformedEngineReplyError", "ReplyParts", "check_token_ids", "read_reply"]
+__all__ = ["MalformedEngineReplyError", "ReplyParts", "check_token_ids", "read_replies", "read_reply"]
 
 
 class MalformedEngineReplyError(ValueError):
@@ -32,8 +32,8 @@ def _malformed(field: str, problem: str, fix: str, *, context: str = "reply") ->
     return MalformedEngineReplyError(f"the engine's {context} field `{field}` {problem}; {fix}")
 
 
-def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
-    """The single entry of the reply's per-prompt list ``key`` (a rollout's request has one prompt)."""
+def _entries(reply: Mapping[str, Any], key: str, count: int) -> list[Any] | tuple[Any, ...]:
+    """The reply's per-prompt list ``key``, once it holds one entry for each of the request's ``count`` prompts."""
     value = reply[key]
     if not isinstance(value, list | tuple):
         raise _malformed(
@@ -41,13 +41,14 @@ def _only_entry(reply: Mapping[str, Any], key: str) -> Any:
             f"is {_kind(value)}, expected a list with one entry per prompt",
             "an engine must return every per-prompt field as a list, even for a single prompt",
         )
-    if len(value) != 1:
+    if len(value) != count:
+        carried = "one prompt" if count == 1 else f"{count} prompts"
         raise _malformed(
             key,
-            f"has {len(value)} entries, expected 1 (the request carried one prompt)",
+            f"has {len(value)} entries, expected {count} (the request carried {carried})",
             "an engine must return exactly one entry per prompt, in request order",
         )
-    return value[0]
+    return value
 
 
 def check_token_ids(ids: Any, field: str, *, context: str = "reply") -> list[int]:
@@ -77,16 +78,26 @@ def check_token_ids(ids: Any, field: str, *, context: str = "reply") -> list[int
 
 
 def read_reply(reply: Any) -> ReplyParts:
-    """Check an engine reply to a one-prompt request and take its parts apart.
-
-    Cheap by design (it runs once per turn): batch shapes, types, the first and last token's type
-    and one length comparison; no per-token scan. A reply with no tokens is malformed too: an engine
-    returns at least one token for ``max_tokens >= 1`` (EOS included when generation stopped on it),
-    and token bookkeeping (stop-string EOS, reward placement) needs a last token.
+    """Check an engine reply to a one-prompt request and take its parts apart (see :func:`read_replies`).
 
     Raises:
-        MalformedEngineReplyError: a missing field, a batch list without exactly one entry, a wrong
-            type, no tokens, or logprobs whose count differs from the token count.
+        MalformedEngineReplyError: as :func:`read_replies` with ``count=1``.
+    """
+    return read_replies(reply, 1)[0]
+
+
+def read_replies(reply: Any, count: int) -> list[ReplyParts]:
+    """Check an engine reply to a request of ``count`` prompts and take each prompt's parts apart.
+
+    Cheap by design (the agent loop runs it once per turn): batch shapes, types, the first and last
+    token's type and one length comparison per prompt; no per-token scan. A reply with no tokens is
+    malformed too: an engine returns at least one token for ``max_tokens >= 1`` (EOS included when
+    generation stopped on it), and token bookkeeping (stop-string EOS, reward placement) needs a
+    last token. Messages name the field and the prompt's row (``response_ids[2]``).
+
+    Raises:
+        MalformedEngineReplyError: a missing field, a batch list without exactly ``count`` entries,
+            a wrong type, no tokens, or logprobs whose count differs from the token count.
     """
     if not isinstance(reply, Mapping):
         raise MalformedEngineReplyError(
@@ -99,42 +110,58 @@ def read_reply(reply: Any) -> ReplyParts:
                 f"the engine's reply has no field `{key}` (it has {sorted(map(str, reply))}); an engine must "
                 "return `responses`, `response_ids` and `stop_reasons`, each a list with one entry per prompt"
             )
-    text = _only_entry(reply, "responses")
+    texts = _entries(reply, "responses", count)
+    all_ids = _entries(reply, "response_ids", count)
+    stop_reasons = _entries(reply, "stop_reasons", count)
+    all_logprobs = (
+        _entries(reply, "response_logprobs", count) if reply.get("response_logprobs", None) is not None else None
+    )
+    all_indices = reply.get("rollout_expert_indices", None)
+    rows: list[ReplyParts] = []
+    for row in range(count):
+        text, ids, stop_reason = _text_ids_stop(row, texts[row], all_ids[row], stop_reasons[row])
+        logprobs = _logprobs(row, all_logprobs[row], len(ids)) if all_logprobs is not None else None
+        rows.append((text, ids, stop_reason, logprobs, all_indices[row] if all_indices is not None else None))
+    return rows
+
+
+def _text_ids_stop(row: int, text: Any, ids: Any, stop_reason: Any) -> tuple[str, list[int], str]:
+    """One prompt's text, token ids (a fresh list) and stop reason, checked."""
     if not isinstance(text, str):
         raise _malformed(
-            "responses[0]", f"is {_kind(text)}, expected the response text (str)", "an engine must return decoded text"
+            f"responses[{row}]",
+            f"is {_kind(text)}, expected the response text (str)",
+            "an engine must return decoded text",
         )
-    ids = check_token_ids(_only_entry(reply, "response_ids"), "response_ids[0]")
-    if not ids:
+    checked = check_token_ids(ids, f"response_ids[{row}]")
+    if not checked:
         raise _malformed(
-            "response_ids[0]",
+            f"response_ids[{row}]",
             "is empty, expected at least one token",
             "an engine must return the generated token ids (EOS included when generation stopped on it), "
             "with max_tokens >= 1",
         )
-    stop_reason = _only_entry(reply, "stop_reasons")
     if not isinstance(stop_reason, str):
         raise _malformed(
-            "stop_reasons[0]",
+            f"stop_reasons[{row}]",
             f'is {_kind(stop_reason)}, expected a str such as "stop" or "length"',
             "an engine must report why each response ended",
         )
-    logprobs: list[float] | None = None
-    if reply.get("response_logprobs", None) is not None:
-        entry = _only_entry(reply, "response_logprobs")
-        if not isinstance(entry, list | tuple):
-            raise _malformed(
-                "response_logprobs[0]",
-                f"is {_kind(entry)}, expected a list of floats, one per token",
-                "return `response_logprobs: None` when logprobs were not requested",
-            )
-        if len(entry) != len(ids):
-            raise _malformed(
-                "response_logprobs[0]",
-                f"has {len(entry)} entries but `response_ids[0]` has {len(ids)} tokens",
-                "an engine must return one logprob per token",
-            )
-        logprobs = list(entry)
-    indices_batch = reply.get("rollout_expert_indices", None)
-    expert_indices = indices_batch[0] if indices_batch is not None else None
-    return text, ids, stop_reason, logprobs, expert_indices
+    return text, checked, stop_reason
+
+
+def _logprobs(row: int, entry: Any, tokens: int) -> list[float]:
+    """One prompt's logprobs (a fresh list), once there is one per token."""
+    if not isinstance(entry, list | tuple):
+        raise _malformed(
+            f"response_logprobs[{row}]",
+            f"is {_kind(entry)}, expected a list of floats, one per token",
+            "return `response_logprobs: None` when logprobs were not requested",
+        )
+    if len(entry) != tokens:
+        raise _malformed(
+            f"response_logprobs[{row}]",
+            f"has {len(entry)} entries but `response_ids[{row}]` has {tokens} tokens",
+            "an engine must return one logprob per token",
+        )
+    return list(entry)

@@ -1,135 +1,273 @@
-"""SkyRL's batched single-turn path (``generator.batched=true``): one engine call for the batch."""
+"""SkyRL's batched single-turn path (``generator.batched=true``): one engine call for the batch.
+
+It goes through the agent loop's layers, with its collaborators passed down explicitly
+(:class:`BatchedSetup` and the call's :class:`~skyrl_structured._runtime.contexts.BatchContext`,
+never the generator): environments are opened and closed by the env layer (``open_env`` through
+the generator's env executor, counted in ``CleanupStats``), prompts are templated by the
+:class:`~skyrl_structured._episode.chat.ChatTokenizer`, the one reply is checked by
+:func:`~skyrl_structured._episode.replies.read_replies`, and every prompt is a rollout to the
+observers (one attempt each; see ``docs/observers.md`` for the events and their order).
+
+The order of work is SkyRL's: each prompt's environment is made and initialised in turn, one
+engine request carries every prompt, then each environment is stepped, measured and closed in
+turn. There is no per-rollout failure containment (``skip_failed_rollouts`` is refused with
+``batched``): an error stops the batch, after every environment opened has been closed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .._runtime.cleanup import CleanupStats
+from .._episode.calls import env_call, shared_engine_call
+from .._episode.chat import ChatTokenizer
+from .._episode.replies import ReplyParts
+from .._runtime.contexts import BatchContext, RolloutContext
+from .._runtime.supervisor import describe_error
 from ..envs import env_config_for, open_env
-from ..types import ConversationType, GeneratorOutput, InferenceEngineOutput
+from ..envs._executors import EnvExecutor
+from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
+from ..types import ConversationType, GeneratorOutput, TrajectoryOutput
 from .collector import overlong_filtered
 from .metrics import failure_metrics, rollout_metrics
 
-__all__ = ["generate_batched"]
+__all__ = ["BatchedSetup", "generate_batched"]
 
 
-@dataclass
-class _Rows:
-    """The batch's per-rollout results, one entry per prompt, filled in prompt order."""
+@dataclass(frozen=True)
+class BatchedSetup:
+    """What the batched path takes from its generator: the env layer, the templating, the engine's name."""
 
-    responses: list[list[int]] = field(default_factory=list)
-    rewards: list[Any] = field(default_factory=list)
-    loss_masks: list[list[int]] = field(default_factory=list)
-    env_metrics: list[dict[str, Any]] = field(default_factory=list)
-    logprobs: list[list[float]] | None = None
-    expert_indices: list[Any] | None = None
+    #: The generator's env executor (threads, inline, processes or Ray actors).
+    runner: EnvExecutor
+    #: SkyRL's ``environment.skyrl_gym`` config: each env class's ``env_config``.
+    skyrl_gym_cfg: Any
+    #: Renders each initial prompt with the tokenizer's chat template (SkyRL applies no custom one here).
+    chat: ChatTokenizer
+    #: ``generator.max_turns``, written into each environment's extras (as SkyRL does).
+    max_turns: int
+    #: ``generator.env_cleanup_timeout_s``: the bound of each environment's close.
+    cleanup_timeout_s: float
+    #: ``generator.apply_overlong_filtering``.
+    overlong_filtering: bool
+    #: Passed as ``model`` on the engine call.
+    policy_model_name: str | None = None
 
 
 async def generate_batched(
-    generator: Any,
-    client: Any,
+    batch: BatchContext,
+    setup: BatchedSetup,
     prompts: list[ConversationType],
     env_classes: list[str],
     env_extras: list[dict[str, Any]],
     max_tokens: int,
     sampling_params: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    trajectory_ids: Sequence[Any] | None = None,
 ) -> GeneratorOutput:
     """Single-turn generation of the whole batch in one engine call (SkyRL's ``batched=True``).
 
-    Every environment opened is closed on every path; there is no per-rollout failure
-    containment here (one engine call serves all prompts). The cleanup counters (opened, closed,
-    close errors and timeouts) are reported as in the agent-loop path.
+    ``batch.client`` is called, ``batch.observers`` hear the batch's and each prompt's events,
+    ``batch.cleanup`` counts the environments' cleanups (reported in ``rollout_metrics`` as in the
+    agent loop). ``trajectory_ids`` only name the rollouts to the observers.
+
+    Raises:
+        MalformedEngineReplyError: the engine's reply breaks the ``InferenceEngineOutput`` contract
+            for this request of ``len(prompts)`` prompts (the message names the field and row).
+        Exception: whatever the engine, an environment or the tokenizer raised, once every
+            environment opened has been closed.
     """
-    cleanup = CleanupStats()
-    async with AsyncExitStack() as stack:
-        envs, init_prompts = await _open_envs(stack, generator, prompts, env_classes, env_extras, cleanup)
-        prompt_token_ids = _templated(generator.tokenizer, init_prompts)
-        engine_output: InferenceEngineOutput = await client.generate(
-            {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
-            model=generator.policy_model_name,
+    count = len(prompts)
+    batch.observers.emit(RolloutObserver.batch_started, count)
+    rollouts = _Rollouts(batch, env_classes, trajectory_ids)
+    try:
+        trajectories = await _run(
+            rollouts, setup, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt
         )
-        rows = await _step_envs(envs, engine_output, prompt_token_ids, max_tokens)
-
-    stop_reasons = engine_output["stop_reasons"]
-    metrics = rollout_metrics(rows.responses, rows.rewards, rows.env_metrics, env_classes, rows.loss_masks)
-    metrics.update(failure_metrics([], len(prompts), 0, cleanup))
-    loss_masks = rows.loss_masks
-    if generator.generator_cfg.apply_overlong_filtering:
-        loss_masks = overlong_filtered(loss_masks, stop_reasons)
-    return {
-        "prompt_token_ids": prompt_token_ids,
-        "response_ids": rows.responses,
-        "rewards": rows.rewards,
-        "loss_masks": loss_masks,
-        "stop_reasons": stop_reasons,
-        "rollout_metrics": metrics,
-        "rollout_logprobs": rows.logprobs,
-        "rollout_expert_indices": rows.expert_indices,
-    }
+        output = _output(trajectories, env_classes, batch, setup.overlong_filtering)
+    except BaseException as exc:
+        rollouts.abort(exc)
+        batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
+        raise
+    batch.observers.emit(RolloutObserver.batch_finished, count, 0)
+    return output
 
 
-async def _open_envs(
-    stack: AsyncExitStack,
-    generator: Any,
+class _Rollouts:
+    """The batch's prompts as rollouts to the observers: one attempt each, started as its environment is made."""
+
+    def __init__(self, batch: BatchContext, env_classes: Sequence[str], trajectory_ids: Sequence[Any] | None) -> None:
+        self.batch = batch
+        self.env_classes = env_classes
+        self.trajectory_ids = trajectory_ids
+        self.started: list[RolloutContext] = []
+        #: How many of the started attempts have ended (they end in prompt order).
+        self.ended = 0
+
+    def start(self, index: int) -> RolloutContext:
+        trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
+        context = RolloutContext(self.batch, RolloutRef(index, 1, trajectory_id))
+        self.started.append(context)
+        context.emit(RolloutObserver.attempt_started)
+        return context
+
+    def finish(self, context: RolloutContext, trajectory: TrajectoryOutput) -> None:
+        """The attempt returned its trajectory (its environment is closed): its final events."""
+        self.ended += 1
+        elapsed = time.monotonic() - context.started
+        context.emit(RolloutObserver.attempt_finished, elapsed)
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
+            env_class = str(self.env_classes[context.ref.index])
+            record = finished_record(context.ref, trajectory, env_class=env_class, elapsed=elapsed)
+            context.emit(RolloutObserver.trajectory_finished, record)
+        context.emit(RolloutObserver.rollout_finished, failed=False)
+
+    def abort(self, error: BaseException) -> None:
+        """The batch stopped on ``error``: every attempt started and not ended failed with it, or was cancelled.
+
+        An ``Exception`` fails them all (one engine call served them, and nothing replaces a row),
+        with no retry; a cancellation or an interrupt cancels them. Prompts whose environment was
+        never made have no events.
+        """
+        wants_record = self.batch.observers.wants(RolloutObserver.trajectory_finished)
+        for context in self.started[self.ended :]:
+            if not isinstance(error, Exception):
+                context.emit(RolloutObserver.attempt_cancelled)
+                continue
+            elapsed = time.monotonic() - context.started
+            context.emit(RolloutObserver.attempt_failed, error, elapsed, timed_out=False, will_retry=False)
+            if wants_record:
+                env_class = str(self.env_classes[context.ref.index])
+                record = failed_record(
+                    context.ref,
+                    describe_error(error),
+                    env_class=env_class,
+                    elapsed=elapsed,
+                    timed_out=False,
+                    step_wise=False,
+                )
+                context.emit(RolloutObserver.trajectory_finished, record)
+            context.emit(RolloutObserver.rollout_finished, failed=True)
+        self.ended = len(self.started)
+
+
+@dataclass
+class _Opened:
+    """One prompt's rollout once its environment is initialised: the env, its own exit stack, its prompt ids."""
+
+    context: RolloutContext
+    env: Any
+    closing: AsyncExitStack
+    prompt_ids: list[int]
+
+
+async def _run(
+    rollouts: _Rollouts,
+    setup: BatchedSetup,
     prompts: list[ConversationType],
     env_classes: list[str],
     env_extras: list[dict[str, Any]],
-    cleanup: CleanupStats,
-) -> tuple[list[Any], list[ConversationType]]:
-    """Open and init one environment per prompt, each closed when ``stack`` exits; their initial prompts."""
-    runner = generator._env_runner()
-    envs: list[Any] = []
-    init_prompts: list[ConversationType] = []
-    for env_class, extras, prompt in zip(env_classes, env_extras, prompts, strict=True):
-        extras["max_turns"] = generator.max_turns
-        env = await stack.enter_async_context(
-            open_env(
-                env_class,
-                env_config=env_config_for(generator.skyrl_gym_cfg, env_class),
-                extras=extras,
-                runner=runner,
-                cleanup_timeout=generator.resilience.env_cleanup_timeout_s,
-                stats=cleanup,
-            )
+    max_tokens: int,
+    sampling_params: dict[str, Any] | None,
+    cache_salt: str | None,
+) -> list[TrajectoryOutput]:
+    """Open and init every environment, make the one engine call, then step and close each environment."""
+    client = rollouts.batch.client
+    async with AsyncExitStack() as stack:
+        opened: list[_Opened] = []
+        for index, (env_class, extras, prompt) in enumerate(zip(env_classes, env_extras, prompts, strict=True)):
+            opened.append(await _open(stack, rollouts.start(index), setup, env_class, extras, prompt))
+        prompt_token_ids = [rollout.prompt_ids for rollout in opened]
+        replies = await shared_engine_call(
+            [rollout.context for rollout in opened],
+            [len(ids) for ids in prompt_token_ids],
+            lambda: client.generate(
+                {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
+                model=setup.policy_model_name,
+            ),
         )
-        init_prompt, _ = await env.init(prompt)
-        init_prompts.append(init_prompt)
-        envs.append(env)
-    return envs, init_prompts
+        trajectories: list[TrajectoryOutput] = []
+        for rollout, parts in zip(opened, replies, strict=True):
+            trajectory = await _step(rollout, parts, max_tokens)
+            # Closed right after its step, as SkyRL does; the attempt ends with its close.
+            await rollout.closing.aclose()
+            trajectories.append(trajectory)
+            rollouts.finish(rollout.context, trajectory)
+    return trajectories
 
 
-def _templated(tokenizer: Any, conversations: list[ConversationType]) -> list[list[int]]:
-    """The generation prompt's token ids of each conversation, by the tokenizer's chat template."""
-    rendered = tokenizer.apply_chat_template(
-        conversations, add_generation_prompt=True, tokenize=True, return_dict=False
+async def _step(rollout: _Opened, parts: ReplyParts, max_tokens: int) -> TrajectoryOutput:
+    """Step one prompt's environment with its response; its row, the response cut to ``max_tokens`` (as SkyRL)."""
+    text, ids, stop_reason, logprobs, expert_indices = parts
+    env = rollout.env
+    step_output = await env_call(rollout.context, "step", 0, lambda: env.step(text), timed=True)
+    response = ids[:max_tokens]
+    return TrajectoryOutput(
+        response_ids=response,
+        reward=step_output["reward"],
+        stop_reason=stop_reason,
+        loss_mask=[1] * len(response),
+        prompt_ids=rollout.prompt_ids,
+        rollout_logprobs=logprobs[: len(response)] if logprobs is not None else None,
+        env_metrics=env.get_metrics(),
+        rollout_expert_indices=(
+            expert_indices[: len(rollout.prompt_ids) + len(response)] if expert_indices is not None else None
+        ),
     )
-    # transformers 5 may return a BatchEncoding even with return_dict=False.
-    return [list(ids) for ids in (rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)]
 
 
-async def _step_envs(
-    envs: list[Any], engine_output: InferenceEngineOutput, prompt_token_ids: list[list[int]], max_tokens: int
-) -> _Rows:
-    """Step each environment with its response (cut to ``max_tokens``) and collect the rows."""
-    all_logprobs = engine_output.get("response_logprobs", None)
-    all_indices = engine_output.get("rollout_expert_indices", None)
-    rows = _Rows(
-        logprobs=[] if all_logprobs is not None else None, expert_indices=[] if all_indices is not None else None
+async def _open(
+    stack: AsyncExitStack,
+    context: RolloutContext,
+    setup: BatchedSetup,
+    env_class: str,
+    extras: dict[str, Any],
+    prompt: ConversationType,
+) -> _Opened:
+    """Make and init one prompt's environment; it is closed by its own stack, which ``stack`` closes on an error."""
+    extras["max_turns"] = setup.max_turns
+    closing = AsyncExitStack()
+    # Closing an already closed stack does nothing: the env is closed once, after its step or on the way out.
+    stack.push_async_exit(closing)
+    env = await closing.enter_async_context(
+        open_env(
+            env_class,
+            env_config=env_config_for(setup.skyrl_gym_cfg, env_class),
+            extras=extras,
+            runner=setup.runner,
+            cleanup_timeout=setup.cleanup_timeout_s,
+            stats=context.cleanup,
+            observe=context.emit,
+        )
     )
-    texts, all_ids = engine_output["responses"], engine_output["response_ids"]
-    for i, (text, ids, env) in enumerate(zip(texts, all_ids, envs, strict=True)):
-        step_output = await env.step(text)
-        rows.rewards.append(step_output["reward"])
-        response = list(ids[:max_tokens])
-        rows.responses.append(response)
-        rows.loss_masks.append([1] * len(response))
-        if rows.logprobs is not None and all_logprobs is not None:
-            rows.logprobs.append(list(all_logprobs[i][: len(response)]))
-        if rows.expert_indices is not None and all_indices is not None:
-            rows.expert_indices.append(all_indices[i][: len(prompt_token_ids[i]) + len(response)])
-        rows.env_metrics.append(env.get_metrics())
-    return rows
+    init_prompt, _ = await env_call(context, "init", 0, lambda: env.init(prompt), timed=False)
+    # For token-in-token-out, as SkyRL: the tokenizer's own chat template, with the generation prompt.
+    prompt_ids = setup.chat.render(init_prompt, add_generation_prompt=True)
+    return _Opened(context, env, closing, prompt_ids)
+
+
+def _output(
+    trajectories: list[TrajectoryOutput], env_classes: list[str], batch: BatchContext, overlong_filtering: bool
+) -> GeneratorOutput:
+    """The batch's ``GeneratorOutput`` (SkyRL's batched keys and metrics), in prompt order."""
+    responses = [t.response_ids for t in trajectories]
+    rewards: list[Any] = [t.reward for t in trajectories]
+    loss_masks = [t.loss_mask for t in trajectories]
+    stop_reasons = [t.stop_reason for t in trajectories]
+    metrics = rollout_metrics(responses, rewards, [t.env_metrics for t in trajectories], env_classes, loss_masks)
+    metrics.update(failure_metrics([], len(trajectories), 0, batch.cleanup))
+    has_logprobs = bool(trajectories) and trajectories[0].rollout_logprobs is not None
+    has_indices = bool(trajectories) and trajectories[0].rollout_expert_indices is not None
+    return {
+        "prompt_token_ids": [t.prompt_ids for t in trajectories],
+        "response_ids": responses,
+        "rewards": rewards,
+        "loss_masks": overlong_filtered(loss_masks, stop_reasons) if overlong_filtering else loss_masks,
+        "stop_reasons": stop_reasons,
+        "rollout_metrics": metrics,
+        "rollout_logprobs": [t.rollout_logprobs or [] for t in trajectories] if has_logprobs else None,
+        "rollout_expert_indices": [t.rollout_expert_indices for t in trajectories] if has_indices else None,
+    }

@@ -14,7 +14,7 @@ from pathlib import Path
 
 __all__ = ["describe_with_origin", "raised_at"]
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent) + os.sep  # skyrl_structured/, not _runtime/
 _STDLIB_DIR = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
 
 

@@ -28,7 +28,7 @@ from types import TracebackType
 
 import anyio
 
-__all__ = ["PausableDeadline", "PauseClock", "current_clock", "use_clock"]
+__all__ = ["PausableDeadline", "PauseClock", "PausedBlock", "current_clock", "use_clock"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,23 @@ class PauseClock:
                     self.paused_for(),
                     self._depth,
                 )
+
+
+class PausedBlock:
+    """``async with generator.paused():``: one pause of ``clock`` held for the block."""
+
+    __slots__ = ("_clock",)
+
+    def __init__(self, clock: PauseClock) -> None:
+        self._clock = clock
+
+    async def __aenter__(self) -> None:
+        self._clock.pause()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._clock.resume()
 
 
 class PausableDeadline:

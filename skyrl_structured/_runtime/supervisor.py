@@ -212,7 +212,7 @@ async def run_rollouts(
     supervisor.step_wise = step_wise
     batch.observers.emit(RolloutObserver.batch_started, count)
     try:
-        # Fewer garbage collections while the batch runs (generator.gc_tuning; see _gc.py). The
+        # Fewer garbage collections while the batch runs (generator.gc_tuning; see gc.py). The
         # generator's pause clock is the current one for every rollout (HTTPEngine reads it).
         with relaxed_gc(settings.gc_tuning), use_clock(batch.pauses):
             return await _supervise(supervisor, count, batch)
@@ -444,7 +444,7 @@ class _Supervisor:
         self.over_budget = failure_budget_exceeded(
             len(self.failures), self.count, self.settings.max_failed_rollout_fraction
         )
-        # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (_stragglers.py).
+        # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (stragglers.py).
         level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
         logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
         if self.batch.observers.wants(RolloutObserver.trajectory_finished):

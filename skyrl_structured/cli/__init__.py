@@ -25,14 +25,19 @@ import yaml
 
 from .._runtime.supervisor import describe_error
 from ..types import GeneratorInput
-from ._config import ConfigError, check_config, load_config
+from ._checks import check_config
+from ._config import load_config
 from ._data import build_batch, load_dataset
 from ._engine import EngineSetup, chaos_policy, preflight, wrap_env_classes
 from ._help import keys_help
 from ._logs import AggregatingHandler, configure_logging
-from ._report import batch_line, environments_line, format_summary, jsonable, summarize, write_outputs
+from ._outputs import write_outputs
 from ._run import RunResult, is_duplicate, run_step
 from ._schema import RolloutConfig
+from ._summary import batch_line, environments_line, summarize
+from ._table import format_summary
+from ._trajectories import jsonable
+from ._values import ConfigError
 
 __all__ = ["main"]
 

@@ -25,7 +25,7 @@ from ..config import SamplingParams
 from ..envs._registration import register_import_path
 from ..types import BatchMetadata, GeneratorInput, TrajectoryID
 from ..validate import missing_env_extras
-from ._config import ConfigError
+from ._values import ConfigError
 
 __all__ = ["DEFAULT_ENV_CLASS", "EMBEDDED_DATASET", "Dataset", "build_batch", "engine_sampling_params", "load_dataset"]
 

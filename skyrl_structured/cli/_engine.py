@@ -21,8 +21,8 @@ from typing import Any
 
 import anyio
 
-from ._config import ConfigError
 from ._schema import CHAOS_ENGINE_STAGES, CHAOS_ENV_STAGES, RolloutConfig
+from ._values import ConfigError
 
 __all__ = ["EngineSetup", "chaos_active", "chaos_policy", "load_engine", "preflight", "wrap_env_classes"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from ._config import format_value
 from ._schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs
+from ._values import format_value
 
 __all__ = ["key_cell", "keys_help", "reference_markdown"]
 

@@ -21,7 +21,7 @@ from ..types import EnvHandle
 from ._adapters import AsyncEnvironment, EnvCallRunner, SyncEnvAdapter, is_async_env
 from ._adapters import has_noop_close as has_noop_close
 from ._open import env_config_for, open_env
-from ._threads import EnvThreadPool, active_env_thread_calls
+from ._threads import EnvThreadPool, active_env_thread_calls, wait_env_thread_calls
 
 __all__ = [
     "AsyncEnvironment",
@@ -34,4 +34,5 @@ __all__ = [
     "env_config_for",
     "is_async_env",
     "open_env",
+    "wait_env_thread_calls",
 ]

@@ -68,35 +68,9 @@ class EnvCallRunner(EnvExecutor):
         return call.result()
 
 
-def _trivial_bodies() -> tuple[tuple[bytes, tuple[Any, ...]], ...]:
-    """(bytecode, constants after the docstring) of ``def f(self)`` whose body does nothing."""
-
-    def documented(self: Any) -> None:
-        """Only a docstring."""
-
-    def bare(self: Any) -> None:
-        pass
-
-    return tuple((f.__code__.co_code, f.__code__.co_consts[1:]) for f in (documented, bare))
-
-
-def _noop_base_closes() -> frozenset[Any]:
-    """skyrl_gym's base-class ``close`` functions, kept only if their body is seen to do nothing.
-
-    Checked on the bytecode, not assumed: a skyrl_gym whose base ``close`` does some work drops
-    out of the set, and its environments' closes go to a worker thread like any other.
-    """
-    trivial = _trivial_bodies()
-    found = set()
-    for cls in (skyrl_gym.Env, BaseTextEnv):
-        close = cls.__dict__.get("close")
-        code = getattr(close, "__code__", None)
-        if code is not None and not code.co_names and (code.co_code, code.co_consts[1:]) in trivial:
-            found.add(close)
-    return frozenset(found)
-
-
-_NOOP_BASE_CLOSES = _noop_base_closes()
+#: skyrl_gym's base-class ``close`` functions, which do nothing (tests/test_envs.py checks that
+#: against the installed skyrl_gym).
+_NOOP_BASE_CLOSES: frozenset[Any] = frozenset({skyrl_gym.Env.close, BaseTextEnv.close})
 _OBJECT_GETATTRIBUTE: Any = object.__getattribute__
 
 
@@ -105,8 +79,12 @@ def has_noop_close(env: object) -> bool:
 
     Looked up as Python would: an instance attribute, or a ``close`` defined by any class of the
     MRO before the base one (a user override, even one that only calls ``super().close()``), or a
-    custom ``__getattribute__`` makes it False. Such a close cannot block, so it need not go to a
-    worker thread.
+    custom ``__getattribute__`` makes it False. Such a close cannot block, so :class:`SyncEnvAdapter`
+    runs it on the event loop instead of in a worker thread. Measured (``python -m
+    benchmarks.noop_close``: 1,024 one-turn rollouts, 32 env threads, interleaved runs in one
+    process, loaded machine): 139 vs 145, 159 vs 171 ms of CPU per ``generate()`` on asyncio and
+    177 vs 187 on trio, the shortcut ahead in every run though single runs' ranges overlap; 143 vs
+    170 ms wall. Most skyrl_gym envs inherit this close, so it is kept.
     """
     if "close" in getattr(env, "__dict__", ()):
         return False
@@ -148,9 +126,9 @@ class SyncEnvAdapter:
         close: EnvCall[None] = EnvCall(self._close, skippable=False, waker=self._waker)
         if call is not None and not call.skip() and not call.done:
             # The rollout was cancelled while a worker thread was inside init/step: let that call
-            # finish before closing, so close never runs concurrently with it.
+            # finish before closing, so close never runs concurrently with it (cleanup's bound applies).
             try:
-                await self.settle(call)
+                await call.wait()
             except BaseException:
                 # env_cleanup_timeout_s ran out first: close it in that thread once the call returns.
                 call.then(close, pool)
@@ -163,10 +141,6 @@ class SyncEnvAdapter:
             self.abandoned_close = close
             raise
         close.result()
-
-    async def settle(self, call: EnvCall[Any]) -> None:
-        """Wait for a call still running in its thread (cleanup's bound applies)."""
-        await call.wait()
 
     def _close(self) -> None:
         late = self.abandoned_close is not None

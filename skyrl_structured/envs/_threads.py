@@ -41,6 +41,7 @@ T = TypeVar("T")
 _PENDING, _RUNNING, _DONE, _SKIPPED = "pending", "running", "done", "skipped"
 
 _running_lock = threading.Lock()
+_running_changed = threading.Condition(_running_lock)
 _running = 0
 
 
@@ -49,10 +50,23 @@ def active_env_thread_calls() -> int:
     return _running
 
 
+def wait_env_thread_calls(timeout_s: float) -> bool:
+    """Block until no environment call runs in a worker thread (abandoned ones included).
+
+    Waits at most ``timeout_s`` seconds and says whether they had all returned. For a shutdown
+    that should let abandoned closes finish, or a test: it blocks, so from async code run it in a
+    thread (``await anyio.to_thread.run_sync(wait_env_thread_calls, 10)``).
+    """
+    with _running_changed:
+        return _running_changed.wait_for(lambda: _running == 0, timeout_s)
+
+
 def _count_running(delta: int) -> None:
     global _running
-    with _running_lock:
+    with _running_changed:
         _running += delta
+        if _running == 0:
+            _running_changed.notify_all()
 
 
 class EnvCall(Generic[T]):
@@ -85,10 +99,6 @@ class EnvCall(Generic[T]):
     def done(self) -> bool:
         """True once the call returned or raised, or was skipped before it started."""
         return self._state in (_DONE, _SKIPPED)
-
-    @property
-    def running(self) -> bool:
-        return self._state == _RUNNING
 
     def skip(self) -> bool:
         """Make a call that has not started never start; False if it started (or cannot be skipped)."""

@@ -111,7 +111,7 @@ _POOL_LOOPS = {
     ("anyio/_backends/_asyncio.py", "WorkerThread.run"): "anyio",
     ("trio/_core/_thread_cache.py", "WorkerThread._work"): "trio",
     ("concurrent/futures/thread.py", "_worker"): "executor",
-    ("skyrl_structured/_env_threads.py", "EnvThreadPool._work"): "skyrl-structured env",
+    ("skyrl_structured/envs/_threads.py", "EnvThreadPool._work"): "skyrl-structured env",
 }
 
 

@@ -181,10 +181,13 @@ def _build_setup(
     env_config: Any,
     generator_overrides: Mapping[str, Any] | None,
     generator_class: type[StructuredGymGenerator],
-    case_timeout_s: float,
+    case_timeout_s: float | None,
     leak_grace_s: float,
 ) -> Setup:
-    """What every case shares; the generator overrides are checked against ``GeneratorConfig`` here."""
+    """What every case shares; the generator overrides are checked against ``GeneratorConfig`` here.
+
+    Without a ``case_timeout_s`` the kit's default stands until the baseline calibrates it.
+    """
     overrides = {**(generator_overrides or {}), "max_turns": max_turns}
     try:
         GeneratorConfig(**overrides)
@@ -199,7 +202,7 @@ def _build_setup(
         generator_class=generator_class,
         generator_overrides=overrides,
         env_config=env_config,
-        case_timeout_s=case_timeout_s,
+        case_timeout_s=DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s,
         leak_grace_s=leak_grace_s,
         target=1 if len(prompts) > 1 else 0,
     )
@@ -238,8 +241,7 @@ def check_structured_concurrency(
         prompts: one rollout per conversation; the second rollout is the one faults target.
         tokenizer: a Hugging Face tokenizer with a chat template; default: the offline tiny ChatML one.
         engine_replies: the scripted engine's answer to each session's 1st, 2nd, ... request.
-        backends, max_env_workers: event loops, and worker-thread counts (0: env calls inline), to
-            run every case with.
+        backends, max_env_workers: the event loops and worker-thread counts (0: env calls inline) of every case.
         stages: restrict every matrix to these stages.
         matrices: any of ``"fault"``, ``"cancel"`` and ``"attack"`` (the baseline always runs), or
             an attack kind (``"interrupt"``, ``"self_cancel"``, ``"malformed"``, ``"hang"``) alone.
@@ -249,22 +251,17 @@ def check_structured_concurrency(
             retries, timeouts and cleanup bounds itself.
         generator_class: a ``StructuredGymGenerator`` subclass to check instead (your hooks run).
         case_timeout_s: the most one case may take (cleanups get a quarter of it, 0.025 s in a hang
-            case); a case still running at ``1.5 * case_timeout_s + W + 2`` is hung, where ``W`` is
-            how long slow threads are waited for: ``leak_grace_s``, or for a baseline slower than
-            0.25 s, two baseline batches plus a second (whole seconds) if that is longer.
-            None (the default): fitted to the environment, ten times its measured baseline batch
-            (at least 20 s; more when cases share the machine).
-        leak_grace_s: how long worker threads may stay busy after a case. For an environment whose
-            baseline batch is slow (0.25 s or more), threads that go idle within two baselines and a
-            second are reported as **slow, not leaked** (the case holds; the summary names the value
-            that would accept them); later than that, or for a fast environment, they are leaks.
-        jobs: how many cases run at once. None (the default): one per case up to 8 when the
-            baseline mostly waits (a slow sandbox call), else one at a time. A thread problem seen
-            while cases share the process is confirmed by running that case again alone.
+            case); a case still running at ``1.5 * case_timeout_s + W + 2`` is hung (``W``: how long
+            slow threads are waited for, ``leak_grace_s`` or, past a 0.25 s baseline, two baselines
+            and a second if longer). None: ten baseline batches, at least 20 s.
+        leak_grace_s: how long worker threads may stay busy after a case; past a 0.25 s baseline,
+            threads idle within two baselines and a second are **slow, not leaked** (the summary
+            names the value that would accept them); later, or for a fast environment, leaks.
+        jobs: how many cases run at once. None: up to 8 when the baseline mostly waits, else one;
+            a thread problem seen while cases share the process is confirmed by a rerun alone.
         progress: show a tqdm bar of the cases (``k/N``) that ends as the report's first line.
-        quiet: hold back the generator's own log lines while the check runs (each injected failure
-            logs a WARNING). None (the default): quiet outside pytest; inside it, the logs are
-            captured and shown only for a failing test.
+        quiet: hold back the generator's own log lines (each injected failure logs a WARNING). None:
+            quiet outside pytest; inside it the logs are captured and shown for a failing test only.
         raise_on_failure: raise one AssertionError summarising every failing case.
         env_executor: ``"thread"`` runs the matrices above; ``"process"`` or ``"ray"`` runs the env in
             real workers instead, through the executor attacks (a worker killed mid-step, a step past
@@ -285,22 +282,32 @@ def check_structured_concurrency(
     if env_executor != "thread":
         report = _executor_report(env_executor, env_class, backends, prompts, per_rollout, tokenizer,
                                   engine_replies, max_turns, env_config)  # fmt: skip
-        if raise_on_failure and not report.ok:
-            raise AssertionError(report.summary())
-        return report
-    setup = _build_setup(
-        env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config, generator_overrides,
-        generator_class, DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s, leak_grace_s,
-    )  # fmt: skip
-    report = run_all(
-        setup,
-        backends,
-        _cases(stages, matrices, max_env_workers),
-        jobs=jobs,
-        case_timeout_given=case_timeout_s is not None,
-        progress=progress,
-        quiet=default_quiet() if quiet is None else quiet,
+    else:
+        setup = _build_setup(env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config,
+                             generator_overrides, generator_class, case_timeout_s, leak_grace_s)  # fmt: skip
+        cases = _cases(stages, matrices, max_env_workers)
+        report = _run_matrices(setup, backends, cases, jobs, case_timeout_s is not None, progress, quiet)
+    return _verdict(report, raise_on_failure=raise_on_failure)
+
+
+def _run_matrices(
+    setup: Setup,
+    backends: Sequence[str],
+    cases: list[Case],
+    jobs: int | None,
+    case_timeout_given: bool,
+    progress: bool,
+    quiet: bool | None,
+) -> ConcurrencyReport:
+    """The thread executor's cases: the baseline first (it calibrates the deadlines), then the matrices."""
+    quiet = default_quiet() if quiet is None else quiet
+    return run_all(
+        setup, backends, cases, jobs=jobs, case_timeout_given=case_timeout_given, progress=progress, quiet=quiet
     )
+
+
+def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> ConcurrencyReport:
+    """The report, or one AssertionError summarising every failing case when the caller asked for it."""
     if raise_on_failure and not report.ok:
         raise AssertionError(report.summary())
     return report

@@ -47,12 +47,26 @@ class EnvLedger:
     """Thread-safe record of environment lifecycles (envs may be driven from worker threads)."""
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _changed: threading.Condition = field(init=False, repr=False)
     created: list[int] = field(default_factory=list)
     closes: dict[int, int] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
     active_calls: dict[int, int] = field(default_factory=dict)
     overlaps: list[int] = field(default_factory=list)
     actions: dict[int, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._changed = threading.Condition(self._lock)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until ``predicate()`` holds (checked on every recorded change), at most ``timeout_s``.
+
+        Envs are driven from worker threads, so this is a blocking wait: from async code run it in
+        a thread (``await anyio.to_thread.run_sync(ledger.wait_for, lambda: ledger.closed >= 8, 10)``).
+        Returns whether the predicate held.
+        """
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout_s)
 
     def add(self, env_id: int) -> None:
         """Record a newly created environment."""
@@ -62,6 +76,7 @@ class EnvLedger:
             self.steps[env_id] = 0
             self.active_calls[env_id] = 0
             self.actions[env_id] = []
+            self._changed.notify_all()
 
     def enter(self, env_id: int, what: str) -> None:
         """Record the start of a call (``"init"``, ``"step"``, ``"close"``, ...) on ``env_id``."""
@@ -73,11 +88,13 @@ class EnvLedger:
                 self.closes[env_id] += 1
             elif what == "step":
                 self.steps[env_id] += 1
+            self._changed.notify_all()
 
     def leave(self, env_id: int) -> None:
         """Record the end of the call started by the matching :meth:`enter`."""
         with self._lock:
             self.active_calls[env_id] -= 1
+            self._changed.notify_all()
 
     @property
     def opened(self) -> int:

@@ -17,9 +17,9 @@ and image ``features`` in, token ids out) and ``POST /detokenize``; errors as vL
 client disconnected. Every request is recorded in ``server.requests`` with its outcome, and an
 ``intercept`` hook can answer a request itself (an error status, a malformed body, a hang).
 
-The protocol handling here is written independently of the client in
-:mod:`skyrl_structured.engines.completions`, from vLLM's source, so that a test of one against
-the other checks both against vLLM's field names.
+The protocol's field names and answer bodies (:mod:`._vllm_shapes`) are written independently of
+the client in :mod:`skyrl_structured.engines.completions`, from vLLM's source, so that a test of one
+against the other checks both against vLLM's field names.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import inspect
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,6 +36,16 @@ from typing import Any
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
+
+from ._vllm_shapes import (
+    completion_payload,
+    generate_payload,
+    is_token,
+    json_or_raw,
+    prompt_ids,
+    render_payload,
+    sampling_params,
+)
 
 __all__ = ["RawResponse", "ServedRequest", "VLLMServer", "serve_vllm"]
 
@@ -182,7 +191,7 @@ class VLLMServer:
             method=request.method.decode(),
             path=request.target.decode().split("?", 1)[0],
             headers=headers,
-            body=_json_or_raw(raw_body),
+            body=json_or_raw(raw_body),
         )
         self.requests.append(record)
         answer: RawResponse | None = None
@@ -274,27 +283,19 @@ class VLLMServer:
             rendered = await render({"json": body})
         except ValueError as exc:
             return RawResponse.vllm_error(400, str(exc), "BadRequestError")
-        payload = {
-            "request_id": f"render-{uuid.uuid4().hex}",
-            "model": self.model,
-            "token_ids": list(rendered["token_ids"]),
-            "features": rendered.get("features"),
-            "sampling_params": {},
-            "stream": False,
-        }
-        return RawResponse(200, json.dumps(payload).encode())
+        return RawResponse(200, json.dumps(render_payload(rendered, self.model)).encode())
 
     async def _generate_tokens(self, record: ServedRequest) -> RawResponse:
         """``/inference/v1/generate``: token ids and the render's ``features`` in, token ids out (no text)."""
         body = record.body
         ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(map(_is_token, ids)):
+        if not isinstance(ids, list) or not ids or not all(map(is_token, ids)):
             return RawResponse.vllm_error(400, "`token_ids` must be a non-empty list of token ids", "BadRequestError")
         raw_params = body.get("sampling_params")
         if not isinstance(raw_params, dict):
             return RawResponse.vllm_error(400, "`sampling_params` must be an object", "BadRequestError")
         try:
-            params = _sampling_params(raw_params)
+            params = sampling_params(raw_params)
         except ValueError as exc:
             return RawResponse.vllm_error(400, str(exc), "BadRequestError")
         features = body.get("features")
@@ -312,40 +313,13 @@ class VLLMServer:
         except Exception as exc:
             logger.warning("test vLLM server: the engine failed: %r", exc)
             return RawResponse.vllm_error(500, f"{type(exc).__name__}: {exc}")
-        out_ids = list(output["response_ids"][0])
-        logprobs = None
-        if params["logprobs"] is not None:
-            values = output["response_logprobs"][0]
-            logprobs = {
-                "content": [
-                    {"token_id": t, "logprob": max(float(v), -9999.0)} for t, v in zip(out_ids, values, strict=True)
-                ]
-            }
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": output["stop_reasons"][0], "token_ids": out_ids}
-        payload = {"request_id": f"gen-{uuid.uuid4().hex}", "choices": [choice], "prompt_logprobs": None}
-        return RawResponse(200, json.dumps(payload).encode())
+        return RawResponse(200, json.dumps(generate_payload(output, params)).encode())
 
     async def _detokenize(self, record: ServedRequest) -> RawResponse:
         tokens = record.body.get("tokens")
-        if self.tokenizer is None or not isinstance(tokens, list) or not all(map(_is_token, tokens)):
+        if self.tokenizer is None or not isinstance(tokens, list) or not all(map(is_token, tokens)):
             return RawResponse.vllm_error(400, "`tokens` must be a list of token ids (the server needs a tokenizer)")
         return RawResponse(200, json.dumps({"prompt": str(self.tokenizer.decode(tokens))}).encode())
-
-    def _prompts(self, body: dict[str, Any]) -> list[list[int]]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
-            return [list(prompt)]
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt)
-        ):
-            return [list(p) for p in prompt]
-        if isinstance(prompt, str) and prompt:
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; start the server with tokenizer=...")
-            return [list(self.tokenizer.encode(prompt))]
-        raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
 
     async def _completions(self, record: ServedRequest) -> RawResponse:
         body = record.body
@@ -353,8 +327,8 @@ class VLLMServer:
         if body.get("stream"):
             return RawResponse.vllm_error(400, "this test server does not stream", "BadRequestError")
         try:
-            prompts = self._prompts(body)
-            params = _sampling_params(body)
+            prompts = prompt_ids(body, self.tokenizer)
+            params = sampling_params(body)
         except ValueError as exc:
             return RawResponse.vllm_error(400, str(exc), "BadRequestError")
         session = record.headers.get("x-session-id")
@@ -372,99 +346,10 @@ class VLLMServer:
             logger.warning("test vLLM server: the engine failed: %r", exc)
             return RawResponse.vllm_error(500, f"{type(exc).__name__}: {exc}")
         try:
-            payload = self._completion_payload(body, prompts, output)
+            payload = completion_payload(body, prompts, output, model=self.model, tokenizer=self.tokenizer)
         except Exception as exc:  # an engine answer of the wrong shape (lengths, keys): the engine's bug
             return RawResponse.vllm_error(500, f"the engine's output could not be served: {exc!r}")
         return RawResponse(200, json.dumps(payload).encode())
-
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return str(self.tokenizer.decode([token_id]))
-
-    def _completion_payload(self, body: dict[str, Any], prompts: list[list[int]], output: Any) -> dict[str, Any]:
-        with_ids = bool(body.get("return_token_ids"))
-        want_logprobs = body.get("logprobs") is not None
-        choices = []
-        completion_tokens = 0
-        for i, prompt in enumerate(prompts):
-            ids = list(output["response_ids"][i])
-            logprobs = None
-            if want_logprobs:
-                values = [max(float(v), -9999.0) for v in output["response_logprobs"][i]]
-                tokens = [self._token_text(t) for t in ids]
-                offsets, position = [], 0
-                for token in tokens:
-                    offsets.append(position)
-                    position += len(token)
-                logprobs = {
-                    "text_offset": offsets,
-                    "token_logprobs": values,
-                    "tokens": tokens,
-                    "top_logprobs": [{tok: val} for tok, val in zip(tokens, values, strict=True)],
-                }
-            choices.append(
-                {
-                    "index": i,
-                    "text": output["responses"][i],
-                    "logprobs": logprobs,
-                    "finish_reason": output["stop_reasons"][i],
-                    "stop_reason": None,
-                    "token_ids": ids if with_ids else None,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": prompt if with_ids else None,
-                }
-            )
-            completion_tokens += len(ids)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _json_or_raw(raw: bytes) -> Any:
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
-def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's request fields to an engine's sampling dict, with vLLM's own defaults for absent fields."""
-    if body.get("n", 1) != 1:
-        raise ValueError("this test server supports n=1 only")
-    stop = body.get("stop")
-    params: dict[str, Any] = {
-        "max_tokens": body.get("max_tokens") if body.get("max_tokens") is not None else 16,
-        "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
-        "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
-        "top_k": body.get("top_k") if body.get("top_k") is not None else 0,
-        "min_p": body.get("min_p") if body.get("min_p") is not None else 0.0,
-        "repetition_penalty": body.get("repetition_penalty") if body.get("repetition_penalty") is not None else 1.0,
-        "seed": body.get("seed"),
-        "stop": [stop] if isinstance(stop, str) else (stop or None),
-        "stop_token_ids": body.get("stop_token_ids") or None,
-        "logprobs": body.get("logprobs"),
-        "min_tokens": body.get("min_tokens", 0),
-        "include_stop_str_in_output": bool(body.get("include_stop_str_in_output", False)),
-        "skip_special_tokens": bool(body.get("skip_special_tokens", True)),
-    }
-    return params
 
 
 @asynccontextmanager

@@ -18,8 +18,9 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import build_batch, load_dataset
-from skyrl_structured.cli._report import format_summary, summarize
 from skyrl_structured.cli._run import RunResult, Tally
+from skyrl_structured.cli._summary import summarize
+from skyrl_structured.cli._table import format_summary
 from skyrl_structured.testing import ScriptedEngine, check_structured_concurrency
 
 ENV_ID = "tests_check_close_raises"

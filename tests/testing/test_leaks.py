@@ -13,6 +13,8 @@ import skyrl_gym
 from tqdm import tqdm
 from tqdm._monitor import TMonitor
 
+from skyrl_structured.envs import EnvThreadPool
+from skyrl_structured.envs._threads import EnvCall
 from skyrl_structured.testing import SCRIPTED_ENV, ChaosPolicy, LeakTracker, ScriptedEngine, register_chaos_env
 from skyrl_structured.testing._census import thread_states
 
@@ -202,6 +204,32 @@ async def test_thread_states_tell_idle_from_busy_pool_workers(anyio_backend, any
         while any(s.busy for s in thread_states()):  # noqa: ASYNC110 - a thread's stack has no event to await
             await anyio.sleep(0.01)
     assert any(s.pool == pool and not s.busy for s in thread_states())
+
+
+@pytest.mark.anyio
+async def test_thread_states_know_the_env_thread_pool(anyio_backend):
+    """The census names the project's own env workers (it finds their loop by file and name)."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def blocking() -> None:
+        started.set()
+        release.wait(10)
+
+    pool = EnvThreadPool(1, name="tests-census-env")
+    call = EnvCall(blocking)
+    pool.submit(call)
+    try:
+        await anyio.to_thread.run_sync(started.wait, 10)
+        mine = [s for s in thread_states() if s.thread.name.startswith("tests-census-env")]
+        assert {s.pool for s in mine} == {"skyrl-structured env"}  # idle ones of an earlier run included
+        busy = [s for s in mine if s.busy]
+        assert len(busy) == 1
+        assert busy[0].where.endswith("in test_thread_states_know_the_env_thread_pool.<locals>.blocking")
+    finally:
+        release.set()
+    with anyio.fail_after(10):
+        await call.wait()
 
 
 @pytest.mark.anyio

@@ -1,0 +1,92 @@
+"""Refusing a key the command does not take: close matches, the full key of a bare name, SkyRL's own keys.
+
+SkyRL keys that live elsewhere here (``trainer.seed`` is ``run.seed``) are looked up first, by exact
+key or by prefix, before close-match suggestions, which would point at a look-alike.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+
+from ._schema import ENV_SECTIONS, SECTIONS, KeySpec, key_specs
+from ._values import ConfigError
+
+__all__ = ["unknown_key"]
+
+#: Sections of SkyRL's config that a rollout never reads, with what to do instead.
+_FOREIGN_SECTIONS = {
+    "trainer": "trainer.* configures SkyRL's trainer; `skyrl-structured rollout` runs one generation step only",
+}
+
+_ENGINE_ARGS_HINT = (
+    "SkyRL's inference-engine settings are not read here; with `engine.kind=vllm` pass vLLM engine "
+    "arguments as `engine.engine_args={{{name}: ...}}`"
+)
+
+#: SkyRL keys the command does not take, by exact key or by prefix (ending in "."), with where the
+#: setting lives here. Looked up before close-match suggestions, which would point at a look-alike.
+_SKYRL_HINTS: dict[str, str] = {
+    "trainer.policy.model.path": "the model is `engine.model` here (a Hugging Face name or local path; with "
+    "engine.kind=http the name the servers serve)",
+    "trainer.seed": "the seed is `run.seed` here",
+    "generator.inference_engine.backend": "SkyRL's inference backend (vllm) is chosen with `engine.kind` here "
+    "(transformers, http or vllm); `run.backend` is something else: the event loop (asyncio or trio)",
+    "generator.inference_engine.model_dtype": "the dtype is `engine.dtype` here (transformers engine)",
+    "generator.inference_engine.external_server_urls": "servers already running are `engine.base_urls` with "
+    "`engine.kind=http` here",
+    "generator.inference_engine.external_proxy_url": "servers already running are `engine.base_urls` with "
+    "`engine.kind=http` here",
+    "generator.inference_engine.served_model_name": "with `engine.kind=http`, `engine.model` is the served name",
+    "generator.inference_engine.engine_init_kwargs": "vLLM engine arguments are `engine.engine_args` here",
+    "generator.inference_engine.": _ENGINE_ARGS_HINT,
+    "data.dataloader.": "the command reads the data files itself; there is no dataloader to configure",
+    "environment.skyrl_gym.": "SkyRL's per-environment sections are "
+    + ", ".join(f"`environment.skyrl_gym.{name}.*`" for name in ENV_SECTIONS)
+    + "; your own environment's settings go in `environment.skyrl_gym.env_configs={{{name}: {{key: value}}}}`",
+}
+
+
+def _skyrl_hint(key: str, *, exact: bool) -> str | None:
+    if exact:
+        return _SKYRL_HINTS.get(key)
+    prefixes = sorted((p for p in _SKYRL_HINTS if p.endswith(".") and key.startswith(p)), key=len, reverse=True)
+    if not prefixes:
+        return None
+    name = key[len(prefixes[0]) :].partition(".")[0]
+    if f"{prefixes[0]}{name}" in key_specs():  # a section we do take: its key listing helps more
+        return None
+    return _SKYRL_HINTS[prefixes[0]].format(name=name)
+
+
+def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigError:
+    hint_text = _skyrl_hint(key, exact=True)
+    if hint_text is not None:
+        return ConfigError(f"`{key}`{where} is SkyRL's key, not taken here: {hint_text}")
+    head, _, _ = key.partition(".")
+    if head not in SECTIONS:
+        foreign = _FOREIGN_SECTIONS.get(head)
+        if foreign is not None:
+            return ConfigError(f"unknown key `{key}`{where}: {foreign}")
+        # `max_turns=3` is `generator.max_turns` with its section left out: name the full key.
+        nested = [p for p in specs if p.endswith(f".{key}")][:2]
+        close = nested or difflib.get_close_matches(head, SECTIONS, n=1)
+        hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
+        return ConfigError(f"unknown section `{head}` in `{key}`{where}{hint} Sections: {', '.join(SECTIONS)}")
+    parent = key.rpartition(".")[0]
+    parent_spec = specs.get(parent)
+    if parent_spec is not None and parent_spec.section is None:
+        return ConfigError(f"`{parent}` is a single value, not a section: `{key}`{where} does not exist")
+    siblings = [p.rpartition(".")[2] for p in specs if p.rpartition(".")[0] == parent]
+    close = [f"{parent}.{c}" for c in difflib.get_close_matches(key.rpartition(".")[2], siblings, n=2, cutoff=0.6)]
+    if not close:  # maybe the right name under another section
+        leaves = [p for p, s in specs.items() if s.section is None]
+        name = key.rpartition(".")[2]
+        close = [p for p in leaves if p.rpartition(".")[2] == name][:2]
+        hint_text = None if close else _skyrl_hint(key, exact=False)
+        if hint_text is not None:
+            return ConfigError(f"unknown key `{key}`{where}: {hint_text}")
+        close = close or difflib.get_close_matches(key, leaves, n=2, cutoff=0.8)
+    hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
+    listing = f" Keys under `{parent}`: {', '.join(siblings)}" if parent in specs else ""
+    return ConfigError(f"unknown key `{key}`{where}{hint}{listing}")

@@ -1,0 +1,201 @@
+"""The files ``skyrl-structured rollout`` writes to ``run.output_dir``.
+
+``generator_output.json`` is the ``GeneratorOutput`` as JSON (trajectory ids as mappings), less its
+wall-clock timings, which go to ``timings.json`` so that a seeded run's output file is reproducible
+byte for byte;
+``trajectories.jsonl`` is appended per finished rollout while the step runs and, once it completes,
+holds one row per output row with decoded text, token ids, reward and stop reason;
+``summary.json`` has the table's figures (what is trainable, what the failure policy masked,
+which groups give GRPO no gradient, per-prompt pass@k), the rollout metrics, the resolved
+configuration and what reproduces the run (argv, package versions, seed); ``summary.png`` draws
+the same when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._output.collector import reward_total
+from ..observe import FinishedTrajectory
+from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput
+from ._run import RunResult
+from ._schema import RolloutConfig
+from ._summary import counted
+from ._trajectories import TRAJECTORIES_FILE, jsonable
+
+__all__ = ["OUTPUT_FILES", "PLOT_FILE", "write_outputs"]
+
+OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
+#: The ``GeneratorOutput`` fields, and the prefixes of the rollout metrics, that hold wall-clock times.
+_TIMING_FIELDS = ("trajectory_generation_times", "trajectory_time_splits")
+#: Wall-clock metrics (they differ run to run): written to timings.json, not generator_output.json.
+_TIMING_METRIC_PREFIX = (
+    "generate/trajectory_time_",
+    "generate/trajectory_completion_time_",
+    "generate/event_loop_lag_",
+)
+PLOT_FILE = "summary.png"
+
+
+def _turns(record: FinishedTrajectory) -> int:
+    """Turns of a rollout: its steps (step-wise), else the generated stretches of its loss mask."""
+    if record.failed:
+        return 0
+    if record.step_wise:
+        return len(record.steps)
+    return _stretches(record.steps[-1].loss_mask)
+
+
+def _stretches(mask: Sequence[int]) -> int:
+    """Runs of 1s in a loss mask: one per turn's generated tokens."""
+    return sum(1 for j, bit in enumerate(mask) if bit and (j == 0 or not mask[j - 1]))
+
+
+def _id_key(trajectory_id: Any) -> Any:
+    return (getattr(trajectory_id, "instance_id", None), getattr(trajectory_id, "repetition_id", None))
+
+
+def _trajectory_rows(
+    batch: GeneratorInput, output: GeneratorOutput, tokenizer: Any, records: dict[int, FinishedTrajectory]
+) -> list[dict[str, Any]]:
+    rows = []
+    ids = output.get("trajectory_ids") or batch.get("trajectory_ids")
+    given = output.get("stop_reasons")
+    stop_reasons: list[str | None] = list(given) if given is not None else [None] * len(output["response_ids"])
+    # Step-wise rows are turns, not rollouts: find each row's rollout by its trajectory id.
+    rollout_of = {_id_key(t): i for i, t in enumerate(batch.get("trajectory_ids") or [])}
+    for i, response in enumerate(output["response_ids"]):
+        tid = ids[i] if ids is not None else None
+        rollout = rollout_of.get(_id_key(tid), i) if output.get("is_last_step") is not None else i
+        reward = output["rewards"][i]
+        prompt = output["prompt_token_ids"][i]
+        record = records.get(rollout)
+        rows.append(
+            {
+                "row": i,
+                "index": rollout,
+                "trajectory_id": jsonable(tid),
+                "env_class": batch["env_classes"][rollout],
+                "stop_reason": stop_reasons[i],
+                "reward": reward_total(reward),
+                "prompt_text": tokenizer.decode(prompt, skip_special_tokens=False),
+                "response_text": tokenizer.decode(response, skip_special_tokens=False),
+                "prompt_ids": list(prompt),
+                "response_ids": list(response),
+                "loss_mask": list(output["loss_masks"][i]),
+                **({"attempts": record.attempts} if record is not None else {}),
+                **({"error": record.error} if record is not None and record.failed else {}),
+            }
+        )
+    return rows
+
+
+def _plot_data(summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
+    """What ``summary.png`` draws, from the recorded rollouts (or the output rows when none were recorded)."""
+    records = sorted(result.trajectories.records.values(), key=lambda r: r.index) if result.trajectories else []
+    ok = [r for r in records if not r.failed]
+    if "per_prompt" in summary:
+        prompt_rewards = [(p["instance_id"], p["mean_reward"]) for p in summary["per_prompt"]]
+    else:  # a stopped step: the rollouts that finished, grouped by prompt
+        by_prompt: dict[str, list[float]] = defaultdict(list)
+        for record in records:
+            by_prompt[str(getattr(record.trajectory_id, "instance_id", record.index))].append(record.reward)
+        prompt_rewards = [(g, sum(v) / len(v)) for g, v in by_prompt.items()]
+    output = result.output
+    if ok or output is None:
+        lengths = [sum(len(step.response_ids) for step in r.steps) for r in ok]
+        turns = [_turns(r) for r in ok]
+    else:
+        stops = output.get("stop_reasons") or ["stop"] * len(output["response_ids"])
+        rows = [r for r, stop in enumerate(stops) if stop != ROLLOUT_ERROR_STOP_REASON]
+        lengths = [len(output["response_ids"][r]) for r in rows]
+        turns = [_stretches(output["loss_masks"][r]) for r in rows]
+    failures = summary.get("failures_by_type")
+    if failures is None:
+        failures = dict(Counter((r.error or "").split(":")[0] for r in records if r.failed))
+    return {
+        "prompt_rewards": prompt_rewards,
+        "turns": turns,
+        "response_lengths": lengths,
+        "failures": failures,
+        "rewards": [r.reward for r in ok],
+        "rollouts": summary["rollouts"],
+    }
+
+
+def _split_timings(output: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The output without its wall-clock fields, and those fields (metrics under ``rollout_metrics``)."""
+    timings = {key: output.pop(key) for key in _TIMING_FIELDS if key in output}
+    metrics = output.get("rollout_metrics")
+    if isinstance(metrics, dict):
+        timed = {k: v for k, v in metrics.items() if k.startswith(_TIMING_METRIC_PREFIX)}
+        output["rollout_metrics"] = {k: v for k, v in metrics.items() if k not in timed}
+        timings["rollout_metrics"] = timed
+    return output, timings
+
+
+def write_outputs(
+    output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig, batch: GeneratorInput, result: RunResult
+) -> None:
+    """Write the run's files and list them in ``summary["files"]``.
+
+    A completed step rewrites ``trajectories.jsonl`` (atomically) row for row with
+    ``generator_output.json``. A stopped or failed step keeps the rows its rollouts appended as they
+    finished, and removes an earlier run's ``generator_output.json``. ``summary.png`` is drawn
+    when matplotlib is installed.
+    """
+    from ._plots import write_summary_png
+    from ._timeline import Timeline, write_timeline
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files: list[str] = []
+    trajectories = output_dir / TRAJECTORIES_FILE
+    if result.output is not None:
+        output, timings = _split_timings(jsonable(result.output))
+        with (output_dir / "generator_output.json").open("w", encoding="utf-8") as f:
+            json.dump(output, f)
+        with (output_dir / "timings.json").open("w", encoding="utf-8") as f:
+            json.dump(timings, f)
+        records = result.trajectories.records if result.trajectories is not None else {}
+        partial = trajectories.with_name(TRAJECTORIES_FILE + ".partial")
+        with partial.open("w", encoding="utf-8") as f:
+            for row in _trajectory_rows(batch, result.output, result.tokenizer, records):
+                f.write(json.dumps(row) + "\n")
+        os.replace(partial, trajectories)  # a kill now leaves the appended rows or these, never half of each
+        files += OUTPUT_FILES[:3]
+    else:
+        # Leave no output of an earlier run behind to be mistaken for this one's.
+        (output_dir / "generator_output.json").unlink(missing_ok=True)
+        (output_dir / "timings.json").unlink(missing_ok=True)
+        if result.trajectories is None:
+            trajectories.unlink(missing_ok=True)
+        else:
+            files.append(TRAJECTORIES_FILE)
+    drawn = result.output is not None or (result.trajectories is not None and result.trajectories.kept > 0)
+    timeline = Timeline.of(result.trace.events) if result.trace is not None else None
+    limit = cfg.generator.sampling_params.max_generate_length
+    plot = dict(_plot_data(summary, result), max_generate_length=limit, timeline=timeline)
+    if drawn and write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **plot):
+        files.append(PLOT_FILE)
+    else:
+        (output_dir / PLOT_FILE).unlink(missing_ok=True)
+    if result.trace is not None:
+        files += write_timeline(output_dir, result.trace)
+    files.append("summary.json")
+    summary["files"] = files
+    data = dict(summary, config=jsonable(cfg))
+    with (output_dir / "summary.json").open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def _plot_title(summary: dict[str, Any]) -> str:
+    return (
+        f"skyrl-structured rollout ({summary['status']}): {counted(summary['prompts'], 'prompt')} x "
+        f"{counted(summary['samples_per_prompt'], 'sample')}, {summary['data']}"
+    )
