@@ -22,6 +22,7 @@ from uuid import uuid4
 import anyio
 
 from ._episode.chat import ChatTokenizer, load_custom_chat_template
+from ._episode.chat_attributes import ChatAttributes
 from ._episode.episode import Episode, EpisodeRunner
 from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import collect
@@ -56,7 +57,7 @@ __all__ = ["StructuredGymGenerator"]
 logger = logging.getLogger(__name__)
 
 
-class StructuredGymGenerator:
+class StructuredGymGenerator(ChatAttributes):
     """Multi-turn rollouts against ``skyrl_gym`` environments, one task group per batch.
 
     Args:
@@ -118,50 +119,6 @@ class StructuredGymGenerator:
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
-
-    # ------------------------------------------------------------------ SkyRL's encoding attributes
-    # Live views of the chat tokenizer's state, read by `get_obs_ids_from_obs` on every observation:
-    # assigning one, or editing it in place, changes the next encoding exactly as on SkyRLGymGenerator.
-    # They stay independent, as there: a new `base_conversation` does not recompute the token ids.
-
-    def _chat_or_none(self) -> ChatTokenizer | None:
-        # None before `__init__` built it; a value assigned then is dropped, as SkyRL's `__init__`
-        # overwrites it too.
-        chat: ChatTokenizer | None = self.__dict__.get("_chat")
-        return chat
-
-    @property
-    def base_conversation(self) -> ConversationType:
-        """Messages rendered ahead of an observation (multi-turn mode) so it gets mid-conversation tokens."""
-        return self._chat.base_conversation
-
-    @base_conversation.setter
-    def base_conversation(self, value: ConversationType) -> None:
-        chat = self._chat_or_none()
-        if chat is not None:
-            chat.base_conversation = value
-
-    @property
-    def base_conversation_token_ids(self) -> list[int]:
-        """Tokens cut off the front of a rendered observation: only their count is used."""
-        return self._chat.base_ids
-
-    @base_conversation_token_ids.setter
-    def base_conversation_token_ids(self, value: list[int]) -> None:
-        chat = self._chat_or_none()
-        if chat is not None:
-            chat.base_ids = value
-
-    @property
-    def generation_prompt_ids(self) -> list[int] | None:
-        """The next turn's generation prompt, added after an empty observation (None in single-turn mode)."""
-        return self._chat.generation_prompt_ids
-
-    @generation_prompt_ids.setter
-    def generation_prompt_ids(self, value: list[int] | None) -> None:
-        chat = self._chat_or_none()
-        if chat is not None:
-            chat.generation_prompt_ids = value
 
     # ------------------------------------------------------------------ subclass hooks (SkyRL's)
 
