@@ -227,9 +227,13 @@ async def test_group_scope_counts_each_prompt_group_on_its_own(tokenizer, anyio_
     # Three groups of four. q0 has one rollout that never answers; q2 has two that answer late.
     # Batch scope: 9 of 12 final -> all three stragglers are cut together. Group scope: q0 reaches
     # 3 of 4 and cuts its straggler; q2 has only 2 of 4 final, so its late ones are waited for.
+    # A grace the quick rollouts always beat: in group scope a group's fourth quick rollout may
+    # still be in its env step when the other three are final, and must not be cut for it.
     handler = Stragglers(hung={"q0_3"}, held={"q2_2", "q2_3"})
     engine = ScriptedEngine(tokenizer, handler)
-    gen = make_generator(tokenizer, engine, straggler_cutoff=0.75, straggler_cutoff_scope=scope, **CUT)
+    gen = make_generator(
+        tokenizer, engine, straggler_cutoff=0.75, straggler_cutoff_scope=scope, straggler_grace_s=1.0, **CUT
+    )
     ledger = EnvLedger()
     result: dict[str, Any] = {}
 
