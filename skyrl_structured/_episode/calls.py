@@ -33,6 +33,10 @@ async def engine_call(
     The time in the engine counts towards the ``llm`` split on every exit, so a failed rollout's
     placeholder reports where its time went; ``engine_call_finished`` carries the error when the
     call or the reply check raised (a cancellation included), which is then re-raised.
+
+    The same steps as :func:`shared_engine_call`, written out for one rollout: this runs every turn,
+    and one shared body for both (lists of one context, a check callback) measured 3.8-4.3 µs per
+    call against 2.3-2.4 µs (20,000 calls, best of 5, scripted reply).
     """
     context.emit(RolloutObserver.engine_call_started, turn, prompt_tokens)
     try:

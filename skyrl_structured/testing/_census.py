@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
+from ..envs import _threads as _env_threads
+
 __all__ = ["ThreadState", "current_backend", "describe_task", "live_tasks", "loop_identity", "thread_states"]
 
 
@@ -111,7 +113,10 @@ _POOL_LOOPS = {
     ("anyio/_backends/_asyncio.py", "WorkerThread.run"): "anyio",
     ("trio/_core/_thread_cache.py", "WorkerThread._work"): "trio",
     ("concurrent/futures/thread.py", "_worker"): "executor",
-    ("skyrl_structured/envs/_threads.py", "EnvThreadPool._work"): "skyrl-structured env",
+    # Our own pool's loop is found from its code object, so moving its module cannot hide it.
+    (_env_threads.EnvThreadPool._work.__code__.co_filename.replace("\\", "/"), "EnvThreadPool._work"): (
+        "skyrl-structured env"
+    ),
 }
 
 
