@@ -214,3 +214,34 @@ async def test_wait_env_thread_calls_waits_for_a_running_call_and_says_whether_i
     assert await anyio.to_thread.run_sync(wait_env_thread_calls, 10)
     assert active_env_thread_calls() == 0
     await call.wait()
+
+
+async def test_a_chained_close_counts_as_running_from_the_moment_its_call_returns(anyio_backend):
+    # A close chained after a stuck step runs in the same thread right after it: waiting for no env
+    # call to run must not return in between (the step done, the close not yet started). A slow
+    # completion hand-off of the step (a scheduler that takes 50 ms) holds that moment open.
+    pool = EnvThreadPool(1)
+    release, closed, started = threading.Event(), threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(10)
+
+    step = EnvCall(stuck)
+    close = EnvCall(closed.set, skippable=False)
+    pool.submit(step)
+    step.then(close, pool)
+    assert step.add_done_callback(lambda callback: time.sleep(0.05), lambda: None)
+    assert await anyio.to_thread.run_sync(started.wait, 10)
+    seen: list[tuple[bool, bool]] = []
+
+    def waiter() -> None:
+        returned = wait_env_thread_calls(10)
+        seen.append((returned, closed.is_set()))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    release.set()
+    await anyio.to_thread.run_sync(thread.join, 10)
+    await close.wait()
+    assert seen == [(True, True)]

@@ -144,26 +144,34 @@ class EnvCall(Generic[T]):
             raise self._error
         return self._value  # type: ignore[return-value]
 
-    def run(self) -> None:
-        """In a worker thread: run the call (unless skipped), then whatever was chained after it."""
+    def run(self, *, counted: bool = False) -> None:
+        """In a worker thread: run the call (unless skipped), then whatever was chained after it.
+
+        A chained follower takes over this call's place in :func:`active_env_thread_calls`
+        (``counted``), so the count never reads zero between a stuck step and its close.
+        """
         with self._lock:
             if self._state != _PENDING:
+                if counted:
+                    _count_running(-1)
                 return
             self._state = _RUNNING
-        _count_running(1)
+        if not counted:
+            _count_running(1)
         try:
             self._value = self._fn(*self._args)
         except BaseException as exc:
             self._error = exc
         finally:
-            _count_running(-1)
             with self._lock:
                 self._state = _DONE
                 callbacks, self._callbacks = self._callbacks, []
                 follower, self._then = self._then, None
+            if follower is None:
+                _count_running(-1)
             self._notify(callbacks)
         if follower is not None:
-            follower.run()
+            follower.run(counted=True)
 
     @staticmethod
     def _notify(callbacks: list[tuple[Scheduler, Callable[[], None]]]) -> None:
