@@ -32,6 +32,7 @@ from typing import Any, cast
 import anyio
 
 from skyrl_structured import GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured.config import EnvExecutorKind
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
 from skyrl_structured.tiny import build_chatml_tokenizer
@@ -41,7 +42,7 @@ def _generator(tokenizer: Any, executor: str, workers: int, **cfg: Any) -> Struc
     cfg.setdefault("max_turns", 3)
     cfg.setdefault("max_input_length", 4096)
     engine = ScriptedEngine(tokenizer, lambda call: "answer")
-    gym = SkyRLGymConfig(max_env_workers=workers, env_executor=executor)
+    gym = SkyRLGymConfig(max_env_workers=workers, env_executor=cast(EnvExecutorKind, executor))
     return StructuredGymGenerator(GeneratorConfig(**cfg), gym, engine, tokenizer)
 
 

@@ -18,15 +18,19 @@ from typing import Any, Literal, get_args
 from .types import SkyRLConfig
 
 __all__ = [
+    "ENV_EXECUTORS",
+    "ENV_KNOBS",
     "FAILED_ROLLOUT_POLICIES",
     "FAILURE_BUDGET_ACTIONS",
     "STRAGGLER_CUTOFF_SCOPES",
     "ChatTemplateConfig",
+    "EnvExecutorKind",
     "GeneratorConfig",
     "InferenceEngineConfig",
     "ResilienceSettings",
     "SamplingParams",
     "SkyRLGymConfig",
+    "read_knob",
     "resolve_resilience",
     "routed_experts_enabled",
 ]
@@ -35,6 +39,8 @@ FailedRolloutPolicy = Literal["placeholder", "mask_group", "fill_group_mean"]
 FAILED_ROLLOUT_POLICIES: tuple[FailedRolloutPolicy, ...] = get_args(FailedRolloutPolicy)
 FailureBudgetAction = Literal["raise", "warn"]
 FAILURE_BUDGET_ACTIONS: tuple[FailureBudgetAction, ...] = get_args(FailureBudgetAction)
+EnvExecutorKind = Literal["thread", "process", "ray"]
+ENV_EXECUTORS: tuple[EnvExecutorKind, ...] = get_args(EnvExecutorKind)
 StragglerCutoffScope = Literal["batch", "group"]
 STRAGGLER_CUTOFF_SCOPES: tuple[StragglerCutoffScope, ...] = get_args(StragglerCutoffScope)
 
@@ -254,7 +260,7 @@ class SkyRLGymConfig:
         32,
     )
     env_configs: dict[str, Any] = _help_factory("Per-environment configuration, keyed by env class name.", dict)
-    env_executor: str = _help(
+    env_executor: EnvExecutorKind = _help(
         "Where blocking environment code runs: 'thread' (worker threads, SkyRL's behaviour), 'process' "
         "(worker processes: hard deadlines, crash containment, every core) or 'ray' (Ray actors). "
         "See docs/envs.md.",
@@ -263,16 +269,50 @@ class SkyRLGymConfig:
     env_worker_num_cpus: float = _help("CPUs Ray reserves for each env worker actor (env_executor='ray' only).", 1.0)
 
 
+#: The fields of :class:`SkyRLGymConfig` that are ours (SkyRL's ``environment.skyrl_gym`` has the others):
+#: the SkyRL integration adds exactly these to SkyRL's section.
+ENV_KNOBS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(SkyRLGymConfig) if f.name not in ("max_env_workers", "env_configs")
+)
+
+
 def routed_experts_enabled(generator_cfg: SkyRLConfig) -> bool:
     """Whether ``generator.inference_engine.enable_return_routed_experts`` is on (any config object)."""
     engine_cfg = getattr(generator_cfg, "inference_engine", None)
     return bool(getattr(engine_cfg, "enable_return_routed_experts", False))
 
 
-def _get(cfg: SkyRLConfig, name: str, default: Any) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
+_ABSENT: Any = object()
+
+
+def _made_up_by_mock(value: Any) -> bool:
+    """Whether ``value`` is what ``unittest.mock`` invents for a name nobody set.
+
+    SkyRL's own tests (and users' tests of their generator subclasses) pass ``MagicMock()`` as a
+    config: every attribute exists there, as another mock. Compared by module, so reading a config
+    never imports ``unittest.mock``.
+    """
+    return type(value).__module__ == "unittest.mock"
+
+
+def read_knob(cfg: SkyRLConfig, name: str, default: Any) -> Any:
+    """The one reader of our knobs from a SkyRL config section: ``cfg.name``, or ``default`` where absent.
+
+    A field the object lacks is absent, whatever the object: SkyRL's dataclasses (whose schema has
+    none of our knobs), an OmegaConf ``DictConfig`` or a ``dict`` (read as mappings, so a key is
+    never confused with a method), an attribute bag, and a ``MagicMock``, whose made-up attributes
+    count as absent while the ones a test set are read. A ``None`` that is set is returned as is:
+    for several knobs null has a meaning of its own.
+    """
+    if cfg is None:
+        return default
+    try:
+        value = cfg.get(name, _ABSENT) if isinstance(cfg, Mapping) else getattr(cfg, name, _ABSENT)
+    except Exception:  # a strict config object refusing an unknown key: absent, as for any other
+        return default
+    if value is _ABSENT or _made_up_by_mock(value):
+        return default
+    return value
 
 
 def _shown(value: Any, *, with_type: bool) -> str:
@@ -446,7 +486,7 @@ def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
             it got, and how to fix it.
     """
     defaults = ResilienceSettings()
-    values = {f.name: _get(generator_cfg, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
+    values = {f.name: read_knob(generator_cfg, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
     if not isinstance(values["skip_failed_rollouts"], bool):
         raise invalid_value(
             "generator.skip_failed_rollouts", values["skip_failed_rollouts"], "true or false", with_type=True

@@ -29,6 +29,7 @@ from skyrl_structured import (
     SkyRLGymConfig,
     StructuredGymGenerator,
 )
+from skyrl_structured.config import EnvExecutorKind
 from skyrl_structured.envs import EnvCallRunner
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
@@ -41,7 +42,9 @@ register_trouble_env()
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_gen(tokenizer: Any, *, executor: str = "process", workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
+def make_gen(
+    tokenizer: Any, *, executor: EnvExecutorKind = "process", workers: int = 2, **cfg: Any
+) -> StructuredGymGenerator:
     cfg.setdefault("max_turns", 3)
     cfg.setdefault("max_input_length", 4096)
     engine = ScriptedEngine(tokenizer, turn_replies("one", "two", "three"))
@@ -284,7 +287,7 @@ def test_a_bad_executor_is_refused_with_one_line(tokenizer):
     ):
         StructuredGymGenerator(
             GeneratorConfig(),
-            SkyRLGymConfig(env_executor="processes"),
+            SkyRLGymConfig(env_executor="processes"),  # type: ignore[arg-type]  # refused
             ScriptedEngine(tokenizer, turn_replies("x")),
             tokenizer,
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 from .._episode.chat import load_custom_chat_template
 from ..config import SAMPLING_RANGES, NumberRule, check_number, invalid_value, resolve_resilience
+from ..envs._executors import env_executor_kind
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
 from ._schema import CHAOS_ENV_STAGES, ENV_SECTIONS, RolloutConfig
@@ -161,7 +162,7 @@ def _check_chaos_executor(cfg: RolloutConfig) -> None:
     """Env-stage fault drills wrap env classes in this process: a worker process or actor cannot rebuild them."""
     chaos, gym = cfg.chaos, cfg.environment.skyrl_gym
     drilling = chaos.failure_rate > 0 or chaos.hang_rate > 0 or chaos.slow_rate > 0
-    executor = getattr(gym, "env_executor", "thread") or "thread"
+    executor = env_executor_kind(gym)
     if drilling and chaos.stage in (*CHAOS_ENV_STAGES, "any") and executor != "thread" and gym.max_env_workers > 0:
         raise ConfigError(
             f"`chaos.stage={chaos.stage}` injects faults by wrapping env classes in this process, which "

@@ -35,18 +35,15 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, cast
 
 from .._runtime.cleanup import CleanupStats
-from ..config import invalid_value
+from ..config import ENV_EXECUTORS, EnvExecutorKind, invalid_value, read_knob
 from ..types import SkyRLConfig
 
 __all__ = ["ENV_EXECUTORS", "EnvExecutor", "EnvExecutorKind", "EnvWorkerError", "env_executor_kind", "make_executor"]
 
 logger = logging.getLogger(__name__)
-
-EnvExecutorKind = Literal["thread", "process", "ray"]
-ENV_EXECUTORS: tuple[str, ...] = get_args(EnvExecutorKind)
 
 
 class EnvWorkerError(RuntimeError):
@@ -117,16 +114,13 @@ class EnvExecutor(abc.ABC):
         """Stop the workers (nothing to stop for threads: they are daemons that exit when idle)."""
 
 
-def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> str:
+def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> EnvExecutorKind:
     """``environment.skyrl_gym.env_executor``, ``"thread"`` when the config lacks it (SkyRL's own).
 
     Raises:
         ValueError: a value other than ``thread``, ``process`` or ``ray``.
     """
-    if isinstance(skyrl_gym_cfg, Mapping):
-        kind = skyrl_gym_cfg.get("env_executor", "thread")
-    else:
-        kind = getattr(skyrl_gym_cfg, "env_executor", "thread")
+    kind = read_knob(skyrl_gym_cfg, "env_executor", "thread")
     if kind is None:
         return "thread"
     if kind not in ENV_EXECUTORS:
@@ -136,7 +130,7 @@ def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> str:
             "one of 'thread', 'process', 'ray'",
             "'thread' is SkyRL's behaviour; 'process' runs envs in killable worker processes (see docs/envs.md).",
         )
-    return str(kind)
+    return cast(EnvExecutorKind, kind)
 
 
 def make_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
@@ -153,7 +147,7 @@ def make_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, *, cleanup_timeout_s
         return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s)
     from ._ray import RayEnvExecutor
 
-    num_cpus = getattr(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
+    num_cpus = read_knob(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
     return RayEnvExecutor(
         workers, cleanup_timeout_s=cleanup_timeout_s, num_cpus=float(1.0 if num_cpus is None else num_cpus)
     )

@@ -32,16 +32,19 @@ import logging
 import platform
 import sys
 import textwrap
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._episode.chat import load_custom_chat_template
 from ..config import (
+    ENV_KNOBS,
     FailedRolloutPolicy,
     FailureBudgetAction,
     GeneratorConfig,
     ResilienceSettings,
+    SkyRLGymConfig,
     StragglerCutoffScope,
     resolve_resilience,
 )
@@ -54,7 +57,9 @@ from ..vlm_generator import StructuredVLMGymGenerator, check_vision_language_con
 INSTALL_HINT = "pip install 'skyrl[fsdp]' (Python 3.12 or newer; see SkyRL's install guide for the GPU stack)"
 
 try:
+    from skyrl.train.config import EnvironmentConfig as _SkyRLEnvironmentConfig
     from skyrl.train.config import GeneratorConfig as _SkyRLGeneratorConfig
+    from skyrl.train.config import SkyRLGymConfig as _SkyRLGymConfig
     from skyrl.train.config import SkyRLTrainConfig as _SkyRLTrainConfig
 except ImportError as _exc:  # exercised in a subprocess that hides skyrl
     _message = (
@@ -73,8 +78,10 @@ __all__ = [
     "INSTALL_HINT",
     "STRUCTURED_KNOBS",
     "SkyRLUnavailableError",
+    "StructuredEnvironmentConfig",
     "StructuredGeneratorConfig",
     "StructuredPPOExp",
+    "StructuredSkyRLGymConfig",
     "StructuredTrainConfig",
     "check_structured_config",
     "fully_async_failure_budget",
@@ -125,11 +132,43 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     straggler_cutoff_scope: StragglerCutoffScope = _knob("straggler_cutoff_scope")
 
 
+_GYM_FIELDS = {f.name: f for f in dataclasses.fields(SkyRLGymConfig)}
+_GYM_TYPES = typing.get_type_hints(SkyRLGymConfig)
+_GYM_DEFAULTS = SkyRLGymConfig()
+
+#: SkyRL's ``environment.skyrl_gym`` section plus the env executor knobs (:data:`~skyrl_structured.config.ENV_KNOBS`),
+#: built from our :class:`~skyrl_structured.SkyRLGymConfig` so a knob added there reaches SkyRL's parser too.
+StructuredSkyRLGymConfig: type = dataclasses.make_dataclass(
+    "StructuredSkyRLGymConfig",
+    [
+        (
+            name,
+            _GYM_TYPES[name],
+            field(default=getattr(_GYM_DEFAULTS, name), metadata=dict(_GYM_FIELDS[name].metadata)),
+        )
+        for name in ENV_KNOBS
+    ],
+    bases=(_SkyRLGymConfig,),
+    namespace={
+        "__doc__": "SkyRL's ``environment.skyrl_gym`` section plus the env executor knobs.",
+        "__module__": __name__,
+    },
+)
+
+
+@dataclass
+class StructuredEnvironmentConfig(_SkyRLEnvironmentConfig):  # type: ignore[misc]
+    """SkyRL's ``environment`` section with :data:`StructuredSkyRLGymConfig` as its ``skyrl_gym`` section."""
+
+    skyrl_gym: StructuredSkyRLGymConfig = field(default_factory=StructuredSkyRLGymConfig)  # type: ignore[valid-type]
+
+
 @dataclass
 class StructuredTrainConfig(_SkyRLTrainConfig):  # type: ignore[misc]
-    """SkyRL's root config with :class:`StructuredGeneratorConfig` as its ``generator`` section."""
+    """SkyRL's root config with our ``generator`` and ``environment`` sections (SkyRL's plus our knobs)."""
 
     generator: StructuredGeneratorConfig = field(default_factory=StructuredGeneratorConfig)
+    environment: StructuredEnvironmentConfig = field(default_factory=StructuredEnvironmentConfig)
 
 
 def check_structured_config(cfg: SkyRLConfig) -> None:

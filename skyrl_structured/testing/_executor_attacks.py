@@ -25,13 +25,13 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import skyrl_gym
 from skyrl_gym.metrics import default_aggregate_metrics
 
-from ..config import GeneratorConfig, SkyRLGymConfig
+from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
 from ..envs._process import env_recipe
 from ..generator import StructuredGymGenerator
 from .engines import Reply, ScriptedEngine, replies_by_turn
@@ -133,7 +133,9 @@ async def _attack_case(
         max_turns=max_turns, skip_failed_rollouts=True, rollout_timeout_s=_DEADLINE_S, env_cleanup_timeout_s=_DEADLINE_S
     )
     gym = SkyRLGymConfig(
-        max_env_workers=workers, env_executor=env_executor, env_configs={ATTACKED_ENV: env_config or {}}
+        max_env_workers=workers,
+        env_executor=cast(EnvExecutorKind, env_executor),
+        env_configs={ATTACKED_ENV: env_config or {}},
     )
     gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*replies)), tokenizer)
 
