@@ -26,13 +26,16 @@ from skyrl_structured import (
     GeneratorConfig,
     GeneratorInput,
     ResilienceSettings,
+    SkyRLGymConfig,
     StructuredGymGenerator,
     StructuredVLMGymGenerator,
     TrajectoryID,
     validate_generator_output,
 )
+from skyrl_structured.config import ENV_KNOBS
 from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image
 from skyrl_structured.testing.envs import SCRIPTED_ENV
+from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
 
 from ._upstream import load_upstream_validator
 from .helpers import token_rewards
@@ -217,6 +220,68 @@ def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parse
     assert cfg.generator.max_rollout_retries == 0
     with pytest.raises(ValueError, match=r"Invalid fields \{'skip_failed_rollout'\} for StructuredGeneratorConfig"):
         skyrl_cli_parser(["generator.skip_failed_rollout=true"])
+
+
+def test_skyrls_parser_reads_the_env_executor_knobs_of_the_gym_section(skyrl_cli_parser):
+    cfg = skyrl_cli_parser(
+        [
+            "environment.skyrl_gym.env_executor=process",
+            "environment.skyrl_gym.max_env_workers=4",
+            "environment.skyrl_gym.env_worker_num_cpus=0.5",
+        ]
+    )
+    gym = cfg.environment.skyrl_gym
+    assert type(gym) is integration.StructuredSkyRLGymConfig
+    assert isinstance(gym, skyrl_config.SkyRLGymConfig)  # SkyRL's own section, extended
+    assert (gym.env_executor, gym.max_env_workers, gym.env_worker_num_cpus) == ("process", 4, 0.5)
+    assert gym.search == skyrl_config.SkyRLGymConfig().search  # SkyRL's per-env sections are kept
+    defaults = skyrl_cli_parser([]).environment.skyrl_gym
+    assert {name: getattr(defaults, name) for name in ENV_KNOBS} == {
+        name: getattr(SkyRLGymConfig(), name) for name in ENV_KNOBS
+    }
+    with pytest.raises(ValueError, match=r"`environment.skyrl_gym.env_executor` must be one of 'thread', 'process'"):
+        integration.parse_config(["environment.skyrl_gym.env_executor=procss"])
+
+
+@pytest.mark.anyio
+async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_processes(
+    anyio_backend, skyrl_cli_parser, tokenizer, tmp_path, monkeypatch
+):
+    """SkyRL's main_base hands ``sys.argv`` untouched to ``import_module(override).main()``."""
+    argv = [
+        "trainer.override_entrypoint=skyrl_structured.integrations.skyrl",
+        "environment.skyrl_gym.env_executor=process",
+        "environment.skyrl_gym.max_env_workers=2",
+        "generator.max_turns=2",
+        "generator.max_input_length=4096",
+    ]
+    parsed: list[Any] = []
+    experiment = types.ModuleType("skyrl_structured.integrations._skyrl_experiment")
+    experiment.run = parsed.append  # type: ignore[attr-defined]  # Ray's launch is all this stands in for
+    monkeypatch.setitem(sys.modules, experiment.__name__, experiment)
+    monkeypatch.setattr(sys, "argv", ["main_base.py", *argv])
+    importlib.import_module(argv[0].split("=", 1)[1]).main()
+    (cfg,) = parsed
+    assert cfg.environment.skyrl_gym.env_executor == "process"
+
+    register_trouble_env()
+    engine = ScriptedEngine(tokenizer, lambda call: "ok")
+    generator = integration.structured_generator(cfg, tokenizer, engine)
+    n = 3
+    batch: GeneratorInput = {
+        "prompts": [[{"role": "user", "content": f"question {i}"}] for i in range(n)],
+        "env_classes": [TROUBLE_ENV] * n,
+        "env_extras": [{"ledger_dir": str(tmp_path), "turns": 1} for _ in range(n)],
+    }
+    try:
+        output = await generator.generate(batch, disable_tqdm=True)
+    finally:
+        await generator.aclose()
+    assert output["stop_reasons"] == ["stop"] * n
+    pids = {int(p.read_text()) for p in tmp_path.glob("*.made")}
+    assert pids  # the envs lived in worker processes
+    assert os.getpid() not in pids
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * n
 
 
 def test_parse_config_refuses_a_bad_configuration_before_ray_starts(skyrl_cli_parser):
