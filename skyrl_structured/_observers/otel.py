@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..observe import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
+from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
 
 __all__ = ["OpenTelemetryObserver"]
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from .base import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 
 __all__ = ["PrometheusObserver"]
 

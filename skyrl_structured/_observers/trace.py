@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..observe import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON
+from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
 
 __all__ = ["TraceRecorder"]
 

@@ -23,8 +23,8 @@ except ImportError as exc:
 
 from ..generator import StructuredGymGenerator
 from ..types import InferenceClient, SkyRLConfig, Tokenizer
+from ._skyrl_generator import structured_generator
 from ._weight_sync import pause_during_weight_sync
-from .skyrl import structured_generator
 
 __all__ = ["StructuredPPOExp", "run", "skyrl_entrypoint"]
 

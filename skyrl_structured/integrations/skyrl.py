@@ -48,10 +48,11 @@ from ..config import (
     StragglerCutoffScope,
     resolve_resilience,
 )
-from ..generator import StructuredGymGenerator
-from ..types import InferenceClient, SkyRLConfig, Tokenizer
+from ..types import SkyRLConfig
 from ..validate import check_generator_config
-from ..vlm_generator import StructuredVLMGymGenerator, check_vision_language_config
+from ..vlm_generator import check_vision_language_config
+from ._skyrl_generator import fully_async_failure_budget as fully_async_failure_budget
+from ._skyrl_generator import structured_generator as structured_generator
 
 #: How to get SkyRL with the trainer this module drives (Ray, vLLM, FSDP).
 INSTALL_HINT = "pip install 'skyrl[fsdp]' (Python 3.12 or newer; see SkyRL's install guide for the GPU stack)"
@@ -183,55 +184,6 @@ def check_structured_config(cfg: SkyRLConfig) -> None:
     settings = resolve_resilience(cfg.generator)
     template = load_custom_chat_template(cfg.generator.chat_template)
     check_generator_config(cfg.generator, cfg.environment.skyrl_gym, settings, template)
-
-
-def structured_generator(
-    cfg: SkyRLConfig,
-    tokenizer: Tokenizer,
-    inference_engine_client: InferenceClient,
-    policy_model_name: str | None = None,
-) -> StructuredGymGenerator:
-    """The generator ``StructuredPPOExp.get_generator`` returns for ``cfg`` (SkyRL's root config).
-
-    :class:`~skyrl_structured.StructuredVLMGymGenerator` when ``generator.vision_language_generator``
-    is true, :class:`~skyrl_structured.StructuredGymGenerator` otherwise: the same choice SkyRL's
-    ``BasePPOExp.get_generator`` makes between its two generators. Applies
-    :func:`fully_async_failure_budget` first. Weight syncs are wired to the generator's pauses once
-    the trainer exists (``StructuredPPOExp._setup_trainer``, see
-    :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
-    """
-    fully_async_failure_budget(cfg)
-    vision = bool(getattr(cfg.generator, "vision_language_generator", False))
-    generator_class = StructuredVLMGymGenerator if vision else StructuredGymGenerator
-    return generator_class(
-        generator_cfg=cfg.generator,
-        skyrl_gym_cfg=cfg.environment.skyrl_gym,
-        inference_engine_client=inference_engine_client,
-        tokenizer=tokenizer,
-        policy_model_name=policy_model_name,
-    )
-
-
-def fully_async_failure_budget(cfg: SkyRLConfig) -> None:
-    """Default ``generator.failure_budget_action`` to ``warn`` for SkyRL's fully-async trainer, in place.
-
-    That trainer calls ``generate()`` once per prompt group, and its generation worker exits the
-    process on an exception: with ``raise``, one prompt whose every rollout failed would end the
-    run. So where the user left the action unset (None), ``skip_failed_rollouts`` is on and
-    ``trainer.fully_async.enabled`` is true, it becomes ``warn``, with one INFO line saying so. An
-    action the user set is kept.
-    """
-    generator = cfg.generator
-    if getattr(generator, "failure_budget_action", "raise") is not None:
-        return
-    fully_async = bool(getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False))
-    if fully_async and getattr(generator, "skip_failed_rollouts", False):
-        generator.failure_budget_action = "warn"
-        logger.info(
-            "generator.failure_budget_action=warn (it was not set): SkyRL's fully-async trainer calls generate() "
-            "once per prompt group, and a group whose every rollout failed returns placeholders instead of ending "
-            "the run; set generator.failure_budget_action=raise to fail instead"
-        )
 
 
 class SkyRLUnavailableError(ImportError):
