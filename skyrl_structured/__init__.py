@@ -5,9 +5,6 @@ Swap ``SkyRLGymGenerator`` for :class:`StructuredGymGenerator` and get the same
 cancellation on asyncio and trio.
 """
 
-from ._episode.episode import PromptTooLongError as PromptTooLongError
-from ._episode.replies import MalformedEngineReplyError as MalformedEngineReplyError
-from ._runtime.supervisor import RolloutCancelledError as RolloutCancelledError
 from .config import ChatTemplateConfig as ChatTemplateConfig
 from .config import GeneratorConfig as GeneratorConfig
 from .config import InferenceEngineConfig as InferenceEngineConfig
@@ -17,9 +14,15 @@ from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import EnvHandle as EnvHandle
 from .envs import open_env as open_env
-from .envs._executors import EnvWorkerError as EnvWorkerError
+from .errors import EnvWorkerError as EnvWorkerError
+from .errors import GeneratorOutputError as GeneratorOutputError
+from .errors import MalformedEngineReplyError as MalformedEngineReplyError
+from .errors import PromptTooLongError as PromptTooLongError
+from .errors import RolloutCancelledError as RolloutCancelledError
+from .errors import RolloutError as RolloutError
+from .errors import StragglerCutError as StragglerCutError
+from .errors import VisionFeatureError as VisionFeatureError
 from .failures import FailedRollout as FailedRollout
-from .failures import StragglerCutError as StragglerCutError
 from .generator import StructuredGymGenerator as StructuredGymGenerator
 from .observe import FinishedTrajectory as FinishedTrajectory
 from .observe import RolloutObserver as RolloutObserver
@@ -38,7 +41,6 @@ from .types import RenderingClient as RenderingClient
 from .types import StepWiseOutput as StepWiseOutput
 from .types import TrajectoryID as TrajectoryID
 from .types import TrajectoryOutput as TrajectoryOutput
-from .validate import GeneratorOutputError as GeneratorOutputError
 from .validate import validate_generator_output as validate_generator_output
 from .vlm_generator import StructuredVLMGymGenerator as StructuredVLMGymGenerator
 
@@ -67,6 +69,7 @@ __all__ = (
     "RenderingClient",
     "ResilienceSettings",
     "RolloutCancelledError",
+    "RolloutError",
     "RolloutObserver",
     "RolloutRef",
     "SamplingParams",
@@ -79,6 +82,7 @@ __all__ = (
     "TrajectoryOutput",
     "TrajectoryStep",
     "TrajectoryStream",
+    "VisionFeatureError",
     "open_env",
     "validate_generator_output",
 )

@@ -7,15 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import StragglerCutError
+
 __all__ = ["FailedRollout", "StragglerCutError", "failure_budget_exceeded", "failure_summary"]
-
-
-class StragglerCutError(Exception):
-    """A rollout cancelled by the straggler cutoff (``generator.straggler_cutoff``).
-
-    It stands in the batch as a placeholder like any failure, under ``failed_rollout_policy``, and
-    is counted in ``generate/num_cut_rollouts`` (and ``generate/failures/StragglerCutError``).
-    """
 
 
 @dataclass

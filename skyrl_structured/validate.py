@@ -12,6 +12,7 @@ import skyrl_gym
 from .config import ResilienceSettings, check_number, routed_experts_enabled
 from .envs._executors import env_executor_kind
 from .envs._registration import is_import_path, register_import_path
+from .errors import GeneratorOutputError
 from .types import SkyRLConfig
 
 __all__ = [
@@ -23,10 +24,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class GeneratorOutputError(ValueError):
-    """A ``GeneratorOutput`` breaks the contract SkyRL's trainer relies on."""
 
 
 def check_generator_config(

@@ -18,6 +18,7 @@ PACKAGE = Path(skyrl_structured.__file__).parent
 LAYERS: dict[str, int] = {
     # the vocabulary every layer speaks
     "types": 0,
+    "errors": 0,
     "failures": 0,
     "config": 0,
     "observe": 0,

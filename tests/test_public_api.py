@@ -27,6 +27,7 @@ EXPECTED = {
     "RenderingClient",
     "ResilienceSettings",
     "RolloutCancelledError",
+    "RolloutError",
     "RolloutObserver",
     "RolloutRef",
     "SamplingParams",
@@ -39,6 +40,7 @@ EXPECTED = {
     "TrajectoryOutput",
     "TrajectoryStep",
     "TrajectoryStream",
+    "VisionFeatureError",
     "open_env",
     "validate_generator_output",
 }
@@ -73,3 +75,31 @@ def test_importing_the_package_does_not_import_heavy_or_patching_modules():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_every_rollout_error_is_a_rollout_error_and_keeps_its_standard_library_base():
+    """The tree drawn in skyrl_structured/errors.py: one base, and the old bases kept for old ``except``s."""
+    from skyrl_structured import errors
+
+    expected_bases = {
+        "EnvWorkerError": RuntimeError,
+        "RolloutCancelledError": RuntimeError,
+        "StragglerCutError": Exception,
+        "PromptTooLongError": ValueError,
+        "MalformedEngineReplyError": ValueError,
+        "VisionFeatureError": ValueError,
+    }
+    for name, base in expected_bases.items():
+        cls = getattr(skyrl_structured, name)
+        assert cls is getattr(errors, name)
+        assert issubclass(cls, skyrl_structured.RolloutError), name
+        assert issubclass(cls, base), name
+        assert name in errors.__doc__, f"{name} is missing from the tree in errors.py's docstring"
+    assert not issubclass(skyrl_structured.GeneratorOutputError, skyrl_structured.RolloutError)
+    assert issubclass(skyrl_structured.GeneratorOutputError, ValueError)
+    defined_here = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == errors.__name__
+    }
+    assert defined_here == {*expected_bases, "RolloutError", "GeneratorOutputError"}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
+from ..errors import PromptTooLongError
 from ..types import ConversationType, EnvHandle, InferenceEngineInput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
 from .calls import engine_call, env_call
 from .chat import ChatTokenizer
@@ -42,10 +43,6 @@ class EpisodeRunner(Protocol):
         session_id: Hashable,
         cache_salt: str | None,
     ) -> TrajectoryOutput | StepWiseOutput: ...
-
-
-class PromptTooLongError(ValueError):
-    """A rollout's first prompt is already longer than ``generator.max_input_length``."""
 
 
 @dataclass

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import VisionFeatureError
+
 __all__ = [
     "VisionFeatureError",
     "decode_vision_features",
@@ -44,10 +46,6 @@ _VLLM_DECODERS = (
     "vllm.entrypoints.serve.disagg.mm_serde",
     "vllm.entrypoints.scale_out.token_in_token_out.mm_serde",
 )
-
-
-class VisionFeatureError(ValueError):
-    """A render's ``features`` cannot be read back into image tensors (that rollout's failure)."""
 
 
 def encode_feature_item(arrays: Mapping[str, Any]) -> str:

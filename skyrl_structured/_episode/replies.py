@@ -5,16 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import MalformedEngineReplyError
+
 __all__ = ["MalformedEngineReplyError", "ReplyParts", "check_token_ids", "read_replies", "read_reply"]
-
-
-class MalformedEngineReplyError(ValueError):
-    """The engine's reply to a rollout's request breaks the ``InferenceEngineOutput`` contract.
-
-    Raised inside the rollout that made the request, so it is that rollout's failure: a placeholder
-    with ``generator.skip_failed_rollouts``, else the error ``generate()`` raises. Caught here, a bad
-    reply cannot misalign tokens and logprobs or fail the whole batch later, in output building.
-    """
 
 
 #: What one reply carries for its single prompt: text, token ids (a fresh list), stop reason,

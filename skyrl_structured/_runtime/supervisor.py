@@ -34,6 +34,7 @@ import anyio
 import anyio.lowlevel
 
 from ..config import ResilienceSettings
+from ..errors import RolloutCancelledError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
 from .cleanup import AbandonedClose, CleanupStats
@@ -49,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: Retry jitter has its own generator: seeding the process (``random.seed``) neither fixes nor shifts it.
 _jitter = random.Random()
-
-
-class RolloutCancelledError(RuntimeError):
-    """A rollout raised a cancellation that no cancel scope of the generator's caused.
-
-    Typically an inference client that aborted its request and raised ``CancelledError`` itself.
-    It is that rollout's failure like any other error: retried, or a placeholder with
-    ``skip_failed_rollouts``, or raised from ``generate()`` without it. ``__cause__`` is the
-    original exception.
-    """
 
 
 @dataclass

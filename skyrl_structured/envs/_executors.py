@@ -39,38 +39,12 @@ from typing import Any, cast
 
 from .._runtime.cleanup import CleanupStats
 from ..config import ENV_EXECUTORS, EnvExecutorKind, invalid_value, read_knob
+from ..errors import EnvWorkerError
 from ..types import SkyRLConfig
 
 __all__ = ["ENV_EXECUTORS", "EnvExecutor", "EnvExecutorKind", "EnvWorkerError", "env_executor_kind", "make_executor"]
 
 logger = logging.getLogger(__name__)
-
-
-class EnvWorkerError(RuntimeError):
-    """An environment's worker process (or Ray actor) died: killed past a deadline, or crashed.
-
-    Every environment living in that worker fails with it; the rollout is retried on a fresh worker
-    (``max_rollout_retries``) or becomes a placeholder, like any rollout error. The message names the
-    worker, the signal or exit code, and the call that was running.
-
-    Attributes:
-        worker: the worker's name (``"env-process-3 (pid 1234)"``).
-        exitcode: the process's exit code (negative: the signal that ended it), None when unknown.
-        killed: True when the generator killed it (a deadline passed), False for a crash.
-    """
-
-    def __init__(self, message: str, *, worker: str = "", exitcode: int | None = None, killed: bool = False) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.exitcode = exitcode
-        self.killed = killed
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_worker_error, (str(self), self.worker, self.exitcode, self.killed))
-
-
-def _rebuild_worker_error(message: str, worker: str, exitcode: int | None, killed: bool) -> EnvWorkerError:
-    return EnvWorkerError(message, worker=worker, exitcode=exitcode, killed=killed)
 
 
 class EnvExecutor(abc.ABC):
