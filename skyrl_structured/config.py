@@ -119,6 +119,11 @@ class ResilienceSettings:
     straggler_grace_s: float = 0.0
     straggler_cutoff_scope: StragglerCutoffScope = "batch"
 
+    @property
+    def straggler_groups(self) -> bool:
+        """Whether the straggler cutoff counts each prompt group on its own (the one place of that rule)."""
+        return self.straggler_cutoff is not None and self.straggler_cutoff_scope == "group"
+
 
 _KNOB_DEFAULTS = ResilienceSettings()
 

@@ -25,9 +25,16 @@ from ._episode.chat import ChatTokenizer, load_custom_chat_template
 from ._episode.chat_attributes import ChatAttributes
 from ._episode.episode import Episode, EpisodeRunner
 from ._output.batched import BatchedSetup, generate_batched
-from ._output.collector import collect
+from ._output.collector import OutputSpec, collect
 from ._runtime.cleanup import Cleanup, run_cleanups
-from ._runtime.contexts import BatchContext, RolloutContext, current_rollout, sampling_params_dict, seed_scope
+from ._runtime.contexts import (
+    BatchContext,
+    BatchShape,
+    RolloutContext,
+    current_rollout,
+    sampling_params_dict,
+    seed_scope,
+)
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from ._runtime.pauses import PauseClock, PausedBlock
 from ._runtime.sessions import SessionEnd
@@ -195,6 +202,19 @@ class StructuredGymGenerator(ChatAttributes):
             return sampling_params.get("logprobs", None) is not None
         return self.generator_cfg.sampling_params.logprobs is not None
 
+    def _output_spec(self, sampling_params: dict[str, Any] | None) -> OutputSpec:
+        """What shapes this call's output (see :class:`~skyrl_structured._output.collector.OutputSpec`)."""
+        pad = self.tokenizer.pad_token_id
+        return OutputSpec(
+            generator_cfg=self.generator_cfg,
+            resilience=self.resilience,
+            # Set: ChatTokenizer refuses a tokenizer without an eos_token_id at construction.
+            placeholder_token_id=pad if pad is not None else cast(int, self.tokenizer.eos_token_id),
+            float_rewards=self._rewards_are_floats(),
+            routed_experts=routed_experts_enabled(self.generator_cfg),
+            get_logprobs=self._get_logprobs(sampling_params),
+        )
+
     def _rewards_are_floats(self) -> bool:
         """Whether a rollout's reward is one float (the custom chat template path), not one per token."""
         return bool(self.custom_chat_template)
@@ -287,8 +307,7 @@ class StructuredGymGenerator(ChatAttributes):
             input_batch,
             step_wise=bool(cfg.step_wise_trajectories),
             policy=self.resilience.failed_rollout_policy,
-            straggler_groups=self.resilience.straggler_cutoff is not None
-            and self.resilience.straggler_cutoff_scope == "group",
+            straggler_groups=self.resilience.straggler_groups,
         )
         prompts = input_batch["prompts"]
         env_classes = list(input_batch["env_classes"])
@@ -435,36 +454,10 @@ class StructuredGymGenerator(ChatAttributes):
                 cache_salt=cache_salt,
             )
 
+        shape = BatchShape(len(prompts), trajectory_ids, env_classes, step_wise=bool(cfg.step_wise_trajectories))
         lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
-        result = await watch_loop_lag(
-            lag,
-            lambda: run_rollouts(
-                len(prompts),
-                rollout,
-                self.resilience,
-                batch,
-                trajectory_ids=trajectory_ids,
-                env_classes=env_classes,
-                step_wise=bool(cfg.step_wise_trajectories),
-            ),
-        )
-        pad = self.tokenizer.pad_token_id
-        output = collect(
-            result.results,
-            result.failures,
-            retries=result.retries,
-            cleanup=result.cleanup,
-            generator_cfg=cfg,
-            resilience=self.resilience,
-            # Set: ChatTokenizer refuses a tokenizer without an eos_token_id at construction.
-            placeholder_token_id=pad if pad is not None else cast(int, self.tokenizer.eos_token_id),
-            custom_chat_template=self._rewards_are_floats(),
-            routed_experts=routed_experts_enabled(cfg),
-            env_classes=env_classes,
-            trajectory_ids=trajectory_ids,
-            get_logprobs=self._get_logprobs(sampling_params),
-            over_budget=result.over_budget,
-        )
+        result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
+        output = collect(result, shape, self._output_spec(sampling_params))
         if lag is not None:
             output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
             lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)

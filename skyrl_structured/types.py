@@ -30,6 +30,7 @@ __all__ = [
     "Tokenizer",
     "TrajectoryID",
     "TrajectoryOutput",
+    "prompt_group",
 ]
 
 MessageType = dict[str, Any]
@@ -61,6 +62,15 @@ class TrajectoryID:
 
     def to_string(self) -> str:
         return f"{self.instance_id}_{self.repetition_id}"
+
+
+def prompt_group(trajectory_id: TrajectoryID) -> str:
+    """The one group key of a rollout: its prompt, ``trajectory_id.instance_id`` as a string.
+
+    The rollouts of one prompt (its ``n_samples_per_prompt`` repetitions) share it: the group
+    policies, the straggler cutoff's ``group`` scope and the sampling seeds all group by it.
+    """
+    return str(trajectory_id.instance_id)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from skyrl_structured import (
     validate_generator_output,
 )
 from skyrl_structured._output.collector import (
+    OutputSpec,
     apply_group_policy,
     build_generator_output,
     check_failure_budget,
@@ -29,12 +30,20 @@ from skyrl_structured._output.collector import (
     make_placeholder,
     substitute_placeholders,
 )
+from skyrl_structured._runtime.contexts import BatchShape
+from skyrl_structured._runtime.supervisor import BatchResult
 from skyrl_structured.envs import CleanupStats
 from skyrl_structured.failures import failure_budget_exceeded
 
 from ._upstream import load_upstream_validator
 
 PAD = 0
+
+
+def _spec(cfg: GeneratorConfig, resilience: ResilienceSettings, *, get_logprobs: bool) -> OutputSpec:
+    return OutputSpec(
+        cfg, resilience, placeholder_token_id=PAD, float_rewards=False, routed_experts=False, get_logprobs=get_logprobs
+    )
 
 
 def failure(i=0, exc=None, elapsed=1.5, splits=None):
@@ -173,18 +182,13 @@ def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_l
         failures, token_id=PAD, default_token_level_rewards=token_level, with_logprobs=True, step_wise=step_wise
     )
     out = build_generator_output(
-        results,
-        generator_cfg=GeneratorConfig(step_wise_trajectories=step_wise),
-        resilience=ResilienceSettings(
-            skip_failed_rollouts=True, failure_budget_action="warn", failed_rollout_policy=policy
+        BatchResult(results, failures, retries=0, cleanup=CleanupStats()),
+        BatchShape(n, [TrajectoryID("g", i) for i in range(n)], ["gsm8k"] * n, step_wise=step_wise),
+        _spec(
+            GeneratorConfig(step_wise_trajectories=step_wise),
+            ResilienceSettings(skip_failed_rollouts=True, failure_budget_action="warn", failed_rollout_policy=policy),
+            get_logprobs=True,
         ),
-        routed_experts=False,
-        env_classes=["gsm8k"] * n,
-        trajectory_ids=[TrajectoryID("g", i) for i in range(n)],
-        get_logprobs=True,
-        failures=failures,
-        retries=0,
-        cleanup=CleanupStats(),
         budget_exceeded=True,
     )
     validate_generator_output(n, out, step_wise=step_wise)
@@ -280,16 +284,15 @@ def test_any_failure_pattern_keeps_order_size_lengths_and_one_reward_shape(case)
     )
     ids = [TrajectoryID(f"g{i // 3}", i % 3) for i in range(n)]
     out = build_generator_output(
-        substituted,
-        generator_cfg=GeneratorConfig(step_wise_trajectories=step_wise),
-        resilience=ResilienceSettings(skip_failed_rollouts=True, failed_rollout_policy=policy),
-        routed_experts=False,
-        env_classes=["gsm8k"] * n,
-        trajectory_ids=ids,
-        get_logprobs=logprobs,
-        failures=[r for r in results if isinstance(r, FailedRollout)],
-        retries=0,
-        cleanup=CleanupStats(),
+        BatchResult(
+            substituted, [r for r in results if isinstance(r, FailedRollout)], retries=0, cleanup=CleanupStats()
+        ),
+        BatchShape(n, ids, ["gsm8k"] * n, step_wise=step_wise),
+        _spec(
+            GeneratorConfig(step_wise_trajectories=step_wise),
+            ResilienceSettings(skip_failed_rollouts=True, failed_rollout_policy=policy),
+            get_logprobs=logprobs,
+        ),
     )
     expected_rows = sum(1 if failed[i] else steps[i] for i in range(n))
     if expected_rows == 0:  # only step-wise rollouts with no steps: nothing to train on, as in SkyRL

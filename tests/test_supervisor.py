@@ -446,6 +446,7 @@ def _batch_context() -> Any:
 
 
 async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):
+    from skyrl_structured._runtime.contexts import BatchShape
     from skyrl_structured._runtime.supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
 
@@ -461,7 +462,7 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
         return f"result {i}"
 
     settings = ResilienceSettings(skip_failed_rollouts=True, max_rollout_retries=1, rollout_retry_backoff_s=0)
-    result = await run_rollouts(5, rollout, settings, _batch_context())
+    result = await run_rollouts(BatchShape(5), rollout, settings, _batch_context())
     assert result.results[:4] == ["result 0", "result 1", "result 2", "result 3"]
     (failure,) = result.failures
     assert result.results[4] is failure
@@ -471,6 +472,7 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
 
 
 async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling_siblings(anyio_backend):
+    from skyrl_structured._runtime.contexts import BatchShape
     from skyrl_structured._runtime.supervisor import run_rollouts
     from skyrl_structured.config import ResilienceSettings
 
@@ -487,7 +489,7 @@ async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling
         return "never"
 
     with pytest.raises(KeyError, match="first"):
-        await run_rollouts(4, rollout, ResilienceSettings(), _batch_context())
+        await run_rollouts(BatchShape(4), rollout, ResilienceSettings(), _batch_context())
     assert sorted(cancelled) == [1, 2, 3]
 
 

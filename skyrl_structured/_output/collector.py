@@ -9,19 +9,23 @@ the failure budget enforced. Then the results are flattened into SkyRL's ``Gener
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, assert_never
 
 from .._episode.images import empty_rows_like
-from .._runtime.cleanup import CleanupStats
+from .._runtime.contexts import BatchShape
+from .._runtime.supervisor import BatchResult
 from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
 from ..failures import FailedRollout, failure_summary
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
 from .metrics import failure_metrics, rollout_metrics
 
 __all__ = [
+    "OutputSpec",
     "apply_group_policy",
     "build_generator_output",
     "check_failure_budget",
@@ -229,62 +233,60 @@ def _fill_group_mean(
                 rewards[r] = mean
 
 
-def collect(
-    results: list[Any],
-    failures: list[FailedRollout],
-    *,
-    retries: int,
-    cleanup: CleanupStats,
-    generator_cfg: SkyRLConfig,
-    resilience: ResilienceSettings,
-    placeholder_token_id: int,
-    custom_chat_template: bool,
-    routed_experts: bool,
-    env_classes: list[str],
-    trajectory_ids: list[Any] | None,
-    get_logprobs: bool,
-    over_budget: bool,
-) -> GeneratorOutput:
-    """The batch's ``GeneratorOutput`` from results in input order (:class:`FailedRollout` for failures).
+@dataclass(frozen=True)
+class OutputSpec:
+    """What shapes one batch's ``GeneratorOutput``: the generator's settings and the call's choices.
 
-    ``over_budget`` is the supervisor's failure-budget verdict for the batch.
+    Built by the generator for each ``generate()`` call (the call's ``sampling_params`` decide
+    ``get_logprobs``), so nothing here goes stale when a test or a trainer changes the config.
+    """
+
+    generator_cfg: SkyRLConfig
+    resilience: ResilienceSettings
+    #: The token id a placeholder's one response token carries (the tokenizer's pad, else eos).
+    placeholder_token_id: int
+    #: Whether a rollout's reward is one float (a custom chat template), not one per token.
+    float_rewards: bool
+    #: Whether rows carry ``rollout_expert_indices`` (router replay).
+    routed_experts: bool
+    #: Whether rows carry ``rollout_logprobs``.
+    get_logprobs: bool
+
+    @property
+    def step_wise(self) -> bool:
+        return bool(self.generator_cfg.step_wise_trajectories)
+
+
+def collect(result: BatchResult, shape: BatchShape, spec: OutputSpec) -> GeneratorOutput:
+    """The batch's ``GeneratorOutput`` from the supervisor's results (:class:`FailedRollout` for failures).
+
+    ``result.over_budget`` is the supervisor's failure-budget verdict for the batch.
 
     Raises:
         RuntimeError: over the failure budget with ``failure_budget_action="raise"``.
     """
-    failures = sorted(failures, key=lambda f: f.index)
+    results = result.results
+    failures = sorted(result.failures, key=lambda f: f.index)
     budget_exceeded = False
     if failures:
         budget_exceeded = check_failure_budget(
             failures,
             len(results),
-            resilience.max_failed_rollout_fraction,
-            exceeded=over_budget,
-            action=resilience.failure_budget_action,
+            spec.resilience.max_failed_rollout_fraction,
+            exceeded=result.over_budget,
+            action=spec.resilience.failure_budget_action,
         )
-        step_wise = bool(generator_cfg.step_wise_trajectories)
         results = substitute_placeholders(
             results,
-            token_id=placeholder_token_id,
+            token_id=spec.placeholder_token_id,
             # Token-level rewards everywhere except with a custom chat template, which yields a float.
-            default_token_level_rewards=step_wise or not custom_chat_template,
-            with_logprobs=get_logprobs,
-            step_wise=step_wise,
+            default_token_level_rewards=spec.step_wise or not spec.float_rewards,
+            with_logprobs=spec.get_logprobs,
+            step_wise=spec.step_wise,
         )
     fill_missing_vision(results)
-    return build_generator_output(
-        results,
-        generator_cfg=generator_cfg,
-        resilience=resilience,
-        routed_experts=routed_experts,
-        env_classes=env_classes,
-        trajectory_ids=trajectory_ids,
-        get_logprobs=get_logprobs,
-        failures=failures,
-        retries=retries,
-        cleanup=cleanup,
-        budget_exceeded=budget_exceeded,
-    )
+    summary = dataclasses.replace(result, results=results, failures=failures)
+    return build_generator_output(summary, shape, spec, budget_exceeded=budget_exceeded)
 
 
 def fill_missing_vision(results: list[Any]) -> None:
@@ -323,25 +325,17 @@ class _Rows:
 
 
 def build_generator_output(
-    outputs: list[Any],
-    *,
-    generator_cfg: SkyRLConfig,
-    resilience: ResilienceSettings,
-    routed_experts: bool,
-    env_classes: list[str],
-    trajectory_ids: list[Any] | None,
-    get_logprobs: bool,
-    failures: list[FailedRollout],
-    retries: int,
-    cleanup: CleanupStats,
-    budget_exceeded: bool = False,
+    result: BatchResult, shape: BatchShape, spec: OutputSpec, *, budget_exceeded: bool = False
 ) -> GeneratorOutput:
-    """Flatten per-rollout outputs (placeholders already in place) into the ``GeneratorOutput``.
+    """Flatten the rollouts' outputs (``result.results``, placeholders already in place) into the ``GeneratorOutput``.
 
     ``budget_exceeded``: the step is over the failure budget and returned anyway (``warn``).
     """
-    cfg = generator_cfg
-    step_wise = bool(cfg.step_wise_trajectories)
+    outputs, failures = result.results, result.failures
+    trajectory_ids = list(shape.trajectory_ids) if shape.trajectory_ids is not None else None
+    env_classes = list(shape.env_classes or [])
+    cfg = spec.generator_cfg
+    step_wise = spec.step_wise
     flat = _Rows(outputs, step_wise)
     rows = flat.rows
     times = [getattr(o, "e2e_time", None) for o in outputs]
@@ -353,19 +347,21 @@ def build_generator_output(
     env_metrics = [r.env_metrics for r in rows]
 
     metrics = _metrics(outputs, flat, failures, env_classes, completion_times, splits)
-    metrics.update(failure_metrics(failures, len(outputs), retries, cleanup, budget_exceeded=budget_exceeded))
+    metrics.update(
+        failure_metrics(failures, len(outputs), result.retries, result.cleanup, budget_exceeded=budget_exceeded)
+    )
     loss_masks = _apply_filters(cfg, rewards, loss_masks, stop_reasons)
     if failures:
-        assert trajectory_ids is not None or resilience.failed_rollout_policy == "placeholder"
+        assert trajectory_ids is not None or spec.resilience.failed_rollout_policy == "placeholder"
         failed_index = {f.index for f in failures}
         apply_group_policy(
-            resilience.failed_rollout_policy,
+            spec.resilience.failed_rollout_policy,
             rewards=rewards,
             loss_masks=loss_masks,
             row_trajectory=flat.rollout,
             is_last_row=flat.is_last,
             failed=[i in failed_index for i in range(len(outputs))],
-            groups=[str(t.instance_id) for t in trajectory_ids] if trajectory_ids is not None else [],
+            groups=shape.groups() or [],
         )
 
     if step_wise:
@@ -382,11 +378,11 @@ def build_generator_output(
         "loss_masks": loss_masks,
         "stop_reasons": stop_reasons,
         "rollout_metrics": metrics,
-        "rollout_logprobs": [r.rollout_logprobs for r in rows] if get_logprobs else None,
+        "rollout_logprobs": [r.rollout_logprobs for r in rows] if spec.get_logprobs else None,
         "trajectory_ids": out_trajectory_ids,
         "trajectory_generation_times": out_times,
         "trajectory_time_splits": _split_lists([splits[i] for i in flat.rollout]),
-        "rollout_expert_indices": [o.rollout_expert_indices for o in outputs] if routed_experts else None,
+        "rollout_expert_indices": [o.rollout_expert_indices for o in outputs] if spec.routed_experts else None,
         "is_last_step": flat.is_last if step_wise else None,
         "env_metrics": env_metrics,
     }

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol
@@ -27,12 +27,13 @@ import anyio
 from ..config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutRef
-from ..types import InferenceClient, SkyRLConfig
+from ..types import InferenceClient, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
 from .pauses import PauseClock
 
 __all__ = [
     "BatchContext",
+    "BatchShape",
     "RolloutContext",
     "activate",
     "current_rollout",
@@ -126,6 +127,31 @@ class RolloutOwner(Protocol):
 
     @property
     def resilience(self) -> ResilienceSettings: ...
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the rollouts of one ``generate()`` call are: how many, their ids, env classes and kind.
+
+    Built once per call by the generator and read by the supervisor (observers, the straggler
+    groups) and the collector (the group policies, metrics by env class).
+    """
+
+    count: int
+    trajectory_ids: Sequence[TrajectoryID] | None = None
+    env_classes: Sequence[str] | None = None
+    #: Whether each rollout is a ``StepWiseOutput`` (``generator.step_wise_trajectories``).
+    step_wise: bool = False
+
+    def groups(self) -> list[str] | None:
+        """Each rollout's prompt group (:func:`~skyrl_structured.types.prompt_group`), None without ids."""
+        if self.trajectory_ids is None:
+            return None
+        return [prompt_group(t) for t in self.trajectory_ids]
+
+    def env_class(self, index: int) -> str:
+        """The env class of rollout ``index`` ("" where the batch did not say)."""
+        return self.env_classes[index] if self.env_classes is not None else ""
 
 
 @dataclass

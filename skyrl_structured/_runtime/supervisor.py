@@ -25,7 +25,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from ..errors import RolloutCancelledError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
 from .cleanup import AbandonedClose, CleanupStats
-from .contexts import BatchContext, RolloutContext, activate
+from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
 from .pauses import PausableDeadline, use_clock
 from .stragglers import StragglerCutError, StragglerCutoff
@@ -175,32 +175,27 @@ def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, aband
 
 
 async def run_rollouts(
-    count: int,
+    shape: BatchShape,
     rollout: Callable[[int], Awaitable[Any]],
     settings: ResilienceSettings,
     batch: BatchContext,
-    *,
-    trajectory_ids: Sequence[Any] | None = None,
-    env_classes: Sequence[str] | None = None,
-    step_wise: bool = False,
 ) -> BatchResult:
-    """Run ``rollout(i)`` for ``i in range(count)`` concurrently in one task group.
+    """Run ``rollout(i)`` for each of the ``shape.count`` rollouts concurrently in one task group.
 
     Each attempt runs with its :class:`RolloutContext` active (see :func:`.contexts.activate`).
-    ``env_classes`` and ``step_wise`` only describe the rollouts to observers (``trajectory_finished``).
-    ``batch.slots`` (the generator's limiter, shared by its concurrent calls) bounds the attempts
-    running at once; ``batch.pauses`` stops the deadlines while the generator is paused. With
-    ``settings.straggler_cutoff``, the rollouts still running once that share is final are cut
-    after the grace (see :mod:`~skyrl_structured._runtime.stragglers`).
+    ``shape`` describes the rollouts to observers (``trajectory_finished``) and gives the straggler
+    cutoff its groups. ``batch.slots`` (the generator's limiter, shared by its concurrent calls)
+    bounds the attempts running at once; ``batch.pauses`` stops the deadlines while the generator
+    is paused. With ``settings.straggler_cutoff``, the rollouts still running once that share is
+    final are cut after the grace (see :mod:`~skyrl_structured._runtime.stragglers`).
 
     Raises:
         Exception: without ``skip_failed_rollouts``, the first rollout's original exception, after
             every sibling has been cancelled and has cleaned up.
         KeyboardInterrupt, SystemExit: one raised inside a rollout, after every sibling cleaned up.
     """
-    supervisor = _Supervisor(count, rollout, settings, batch, trajectory_ids)
-    supervisor.env_classes = env_classes
-    supervisor.step_wise = step_wise
+    count = shape.count
+    supervisor = _Supervisor(shape, rollout, settings, batch)
     batch.observers.emit(RolloutObserver.batch_started, count)
     try:
         # Fewer garbage collections while the batch runs (generator.gc_tuning; see gc.py). The
@@ -249,19 +244,17 @@ class _Supervisor:
 
     def __init__(
         self,
-        count: int,
+        shape: BatchShape,
         rollout: Callable[[int], Awaitable[Any]],
         settings: ResilienceSettings,
         batch: BatchContext,
-        trajectory_ids: Sequence[Any] | None,
     ) -> None:
+        count = shape.count
         self.count = count
+        self.shape = shape
         self.rollout = rollout
         self.settings = settings
         self.batch = batch
-        self.trajectory_ids = trajectory_ids
-        self.env_classes: Sequence[str] | None = None
-        self.step_wise = False
         self.results: list[Any] = [None] * count
         self.failures: list[FailedRollout] = []
         #: Whether the failures so far are over the budget; failures only grow, so once set it stays.
@@ -274,7 +267,7 @@ class _Supervisor:
         if self.limiter is None and settings.max_concurrent_rollouts:
             self.limiter = anyio.CapacityLimiter(settings.max_concurrent_rollouts)
         self.native_cancellation = anyio.get_cancelled_exc_class()
-        self.cutoff = _cutoff(settings, count, trajectory_ids, batch)
+        self.cutoff = _cutoff(settings, shape, batch)
         #: The attempt each rollout is on (read back when it is cut).
         self.contexts: list[RolloutContext | None] = [None] * count
         self._live = count
@@ -314,7 +307,7 @@ class _Supervisor:
         self._record_failure(index, context, error, time.monotonic() - context.started, timed_out=False)
 
     async def _rollout(self, index: int, group: anyio.abc.TaskGroup) -> None:
-        trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
+        trajectory_id = self.shape.trajectory_ids[index] if self.shape.trajectory_ids is not None else None
         attempt = 0
         while True:
             attempt += 1
@@ -335,14 +328,14 @@ class _Supervisor:
                 self.cutoff.finished(index, group)
             if self.batch.observers.wants(RolloutObserver.trajectory_finished):
                 record = finished_record(
-                    context.ref, result, env_class=self._env_class(index), elapsed=time.monotonic() - context.started
+                    context.ref,
+                    result,
+                    env_class=self.shape.env_class(index),
+                    elapsed=time.monotonic() - context.started,
                 )
                 context.emit(RolloutObserver.trajectory_finished, record)
             context.emit(RolloutObserver.rollout_finished, failed=False)
             return
-
-    def _env_class(self, index: int) -> str:
-        return str(self.env_classes[index]) if self.env_classes is not None else ""
 
     async def _attempt(self, index: int, context: RolloutContext) -> Any:
         borrower = object()
@@ -442,25 +435,20 @@ class _Supervisor:
             record = failed_record(
                 context.ref,
                 describe_error(error),
-                env_class=self._env_class(index),
+                env_class=self.shape.env_class(index),
                 elapsed=elapsed,
                 timed_out=timed_out,
-                step_wise=self.step_wise,
+                step_wise=self.shape.step_wise,
             )
             context.emit(RolloutObserver.trajectory_finished, record)
         context.emit(RolloutObserver.rollout_finished, failed=True)
 
 
-def _cutoff(
-    settings: ResilienceSettings, count: int, trajectory_ids: Sequence[Any] | None, batch: BatchContext
-) -> StragglerCutoff | None:
+def _cutoff(settings: ResilienceSettings, shape: BatchShape, batch: BatchContext) -> StragglerCutoff | None:
     """The batch's straggler cutoff, or None when ``generator.straggler_cutoff`` is off."""
     if settings.straggler_cutoff is None:
         return None
-    if settings.straggler_cutoff_scope == "group":
-        if trajectory_ids is None:  # generate() refuses such a batch first (validate.py)
-            raise ValueError("`generator.straggler_cutoff_scope=group` needs the batch's trajectory_ids")
-        groups: list[Any] = [str(getattr(t, "instance_id", t)) for t in trajectory_ids]
-    else:
-        groups = ["the batch"] * count
+    groups = shape.groups() if settings.straggler_groups else ["the batch"] * shape.count
+    if groups is None:  # generate() refuses such a batch first (validate.py)
+        raise ValueError("`generator.straggler_cutoff_scope=group` needs the batch's trajectory_ids")
     return StragglerCutoff(settings.straggler_cutoff, settings.straggler_grace_s, groups, batch.pauses)
