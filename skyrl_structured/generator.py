@@ -29,7 +29,7 @@ from ._output.collector import OutputSpec, collect
 from ._runtime.cleanup import Cleanup, run_cleanups
 from ._runtime.contexts import (
     BatchContext,
-    BatchShape,
+    BatchRequest,
     RolloutContext,
     current_rollout,
     sampling_params_dict,
@@ -310,33 +310,32 @@ class StructuredGymGenerator(ChatAttributes):
             straggler_groups=self.resilience.straggler_groups,
         )
         prompts = input_batch["prompts"]
-        env_classes = list(input_batch["env_classes"])
         env_extras = input_batch.get("env_extras")
-        if env_extras is None:
-            env_extras = [{} for _ in prompts]
-        self._envs.check(self.skyrl_gym_cfg, env_classes, env_extras)
-        sampling_params = input_batch.get("sampling_params", None)
-        cache_salt = self._compute_cache_salt()
+        request = BatchRequest(
+            prompts,
+            list(input_batch["env_classes"]),
+            env_extras if env_extras is not None else [{} for _ in prompts],
+            input_batch.get("sampling_params", None),
+            self._compute_cache_salt(),
+            input_batch.get("trajectory_ids", None),
+        )
+        self._envs.check(self.skyrl_gym_cfg, request.env_classes, request.env_extras)
 
         if self.batched:
             max_tokens = cfg.sampling_params.max_generate_length
             if type(self).generate_batched is not StructuredGymGenerator.generate_batched:
                 # A subclass's own generate_batched is what SkyRL's generate() calls: call it the same way.
                 return await self.generate_batched(
-                    prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt=cache_salt
+                    request.prompts,
+                    request.env_classes,
+                    request.env_extras,
+                    max_tokens,
+                    request.sampling_params,
+                    cache_salt=request.cache_salt,
                 )
             progress = Progress(len(prompts), disable=disable_tqdm)
             try:
-                return await self._batched(
-                    prompts,
-                    env_classes,
-                    env_extras,
-                    max_tokens,
-                    sampling_params,
-                    cache_salt,
-                    trajectory_ids=input_batch.get("trajectory_ids", None),
-                    progress=progress,
-                )
+                return await self._batched(request, max_tokens, progress=progress)
             finally:
                 progress.close()
         # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
@@ -354,15 +353,7 @@ class StructuredGymGenerator(ChatAttributes):
                 pauses=self.pauses,
             )
             try:
-                return await self._generate_rollouts(
-                    batch,
-                    prompts,
-                    env_classes,
-                    env_extras,
-                    input_batch.get("trajectory_ids", None),
-                    sampling_params,
-                    cache_salt,
-                )
+                return await self._generate_rollouts(batch, request)
             finally:
                 progress.close()
 
@@ -386,19 +377,11 @@ class StructuredGymGenerator(ChatAttributes):
 
         ``generator.observers`` hear each prompt as a rollout (no progress bar here).
         """
-        return await self._batched(prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt)
+        request = BatchRequest(prompts, env_classes, env_extras, sampling_params, cache_salt)
+        return await self._batched(request, max_tokens)
 
     async def _batched(
-        self,
-        prompts: list[ConversationType],
-        env_classes: list[str],
-        env_extras: list[dict[str, Any]],
-        max_tokens: int,
-        sampling_params: dict[str, Any] | None,
-        cache_salt: str | None,
-        *,
-        trajectory_ids: list[Any] | None = None,
-        progress: Progress | None = None,
+        self, request: BatchRequest, max_tokens: int, *, progress: Progress | None = None
     ) -> GeneratorOutput:
         """The batched path with this generator's collaborators (never the generator itself)."""
         setup = BatchedSetup(
@@ -418,29 +401,12 @@ class StructuredGymGenerator(ChatAttributes):
                 default_params=sampling_params_dict(self.generator_cfg.sampling_params),
                 observers=observers,
             )
-            return await generate_batched(
-                batch,
-                setup,
-                prompts,
-                env_classes,
-                env_extras,
-                max_tokens,
-                sampling_params,
-                cache_salt=cache_salt,
-                trajectory_ids=trajectory_ids,
-            )
+            return await generate_batched(batch, setup, request, max_tokens)
 
-    async def _generate_rollouts(
-        self,
-        batch: BatchContext,
-        prompts: list[ConversationType],
-        env_classes: list[str],
-        env_extras: list[dict[str, Any]],
-        trajectory_ids: list[Any] | None,
-        sampling_params: dict[str, Any] | None,
-        cache_salt: str | None,
-    ) -> GeneratorOutput:
+    async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest) -> GeneratorOutput:
         cfg = self.generator_cfg
+        prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
+        trajectory_ids = request.trajectory_ids
 
         async def rollout(i: int) -> Any:
             return await self.agent_loop(
@@ -449,15 +415,15 @@ class StructuredGymGenerator(ChatAttributes):
                 env_extras[i],
                 cfg.sampling_params.max_generate_length,
                 cfg.max_input_length,
-                sampling_params=sampling_params,
+                sampling_params=request.sampling_params,
                 trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
-                cache_salt=cache_salt,
+                cache_salt=request.cache_salt,
             )
 
-        shape = BatchShape(len(prompts), trajectory_ids, env_classes, step_wise=bool(cfg.step_wise_trajectories))
+        shape = request.shape(step_wise=bool(cfg.step_wise_trajectories))
         lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
         result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
-        output = collect(result, shape, self._output_spec(sampling_params))
+        output = collect(result, shape, self._output_spec(request.sampling_params))
         if lag is not None:
             output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
             lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)

@@ -17,7 +17,6 @@ turn. There is no per-rollout failure containment (``skip_failed_rollouts`` is r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,11 @@ from typing import Any
 from .._episode.calls import env_call, shared_engine_call
 from .._episode.chat import ChatTokenizer
 from .._episode.replies import ReplyParts
-from .._runtime.contexts import BatchContext, RolloutContext
+from .._runtime.contexts import BatchContext, BatchRequest, BatchShape, RolloutContext
 from .._runtime.supervisor import describe_error
 from ..envs import env_config_for, open_env
 from ..envs._executors import EnvExecutor
-from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
+from ..observe import RolloutObserver, RolloutRef
 from ..types import ConversationType, GeneratorOutput, TrajectoryOutput
 from .collector import overlong_filtered
 from .metrics import failure_metrics, rollout_metrics
@@ -58,36 +57,26 @@ class BatchedSetup:
 
 
 async def generate_batched(
-    batch: BatchContext,
-    setup: BatchedSetup,
-    prompts: list[ConversationType],
-    env_classes: list[str],
-    env_extras: list[dict[str, Any]],
-    max_tokens: int,
-    sampling_params: dict[str, Any] | None = None,
-    cache_salt: str | None = None,
-    trajectory_ids: Sequence[Any] | None = None,
+    batch: BatchContext, setup: BatchedSetup, request: BatchRequest, max_tokens: int
 ) -> GeneratorOutput:
     """Single-turn generation of the whole batch in one engine call (SkyRL's ``batched=True``).
 
     ``batch.client`` is called, ``batch.observers`` hear the batch's and each prompt's events,
     ``batch.cleanup`` counts the environments' cleanups (reported in ``rollout_metrics`` as in the
-    agent loop). ``trajectory_ids`` only name the rollouts to the observers.
+    agent loop). ``request.trajectory_ids`` only name the rollouts to the observers.
 
     Raises:
         MalformedEngineReplyError: the engine's reply breaks the ``InferenceEngineOutput`` contract
-            for this request of ``len(prompts)`` prompts (the message names the field and row).
+            for this request of ``len(request.prompts)`` prompts (the message names the field and row).
         Exception: whatever the engine, an environment or the tokenizer raised, once every
             environment opened has been closed.
     """
-    count = len(prompts)
+    count = len(request.prompts)
     batch.observers.emit(RolloutObserver.batch_started, count)
-    rollouts = _Rollouts(batch, env_classes, trajectory_ids)
+    rollouts = _Rollouts(batch, request.shape())
     try:
-        trajectories = await _run(
-            rollouts, setup, prompts, env_classes, env_extras, max_tokens, sampling_params, cache_salt
-        )
-        output = _output(trajectories, env_classes, batch, setup.overlong_filtering)
+        trajectories = await _run(rollouts, setup, request, max_tokens)
+        output = _output(trajectories, request.env_classes, batch, setup.overlong_filtering)
     except BaseException as exc:
         rollouts.abort(exc)
         batch.observers.emit(RolloutObserver.batch_aborted, count, exc)
@@ -99,16 +88,15 @@ async def generate_batched(
 class _Rollouts:
     """The batch's prompts as rollouts to the observers: one attempt each, started as its environment is made."""
 
-    def __init__(self, batch: BatchContext, env_classes: Sequence[str], trajectory_ids: Sequence[Any] | None) -> None:
+    def __init__(self, batch: BatchContext, shape: BatchShape) -> None:
         self.batch = batch
-        self.env_classes = env_classes
-        self.trajectory_ids = trajectory_ids
+        self.shape = shape
         self.started: list[RolloutContext] = []
         #: How many of the started attempts have ended (they end in prompt order).
         self.ended = 0
 
     def start(self, index: int) -> RolloutContext:
-        trajectory_id = self.trajectory_ids[index] if self.trajectory_ids is not None else None
+        trajectory_id = self.shape.trajectory_ids[index] if self.shape.trajectory_ids is not None else None
         context = RolloutContext(self.batch, RolloutRef(index, 1, trajectory_id))
         self.started.append(context)
         context.emit(RolloutObserver.attempt_started)
@@ -119,11 +107,7 @@ class _Rollouts:
         self.ended += 1
         elapsed = time.monotonic() - context.started
         context.emit(RolloutObserver.attempt_finished, elapsed)
-        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
-            env_class = str(self.env_classes[context.ref.index])
-            record = finished_record(context.ref, trajectory, env_class=env_class, elapsed=elapsed)
-            context.emit(RolloutObserver.trajectory_finished, record)
-        context.emit(RolloutObserver.rollout_finished, failed=False)
+        context.finish(trajectory, env_class=self.shape.env_class(context.ref.index))
 
     def abort(self, error: BaseException) -> None:
         """The batch stopped on ``error``: every attempt started and not ended failed with it, or was cancelled.
@@ -132,25 +116,14 @@ class _Rollouts:
         with no retry; a cancellation or an interrupt cancels them. Prompts whose environment was
         never made have no events.
         """
-        wants_record = self.batch.observers.wants(RolloutObserver.trajectory_finished)
         for context in self.started[self.ended :]:
             if not isinstance(error, Exception):
                 context.emit(RolloutObserver.attempt_cancelled)
                 continue
             elapsed = time.monotonic() - context.started
             context.emit(RolloutObserver.attempt_failed, error, elapsed, timed_out=False, will_retry=False)
-            if wants_record:
-                env_class = str(self.env_classes[context.ref.index])
-                record = failed_record(
-                    context.ref,
-                    describe_error(error),
-                    env_class=env_class,
-                    elapsed=elapsed,
-                    timed_out=False,
-                    step_wise=False,
-                )
-                context.emit(RolloutObserver.trajectory_finished, record)
-            context.emit(RolloutObserver.rollout_finished, failed=True)
+            env_class = self.shape.env_class(context.ref.index)
+            context.fail(describe_error(error), elapsed, env_class=env_class, timed_out=False, step_wise=False)
         self.ended = len(self.started)
 
 
@@ -165,27 +138,25 @@ class _Opened:
 
 
 async def _run(
-    rollouts: _Rollouts,
-    setup: BatchedSetup,
-    prompts: list[ConversationType],
-    env_classes: list[str],
-    env_extras: list[dict[str, Any]],
-    max_tokens: int,
-    sampling_params: dict[str, Any] | None,
-    cache_salt: str | None,
+    rollouts: _Rollouts, setup: BatchedSetup, request: BatchRequest, max_tokens: int
 ) -> list[TrajectoryOutput]:
     """Open and init every environment, make the one engine call, then step and close each environment."""
     client = rollouts.batch.client
     async with AsyncExitStack() as stack:
         opened: list[_Opened] = []
-        for index, (env_class, extras, prompt) in enumerate(zip(env_classes, env_extras, prompts, strict=True)):
+        rows = zip(request.env_classes, request.env_extras, request.prompts, strict=True)
+        for index, (env_class, extras, prompt) in enumerate(rows):
             opened.append(await _open(stack, rollouts.start(index), setup, env_class, extras, prompt))
         prompt_token_ids = [rollout.prompt_ids for rollout in opened]
         replies = await shared_engine_call(
             [rollout.context for rollout in opened],
             [len(ids) for ids in prompt_token_ids],
             lambda: client.generate(
-                {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params, "cache_salt": cache_salt},
+                {
+                    "prompt_token_ids": prompt_token_ids,
+                    "sampling_params": request.sampling_params,
+                    "cache_salt": request.cache_salt,
+                },
                 model=setup.policy_model_name,
             ),
         )

@@ -26,8 +26,8 @@ import anyio
 
 from ..config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from ..config import ResilienceSettings
-from ..observe import Observers, RolloutEvent, RolloutRef
-from ..types import InferenceClient, SkyRLConfig, TrajectoryID, prompt_group
+from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, failed_record, finished_record
+from ..types import ConversationType, InferenceClient, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
 from .pauses import PauseClock
 
@@ -154,6 +154,22 @@ class BatchShape:
         return self.env_classes[index] if self.env_classes is not None else ""
 
 
+@dataclass(frozen=True)
+class BatchRequest:
+    """One ``generate()`` call's inputs, read once from its ``GeneratorInput`` (``env_extras`` filled in)."""
+
+    prompts: list[ConversationType]
+    env_classes: list[str]
+    env_extras: list[dict[str, Any]]
+    sampling_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    trajectory_ids: list[TrajectoryID] | None = None
+
+    def shape(self, *, step_wise: bool = False) -> BatchShape:
+        """What these rollouts are, for the supervisor and the collector."""
+        return BatchShape(len(self.prompts), self.trajectory_ids, self.env_classes, step_wise=step_wise)
+
+
 @dataclass
 class BatchContext:
     """What one ``generate()`` call fixes for all its rollouts."""
@@ -210,6 +226,31 @@ class RolloutContext:
         """Tell the batch's observers ``event`` about this attempt (``emit(RolloutObserver.env_opened)``)."""
         if self.batch.observers:
             self.batch.observers.emit(event, self.ref, *args, **kwargs)
+
+    def finish(self, result: Any, *, env_class: str) -> None:
+        """The rollout's final events after its successful attempt: its record (where asked), then ``rollout_finished``.
+
+        The one sequence for every path that runs rollouts (the supervisor, the batched path).
+        """
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
+            elapsed = time.monotonic() - self.started
+            self.emit(
+                RolloutObserver.trajectory_finished,
+                finished_record(self.ref, result, env_class=env_class, elapsed=elapsed),
+            )
+        self.emit(RolloutObserver.rollout_finished, failed=False)
+
+    def fail(self, error: str, elapsed: float, *, env_class: str, timed_out: bool, step_wise: bool) -> None:
+        """The rollout's final events after its last attempt failed with ``error`` (described).
+
+        Its record (where asked), then ``rollout_finished``: the same sequence on every path.
+        """
+        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
+            record = failed_record(
+                self.ref, error, env_class=env_class, elapsed=elapsed, timed_out=timed_out, step_wise=step_wise
+            )
+            self.emit(RolloutObserver.trajectory_finished, record)
+        self.emit(RolloutObserver.rollout_finished, failed=True)
 
     def request_params(self, params: dict[str, Any] | None, turn: int) -> dict[str, Any] | None:
         """The ``sampling_params`` of this rollout's engine request for ``turn`` (0 for the first call).

@@ -36,7 +36,7 @@ import anyio.lowlevel
 from ..config import ResilienceSettings
 from ..errors import RolloutCancelledError
 from ..failures import FailedRollout, failure_budget_exceeded
-from ..observe import RolloutObserver, RolloutRef, failed_record, finished_record
+from ..observe import RolloutObserver, RolloutRef
 from .cleanup import AbandonedClose, CleanupStats
 from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
@@ -326,15 +326,7 @@ class _Supervisor:
             self.results[index] = result
             if self.cutoff is not None:
                 self.cutoff.finished(index, group)
-            if self.batch.observers.wants(RolloutObserver.trajectory_finished):
-                record = finished_record(
-                    context.ref,
-                    result,
-                    env_class=self.shape.env_class(index),
-                    elapsed=time.monotonic() - context.started,
-                )
-                context.emit(RolloutObserver.trajectory_finished, record)
-            context.emit(RolloutObserver.rollout_finished, failed=False)
+            context.finish(result, env_class=self.shape.env_class(index))
             return
 
     async def _attempt(self, index: int, context: RolloutContext) -> Any:
@@ -431,17 +423,13 @@ class _Supervisor:
         # A cut is the cutoff doing its job: counted in the metrics, logged once per batch (stragglers.py).
         level = logging.DEBUG if isinstance(error, StragglerCutError) else logging.WARNING
         logger.log(level, "%s failed on attempt %d with %s", where, context.ref.attempt, describe_error(error))
-        if self.batch.observers.wants(RolloutObserver.trajectory_finished):
-            record = failed_record(
-                context.ref,
-                describe_error(error),
-                env_class=self.shape.env_class(index),
-                elapsed=elapsed,
-                timed_out=timed_out,
-                step_wise=self.shape.step_wise,
-            )
-            context.emit(RolloutObserver.trajectory_finished, record)
-        context.emit(RolloutObserver.rollout_finished, failed=True)
+        context.fail(
+            describe_error(error),
+            elapsed,
+            env_class=self.shape.env_class(index),
+            timed_out=timed_out,
+            step_wise=self.shape.step_wise,
+        )
 
 
 def _cutoff(settings: ResilienceSettings, shape: BatchShape, batch: BatchContext) -> StragglerCutoff | None:
