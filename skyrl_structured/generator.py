@@ -110,15 +110,7 @@ class StructuredGymGenerator(ChatAttributes):
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
-        self._episode: EpisodeRunner = Episode(
-            generator_cfg=generator_cfg,
-            chat=self._chat,
-            custom_chat_template=self.custom_chat_template,
-            # Through the generator, so a subclass overriding it is honoured, as on SkyRL.
-            encode_observation=lambda new_obs, done: self.get_obs_ids_from_obs(new_obs, done),
-            policy_model_name=policy_model_name,
-            routed_experts=routed_experts_enabled(generator_cfg),
-        )
+        self._episode: EpisodeRunner = self._make_episode()
         # Worker threads, processes or Ray actors for env calls, shared by every generate() of this generator.
         self._envs = EnvWorkers(
             skyrl_gym_cfg, self.max_env_workers, cleanup_timeout_s=self.resilience.env_cleanup_timeout_s
@@ -156,6 +148,18 @@ class StructuredGymGenerator(ChatAttributes):
         return self._envs.alive
 
     # ------------------------------------------------------------------ helpers
+
+    def _make_episode(self) -> EpisodeRunner:
+        """What runs one rollout's turns; the constructor's hook (the VLM generator runs vision episodes)."""
+        return Episode(
+            generator_cfg=self.generator_cfg,
+            chat=self._chat,
+            custom_chat_template=self.custom_chat_template,
+            # Through the generator, so a subclass overriding it is honoured, as on SkyRL.
+            encode_observation=lambda new_obs, done: self.get_obs_ids_from_obs(new_obs, done),
+            policy_model_name=self.policy_model_name,
+            routed_experts=routed_experts_enabled(self.generator_cfg),
+        )
 
     def _env_runner(self) -> EnvExecutor:
         return self._envs.runner(self.max_env_workers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ._episode.episode import EpisodeRunner
 from ._episode.vision import VisionEpisode
 from .generator import StructuredGymGenerator
 from .types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, SkyRLConfig, Tokenizer
@@ -80,11 +81,13 @@ class StructuredVLMGymGenerator(StructuredGymGenerator):
         # SkyRL's VLM generator refuses these before anything else is checked.
         check_vision_language_config(generator_cfg)
         super().__init__(generator_cfg, skyrl_gym_cfg, inference_engine_client, tokenizer, policy_model_name)
-        self._episode = VisionEpisode(
+
+    def _make_episode(self) -> EpisodeRunner:
+        return VisionEpisode(
+            generator_cfg=self.generator_cfg,
             # The chat tokenizer's: the same id, already checked to be set.
-            generator_cfg=generator_cfg,
             eos_token_id=self._chat.eos_token_id,
-            policy_model_name=policy_model_name,
+            policy_model_name=self.policy_model_name,
         )
 
     def _rewards_are_floats(self) -> bool:

@@ -45,6 +45,34 @@ class EpisodeRunner(Protocol):
     ) -> TrajectoryOutput | StepWiseOutput: ...
 
 
+def eos_after_stop_string(
+    generator_cfg: SkyRLConfig,
+    stop: list[str] | None,
+    text: str,
+    ids: list[int],
+    logprobs: list[float] | None,
+    eos_token_id: int,
+) -> bool:
+    """SkyRL's ``append_eos_token_after_stop_str_in_multi_turn``: the one place of that rule.
+
+    A reply that ends in one of the request's ``stop`` strings, and not already in EOS, gets the EOS
+    id appended to ``ids`` (and a 0.0 logprob), in place; the caller masks that token out of the
+    loss. Returns whether it was appended. Both episodes (text and vision) call it on multi-turn
+    conversations only.
+    """
+    if (
+        stop is None
+        or not generator_cfg.append_eos_token_after_stop_str_in_multi_turn
+        or not text.endswith(tuple(stop))
+        or (ids and ids[-1] == eos_token_id)
+    ):
+        return False
+    ids.append(eos_token_id)
+    if logprobs is not None:
+        logprobs.append(0.0)
+    return True
+
+
 @dataclass
 class _Turn:
     """One engine reply and the environment's answer to it."""
@@ -209,19 +237,9 @@ class Episode:
                 "routed expert indices are not supported with a custom chat template; disable "
                 "generator.inference_engine.enable_return_routed_experts"
             )
-        stop_strings: list[str] | None = run.params.get("stop", None)
-        added_eos = False
-        if (
-            stop_strings is not None
-            and self.cfg.append_eos_token_after_stop_str_in_multi_turn
-            and self.multi_turn
-            and output.endswith(tuple(stop_strings))
-            and (not output_ids or output_ids[-1] != self.chat.eos_token_id)
-        ):
-            output_ids.append(self.chat.eos_token_id)
-            if output_logprobs is not None:
-                output_logprobs.append(0.0)
-            added_eos = True
+        added_eos = self.multi_turn and eos_after_stop_string(
+            self.cfg, run.params.get("stop", None), output, output_ids, output_logprobs, self.chat.eos_token_id
+        )
         return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos)
 
     async def _step(self, env: EnvHandle, run: _Run, turn: _Turn, context: RolloutContext) -> float:

@@ -23,6 +23,7 @@ from typing import Any, cast
 from .._runtime.contexts import RolloutContext
 from ..types import ConversationType, EnvHandle, InferenceEngineInput, RenderingClient, SkyRLConfig, TrajectoryOutput
 from .calls import engine_call, env_call
+from .episode import eos_after_stop_string
 from .images import decode_vision_features
 from .replies import MalformedEngineReplyError, check_token_ids
 
@@ -157,7 +158,8 @@ class VisionEpisode:
         text, ids, run.stop_reason, logprobs, _ = await engine_call(
             context, turn, len(input_ids), lambda: context.client.generate(engine_input, model=self.policy_model_name)
         )
-        added_eos = self._append_stop_eos(run, text, ids, logprobs)
+        stop = run.params.get("stop", None)
+        added_eos = eos_after_stop_string(self.cfg, stop, text, ids, logprobs, self.eos_token_id)
         step = await env_call(context, "step", turn, lambda: env.step(text), timed=True)
         reward: float = step["reward"]
         run.done = bool(step["done"])
@@ -171,21 +173,6 @@ class VisionEpisode:
         if not run.done:
             run.conversation.extend(step["observations"])
             run.pending_obs_offset = len(input_ids) + len(ids)
-
-    def _append_stop_eos(self, run: _VisionRun, text: str, ids: list[int], logprobs: list[float] | None) -> bool:
-        """SkyRL's EOS after a stop string (``append_eos_token_after_stop_str_in_multi_turn``); masked out."""
-        stop_strings = run.params.get("stop", None)
-        if (
-            stop_strings is None
-            or not self.cfg.append_eos_token_after_stop_str_in_multi_turn
-            or not text.endswith(tuple(stop_strings))
-            or ids[-1] == self.eos_token_id
-        ):
-            return False
-        ids.append(self.eos_token_id)
-        if logprobs is not None:
-            logprobs.append(0.0)
-        return True
 
     def _assemble(self, env: EnvHandle, run: _VisionRun, prompt_ids: list[int]) -> TrajectoryOutput:
         rewards = [0.0] * len(run.response_ids)
