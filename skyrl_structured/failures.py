@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import StragglerCutError
+from .types import TrajectoryID
 
 __all__ = ["FailedRollout", "StragglerCutError", "failure_budget_exceeded", "failure_summary"]
 
@@ -22,7 +22,7 @@ class FailedRollout:
     elapsed: float
     attempts: int
     timed_out: bool = False
-    trajectory_id: Any | None = None
+    trajectory_id: TrajectoryID | None = None
     #: ``{"llm": s, "env": s}`` recorded by the failed attempt before it raised.
     time_splits: dict[str, float] | None = None
 

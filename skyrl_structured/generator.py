@@ -55,6 +55,7 @@ from .types import (
     SkyRLConfig,
     StepWiseOutput,
     Tokenizer,
+    TrajectoryID,
     TrajectoryOutput,
 )
 from .validate import check_generator_config, check_generator_input
@@ -126,13 +127,13 @@ class StructuredGymGenerator(ChatAttributes):
         _env_class: str,
         env_extras: dict[str, Any],
         _sampling_params: dict[str, Any] | None,
-        _trajectory_id: Any | None,
+        _trajectory_id: TrajectoryID | None,
     ) -> dict[str, Any]:
         """Hook: adjust an environment's extras before it is created."""
         return env_extras
 
     def _post_process_agent_loop_output(
-        self, agent_loop_output: Any, _env_extras: dict[str, Any], _trajectory_id: Any | None
+        self, agent_loop_output: Any, _env_extras: dict[str, Any], _trajectory_id: TrajectoryID | None
     ) -> Any:
         """Hook: reshape a rollout's output after rewards are placed, before it is returned."""
         return agent_loop_output
@@ -237,7 +238,7 @@ class StructuredGymGenerator(ChatAttributes):
         max_tokens: int,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None = None,
-        trajectory_id: Any | None = None,
+        trajectory_id: TrajectoryID | None = None,
         cache_salt: str | None = None,
     ) -> TrajectoryOutput | StepWiseOutput:
         """Run one multi-turn rollout to completion and return its trajectory.

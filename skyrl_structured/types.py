@@ -96,7 +96,7 @@ class GeneratorOutput(TypedDict):
     stop_reasons: list[str] | None
     rollout_metrics: dict[str, Any] | None
     rollout_logprobs: list[list[float]] | None
-    trajectory_ids: NotRequired[list[Any] | None]
+    trajectory_ids: NotRequired[list[TrajectoryID] | None]
     trajectory_generation_times: NotRequired[list[float] | None]
     trajectory_time_splits: NotRequired[dict[str, list[float]] | None]
     rollout_expert_indices: list[Any] | None

@@ -13,7 +13,7 @@ from .config import ResilienceSettings, check_number, routed_experts_enabled
 from .envs._executors import env_executor_kind
 from .envs._registration import is_import_path, register_import_path
 from .errors import GeneratorOutputError
-from .types import SkyRLConfig
+from .types import SkyRLConfig, TrajectoryID
 
 __all__ = [
     "GeneratorOutputError",
@@ -230,7 +230,7 @@ def _fail(message: str) -> None:
     raise GeneratorOutputError(message)
 
 
-def _key(trajectory_id: Any) -> str:
+def _key(trajectory_id: TrajectoryID) -> str:
     to_string = getattr(trajectory_id, "to_string", None)
     return to_string() if callable(to_string) else str(trajectory_id)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol
 
-from ..types import ROLLOUT_ERROR_STOP_REASON
+from ..types import ROLLOUT_ERROR_STOP_REASON, TrajectoryID
 
 __all__ = [
     "BatchEvent",
@@ -49,7 +49,7 @@ class RolloutRef:
 
     index: int
     attempt: int
-    trajectory_id: Any | None
+    trajectory_id: TrajectoryID | None
     session_id: Hashable | None = None
 
 
@@ -88,7 +88,7 @@ class FinishedTrajectory:
 
     #: The rollout's position in the batch.
     index: int
-    trajectory_id: Any | None
+    trajectory_id: TrajectoryID | None
     env_class: str
     #: Attempts made, from 1 (retries + 1).
     attempts: int

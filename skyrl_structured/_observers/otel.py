@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..types import TrajectoryID
 from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
 
 __all__ = ["OpenTelemetryObserver"]
@@ -29,7 +30,7 @@ __all__ = ["OpenTelemetryObserver"]
 _INSTALL = "OpenTelemetryObserver needs OpenTelemetry: pip install 'skyrl-structured[otel]'"
 
 
-def _id_text(trajectory_id: Any) -> str:
+def _id_text(trajectory_id: TrajectoryID | None) -> str:
     to_string = getattr(trajectory_id, "to_string", None)
     return str(to_string()) if callable(to_string) else str(trajectory_id)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..types import ROLLOUT_ERROR_STOP_REASON
+from ..types import ROLLOUT_ERROR_STOP_REASON, TrajectoryID
 from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
 
 __all__ = ["TraceRecorder"]
@@ -55,7 +55,7 @@ class _Span:
 _Ended = tuple[int, int, str, str, int, int, dict[str, Any]]
 
 
-def _id_text(trajectory_id: Any) -> str | None:
+def _id_text(trajectory_id: TrajectoryID | None) -> str | None:
     if trajectory_id is None:
         return None
     to_string = getattr(trajectory_id, "to_string", None)

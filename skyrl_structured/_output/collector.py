@@ -21,7 +21,14 @@ from .._runtime.contexts import BatchShape
 from .._runtime.supervisor import BatchResult
 from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
 from ..failures import FailedRollout, failure_summary
-from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
+from ..types import (
+    ROLLOUT_ERROR_STOP_REASON,
+    GeneratorOutput,
+    SkyRLConfig,
+    StepWiseOutput,
+    TrajectoryID,
+    TrajectoryOutput,
+)
 from .metrics import failure_metrics, rollout_metrics
 
 __all__ = [
@@ -366,7 +373,7 @@ def build_generator_output(
 
     if step_wise:
         assert trajectory_ids is not None
-        out_trajectory_ids: list[Any] | None = [trajectory_ids[i] for i in flat.rollout]
+        out_trajectory_ids: list[TrajectoryID] | None = [trajectory_ids[i] for i in flat.rollout]
         out_times: list[float] | None = [completion_times[i] for i in flat.rollout] if completion_times else None
     else:
         out_trajectory_ids = None

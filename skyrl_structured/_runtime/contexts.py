@@ -304,7 +304,7 @@ def activate(context: RolloutContext) -> _Active:
     return _Active(context)
 
 
-def current_rollout(generator: RolloutOwner, trajectory_id: Any | None = None) -> RolloutContext:
+def current_rollout(generator: RolloutOwner, trajectory_id: TrajectoryID | None = None) -> RolloutContext:
     """The attempt ``generator``'s supervisor started, or a standalone one (``agent_loop`` called directly)."""
     context = _CURRENT.get()
     if context is not None and context.batch.generator is generator:

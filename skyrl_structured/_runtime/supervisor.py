@@ -37,6 +37,7 @@ from ..config import ResilienceSettings
 from ..errors import RolloutCancelledError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..observe import RolloutObserver, RolloutRef
+from ..types import TrajectoryID
 from .cleanup import AbandonedClose, CleanupStats
 from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
@@ -70,7 +71,7 @@ def _backoff(base: float, attempt: int) -> float:
     return _jitter.uniform(0.0, base * (2 ** (attempt - 1))) if base > 0 else 0.0
 
 
-def _describe(index: int, trajectory_id: Any | None) -> str:
+def _describe(index: int, trajectory_id: TrajectoryID | None) -> str:
     if trajectory_id is None:
         return f"rollout {index}"
     to_string = getattr(trajectory_id, "to_string", None)
@@ -120,7 +121,7 @@ def _foreign_cancellation(exc: BaseException, native: type[BaseException]) -> bo
 
 
 def _as_rollout_error(
-    exc: BaseException, index: int, trajectory_id: Any | None, native_cancellation: type[BaseException]
+    exc: BaseException, index: int, trajectory_id: TrajectoryID | None, native_cancellation: type[BaseException]
 ) -> Exception | None:
     """The error a rollout failed with, or None for what must propagate (our cancellation, interrupts)."""
     if isinstance(exc, Exception):

@@ -22,7 +22,7 @@ from typing import Any
 
 from .._output.collector import reward_total
 from ..observe import FinishedTrajectory
-from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput
+from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, TrajectoryID
 from ._run import RunResult
 from ._schema import RolloutConfig
 from ._summary import counted
@@ -56,7 +56,7 @@ def _stretches(mask: Sequence[int]) -> int:
     return sum(1 for j, bit in enumerate(mask) if bit and (j == 0 or not mask[j - 1]))
 
 
-def _id_key(trajectory_id: Any) -> Any:
+def _id_key(trajectory_id: TrajectoryID | None) -> Any:
     return (getattr(trajectory_id, "instance_id", None), getattr(trajectory_id, "repetition_id", None))
 
 

@@ -30,7 +30,7 @@ from .._runtime.origin import describe_with_origin
 from ..envs._ray import start_local_ray_if_needed
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
-from ..types import GeneratorInput, GeneratorOutput
+from ..types import GeneratorInput, GeneratorOutput, TrajectoryID
 from ..vlm_generator import StructuredVLMGymGenerator
 from ._engine import EngineSetup, load_engine
 from ._live import env_workers_alive, serve_metrics
@@ -121,7 +121,7 @@ class RunResult:
     trajectories: TrajectoryLog | None = None
     #: The batch's environment classes and trajectory ids, one per rollout.
     env_classes: list[str] = field(default_factory=list)
-    trajectory_ids: list[Any] | None = None
+    trajectory_ids: list[TrajectoryID] | None = None
     #: When the step started (UTC, ISO 8601).
     started_at: str = ""
     #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
