@@ -66,7 +66,7 @@ def _time_stats(out: dict[str, Any], name: str, times: Sequence[float] | None) -
 
     The twin exists for per-group callers: skyrl 0.3.0's ``concatenate_generator_outputs`` sums a
     plain ``_p90`` across groups (no avg/mean/min/max in its name) but averages ``_p90_mean``. The
-    upstream key stays under its own name (rule 11): a drop-in keeps its users' dashboards.
+    upstream key stays under its own name: a drop-in keeps its users' dashboards.
     """
     if not times:
         return

@@ -102,11 +102,8 @@ async def run_cleanups(cleanups: Sequence[Cleanup], *, limit_s: float, error: Ba
 
     The steps share one shielded scope (an environment's close and its session's end cost one
     scope, not two), its deadline set afresh as each step starts; a step that overruns is cancelled
-    by it, and the steps after it get a new scope. No shortcut beyond that: arming the deadline only
-    once a step suspends, and closing an inline env outside any scope, were measured in one run
-    (``benchmarks/cleanup_shortcuts.py`` at commit f727660: 1,024 rollouts cancelled, 5 interleaved
-    repeats) to save nothing: 101 ms of CPU with both, 90 ms without, ranges overlapping (60-119 and
-    74-148 ms), env calls inline; 93 and 84 ms with 32 threads. So they went (issue 21).
+    by it, and the steps after it get a new scope. No shortcut beyond that: two were measured to save
+    nothing and went (docs/benchmarks.md, "Cleanup shortcuts: which pay").
     """
     index = 0
     while index < len(cleanups):

@@ -80,11 +80,9 @@ def has_noop_close(env: object) -> bool:
     Looked up as Python would: an instance attribute, or a ``close`` defined by any class of the
     MRO before the base one (a user override, even one that only calls ``super().close()``), or a
     custom ``__getattribute__`` makes it False. Such a close cannot block, so :class:`SyncEnvAdapter`
-    runs it on the event loop instead of in a worker thread. Measured (``python -m
-    benchmarks.noop_close``: 1,024 one-turn rollouts, 32 env threads, interleaved runs in one
-    process, loaded machine): 139 vs 145, 159 vs 171 ms of CPU per ``generate()`` on asyncio and
-    177 vs 187 on trio, the shortcut ahead in every run though single runs' ranges overlap; 143 vs
-    170 ms wall. Most skyrl_gym envs inherit this close, so it is kept.
+    runs it on the event loop instead of in a worker thread: a shortcut kept because it pays
+    (``python -m benchmarks.noop_close``; the figures are in docs/benchmarks.md, "Cleanup shortcuts:
+    which pay"), since most skyrl_gym envs inherit this close.
     """
     if "close" in getattr(env, "__dict__", ()):
         return False

@@ -1,4 +1,4 @@
-"""SkyRL's weight syncs pause the generator's clocks (design rule 16).
+"""SkyRL's weight syncs pause the generator's clocks (deadlines measure work, not the sync).
 
 Both SkyRL trainers sync weights with ``await trainer.dispatch.save_weights_for_sampler()``: after
 each step on the synchronous trainer, while generation workers keep running on the fully-async
