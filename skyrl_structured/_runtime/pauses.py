@@ -5,8 +5,9 @@ so two overlapping pausers (a weight sync and a user's own pause) each hold the 
 resume, and the clock runs again only when the last one has. A :class:`PausableDeadline` is a
 cancel scope registered with a clock: when the clock stops, the scope's deadline is set to
 infinity and its remaining budget kept; when the clock runs again, the deadline is set to now plus
-that remainder. So a deadline measures work, not the pause (docs/failures.md, "Pauses: weight syncs do not count"), without an
-extra task per deadline. Nothing else is stopped: environment and engine calls in flight go on.
+that remainder. So a deadline measures work, not the pause (docs/failures.md, "Pauses: weight
+syncs do not count"), without an extra task per deadline. Nothing else is stopped: environment
+and engine calls in flight go on.
 
 A pause that is never resumed would leave every deadline stopped for good. :meth:`PauseClock.watch`
 (the supervisor runs it while a batch runs) logs a WARNING once a pause has lasted
