@@ -42,3 +42,10 @@ def seconds(virtual: float, real: float) -> float:
 
 #: Slack for ``asyncio``'s timers, which may fire up to one clock resolution before their time.
 EARLY = 0.01
+
+
+def hang_bound() -> Any:
+    """``anyio.fail_after`` that only a hang reaches: a minute of real time, or a million virtual seconds."""
+    import anyio
+
+    return anyio.fail_after(seconds(virtual=1e6, real=60.0))

@@ -19,7 +19,7 @@ import pytest
 from skyrl_structured._runtime.cleanup import Cleanup, run_cleanups
 from skyrl_structured.observe import CleanupOutcome
 
-from ._virtual_time import EARLY, on_virtual_time, real_and_virtual_time, seconds
+from ._virtual_time import EARLY, hang_bound, on_virtual_time, real_and_virtual_time, seconds
 
 pytestmark = pytest.mark.anyio
 
@@ -110,7 +110,7 @@ async def test_a_step_runs_to_its_end_while_the_caller_is_cancelled_and_the_canc
             await anyio.lowlevel.checkpoint()
             reached.append("past the next checkpoint")
 
-    with anyio.fail_after(GENEROUS_S):
+    with hang_bound():
         async with anyio.create_task_group() as group:
             group.start_soon(rollout)
             await entered.wait()
@@ -150,7 +150,7 @@ async def test_a_hung_step_is_abandoned_at_its_bound_and_each_next_step_gets_a_f
         Step("last", checkpoint, heard),
     ]
     error = RuntimeError("the rollout's own error")
-    with anyio.fail_after(GENEROUS_S), anyio.CancelScope() as caller:
+    with hang_bound(), anyio.CancelScope() as caller:
         caller.cancel()  # every step runs on the cancellation path: shielded, yet bounded
         await run_cleanups(steps, limit_s=limit, error=error)
     assert outcomes(heard) == [
@@ -195,7 +195,7 @@ async def test_a_step_that_catches_its_bounds_cancellation_still_hears_one_outco
         Step("waits again", catches_and_waits_again, heard),
         Step("next", checkpoint, heard),
     ]
-    with anyio.fail_after(GENEROUS_S):
+    with hang_bound():
         await run_cleanups(steps, limit_s=limit, error=None)
     assert outcomes(heard) == [("returns", "ok"), ("waits again", "timeout"), ("next", "ok")]
     assert [step.runs for step in steps] == [1, 1, 1]
