@@ -173,6 +173,24 @@ async def test_a_hung_step_is_abandoned_at_its_bound_and_each_next_step_gets_a_f
     ]
 
 
+@pytest.mark.parametrize("anyio_backend", [real_and_virtual_time()[1]])
+async def test_each_step_gets_its_bound_in_full_not_what_the_steps_before_it_left(anyio_backend):
+    # Virtual time only: on the real clock a step that takes most of its bound could overrun it.
+    limit = 600.0
+    heard: list[Heard] = []
+
+    async def most_of_the_bound() -> None:
+        await anyio.sleep(0.9 * limit)
+
+    steps = [Step(name, most_of_the_bound, heard) for name in ("close", "finish", "third")]
+    began = anyio.current_time()
+    with anyio.CancelScope() as caller:
+        caller.cancel()
+        await run_cleanups(steps, limit_s=limit, error=None)
+    assert outcomes(heard) == [("close", "ok"), ("finish", "ok"), ("third", "ok")]
+    assert anyio.current_time() - began == pytest.approx(3 * 0.9 * limit)
+
+
 @pytest.mark.parametrize("anyio_backend", real_and_virtual_time())
 async def test_a_step_that_catches_its_bounds_cancellation_still_hears_one_outcome(anyio_backend):
     limit = seconds(virtual=600.0, real=1.0)
@@ -190,15 +208,22 @@ async def test_a_step_that_catches_its_bounds_cancellation_still_hears_one_outco
         except anyio.get_cancelled_exc_class():
             await anyio.sleep_forever()  # the bound's cancellation is raised again here
 
+    async def turns_it_into_an_error() -> None:
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            raise RuntimeError("close interrupted") from None
+
     steps = [
         Step("returns", catches_and_returns, heard),
         Step("waits again", catches_and_waits_again, heard),
+        Step("raises", turns_it_into_an_error, heard),
         Step("next", checkpoint, heard),
     ]
     with hang_bound():
         await run_cleanups(steps, limit_s=limit, error=None)
-    assert outcomes(heard) == [("returns", "ok"), ("waits again", "timeout"), ("next", "ok")]
-    assert [step.runs for step in steps] == [1, 1, 1]
+    assert outcomes(heard) == [("returns", "ok"), ("waits again", "timeout"), ("raises", "error"), ("next", "ok")]
+    assert [step.runs for step in steps] == [1, 1, 1, 1]
 
 
 async def test_a_failing_step_is_logged_and_noted_on_the_rollouts_error_and_the_next_steps_run(anyio_backend, caplog):
