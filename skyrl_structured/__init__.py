@@ -17,6 +17,7 @@ from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import EnvHandle as EnvHandle
 from .envs import open_env as open_env
+from .envs._executors import EnvBoundaryError as EnvBoundaryError
 from .envs._executors import EnvWorkerError as EnvWorkerError
 from .failures import FailedRollout as FailedRollout
 from .failures import StragglerCutError as StragglerCutError
@@ -50,6 +51,7 @@ __all__ = (
     "BatchMetadata",
     "ChatTemplateConfig",
     "ConversationType",
+    "EnvBoundaryError",
     "EnvHandle",
     "EnvWorkerError",
     "FailedRollout",

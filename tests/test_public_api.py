@@ -10,6 +10,7 @@ EXPECTED = {
     "ChatTemplateConfig",
     "ConversationType",
     "EnvHandle",
+    "EnvBoundaryError",
     "EnvWorkerError",
     "FailedRollout",
     "FinishedTrajectory",
