@@ -89,7 +89,7 @@ def _load(data: bytes, what: str, part: str) -> tuple[bool, Any]:
         value = pickle.loads(data)
     except BaseException:  # whatever a reconstructor raises: this call's failure
         why = _unpickle_failure(data)
-        return False, EnvBoundaryError(f"{_part(part, what)} could not cross to the generator: {why}")
+        return False, EnvBoundaryError(f"{_part(part, what)} could not cross to the generator: {why}{_FIX}")
     if isinstance(value, Uncrossed):
         if value.part == "argument":
             return False, EnvBoundaryError(
@@ -97,9 +97,12 @@ def _load(data: bytes, what: str, part: str) -> tuple[bool, Any]:
             )
         return False, EnvBoundaryError(
             f"{_part(value.part, what)} could not cross to the generator: {value.culprit} cannot be pickled "
-            f"in the env worker ({value.error})"
+            f"in the env worker ({value.error}){_FIX}"
         )
     return True, value
+
+
+_FIX = "; return plain values (str, numbers, lists, dicts), or use env_executor='thread'"
 
 
 def _part(part: str, what: str) -> str:
