@@ -16,7 +16,14 @@ import anyio
 import anyio.abc
 import pytest
 
-from skyrl_structured import GeneratorConfig, RolloutObserver, RolloutRef, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    RolloutObserver,
+    RolloutRef,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+)
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.boundary_envs import BOUNDARY_ENV, register_boundary_env
 from skyrl_structured.testing.worker_envs import closes_by_env
@@ -40,7 +47,7 @@ def make_gen(tokenizer: Any, *, executor: str = "process", workers: int = 2, **c
     return StructuredGymGenerator(GeneratorConfig(**cfg), gym, engine, tokenizer)
 
 
-def boundary_batch(n: int, ledger: Path, special: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+def boundary_batch(n: int, ledger: Path, special: dict[int, dict[str, Any]] | None = None) -> GeneratorInput:
     extras = [{"ledger_dir": str(ledger), "turns": 2, **(special or {}).get(i, {})} for i in range(n)]
     return {
         "prompts": [[{"role": "user", "content": f"question {i}"}] for i in range(n)],
