@@ -255,8 +255,8 @@ class ProcessWorker(Transport):
         The worker makes itself a group leader as it starts (``setsid``); killed before that, it has
         no group yet (and no children): the signal goes to the process alone.
         """
-        pid = self.process.pid
-        if pid is None:  # pragma: no cover - never started
+        pid = self._pid()
+        if pid is None:  # pragma: no cover - never started, or closed
             return False
         try:
             os.killpg(pid, signum)
@@ -276,10 +276,17 @@ class ProcessWorker(Transport):
         group's id cannot go to another process while any member lives, and with none left the
         signal finds nothing.
         """
-        pid = self.process.pid
+        pid = self._pid()
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
+
+    def _pid(self) -> int | None:
+        try:
+            pid: int | None = self.process.pid
+        except ValueError:  # pragma: no cover - closed by shutdown()
+            return None
+        return pid
 
     def shutdown(self, timeout_s: float) -> None:
         if not self._started.wait(timeout_s) or self._reader is None:

@@ -116,12 +116,12 @@ class _Poller:
     def _settle(self, ray: Any, ref: Any, reply: Reply, worker: RayWorker) -> None:
         try:
             ok, value, metrics = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:  # the actor died
+        except ray.exceptions.RayTaskError as exc:  # the call itself failed in a live actor: this call's error
+            reply.resolve(False, exc)
+            return
+        except Exception as exc:  # the actor died (RayActorError and kin): the worker's death
             worker.died(exc, running=reply)
             reply.resolve(False, worker.death)
-            return
-        except Exception as exc:  # anything else Ray raises fails this call, not the actor's other envs
-            reply.resolve(False, exc)
             return
         reply.resolve(*decode(reply.what, ok, value, metrics))
 
