@@ -146,7 +146,7 @@ async def test_a_callers_deadline_closes_every_env_and_kills_no_worker(
 
 
 async def test_the_rollouts_own_timeout_kills_and_the_log_names_it(anyio_backend, tokenizer, tmp_path, caplog):
-    gen = make_gen(tokenizer, workers=2, rollout_timeout_s=2.0, skip_failed_rollouts=True)
+    gen = make_gen(tokenizer, workers=2, rollout_timeout_s=4.0, skip_failed_rollouts=True)
     try:
         await gen.generate(boundary_batch(2, tmp_path), disable_tqdm=True)  # the workers start outside any deadline
         out = await gen.generate(boundary_batch(2, tmp_path, {0: {"on_step": {1: "hang"}}}), disable_tqdm=True)
@@ -157,5 +157,5 @@ async def test_the_rollouts_own_timeout_kills_and_the_log_names_it(anyio_backend
     kills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("killing env worker")]
     assert len(kills) == 1
     assert kills[0].endswith(
-        f"`step` of env '{BOUNDARY_ENV}' was still running past its rollout's rollout_timeout_s=2s"
+        f"`step` of env '{BOUNDARY_ENV}' was still running past its rollout's rollout_timeout_s=4s"
     )

@@ -52,7 +52,7 @@ async def still_alive_async(pids: list[int]) -> list[int]:
 
 
 async def test_a_killed_workers_children_and_grandchildren_die_with_it(anyio_backend, tokenizer, tmp_path):
-    gen = make_gen(tokenizer, workers=2, rollout_timeout_s=3.0, skip_failed_rollouts=True)
+    gen = make_gen(tokenizer, workers=2, rollout_timeout_s=4.0, skip_failed_rollouts=True)
     try:
         warm = tmp_path / "warm"
         warm.mkdir()
