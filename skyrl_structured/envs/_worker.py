@@ -70,7 +70,10 @@ def dumps(value: Any) -> bytes:
 
 def one_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (errors from pickling can be long, or multi-line)."""
-    text = str(exc).strip().splitlines()
+    try:
+        text = str(exc).strip().splitlines()
+    except BaseException:  # an exception whose __str__ raises still gets a description
+        text = []
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
@@ -97,16 +100,19 @@ def _culprit(value: Any, pickle_it: Dumps) -> str:
     looks inside it (at most ``_CULPRIT_DEPTH`` levels: a list nested 200,000 deep is named at that depth).
     """
     path = "value"
-    for _ in range(_CULPRIT_DEPTH):
-        for where, part in _parts(value):
-            try:
-                pickle_it(part)
-            except BaseException:
-                path += where
-                value = part
+    try:
+        for _ in range(_CULPRIT_DEPTH):
+            for where, part in _parts(value):
+                try:
+                    pickle_it(part)
+                except BaseException:
+                    path += where
+                    value = part
+                    break
+            else:
                 break
-        else:
-            break
+    except BaseException:  # a part that cannot even be looked at: name what was found so far
+        pass
     return f"{type_name(value)} at {path}" if path != "value" else type_name(value)
 
 
