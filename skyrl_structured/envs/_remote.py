@@ -52,8 +52,7 @@ from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker, current_waker, resolve_future
 from ..types import ConversationType, EnvStepOutput, SkyRLConfig
 from ._executors import EnvBoundaryError, EnvWorkerError
-from ._worker import Dumps, Uncrossed, one_line
-from ._worker import _culprit as culprit
+from ._worker import Dumps, Uncrossed, culprit, one_line
 
 __all__ = ["Reply", "Transport", "WorkerEnv", "WorkerPool", "decode", "encode_request"]
 
@@ -93,7 +92,8 @@ def _load(data: bytes, what: str, part: str) -> tuple[bool, Any]:
     if isinstance(value, Uncrossed):
         if value.part == "argument":
             return False, EnvBoundaryError(
-                f"the argument of {what} could not cross to its env worker: unpickling it there failed ({value.error})"
+                f"the argument of {what} could not cross to its env worker: unpickling it there failed "
+                f"({value.error}); pass plain values"
             )
         return False, EnvBoundaryError(
             f"{_part(value.part, what)} could not cross to the generator: {value.culprit} cannot be pickled "

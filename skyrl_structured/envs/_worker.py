@@ -45,7 +45,7 @@ EnvRecipe = tuple[str, str, dict[str, Any]]
 
 #: ``dumps`` of the process executor (Ray's actors use cloudpickle's).
 Dumps = Callable[[Any], bytes]
-#: How deep :func:`_culprit` looks for the part of a value that cannot be pickled.
+#: How deep :func:`culprit` looks for the part of a value that cannot be pickled.
 _CULPRIT_DEPTH = 16
 
 #: Replies queued at most this long before they are sent (a burst of cheap calls costs one message).
@@ -93,7 +93,7 @@ def _parts(value: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def _culprit(value: Any, pickle_it: Dumps) -> str:
+def culprit(value: Any, pickle_it: Dumps) -> str:
     """The innermost part of ``value`` that fails to pickle, as ``Type at value['key'][0]``.
 
     Only run once pickling ``value`` failed: each level pickles the parts until one fails, and
@@ -136,7 +136,7 @@ def _encode(value: Any, part: str, pickle_it: Dumps) -> bytes:
     try:
         return pickle_it(value)
     except BaseException as exc:  # whatever a __reduce__ raises (RecursionError too): this call's failure
-        return pickle_it(Uncrossed(part, _culprit(value, pickle_it), one_line(exc)))
+        return pickle_it(Uncrossed(part, culprit(value, pickle_it), one_line(exc)))
 
 
 def serve(
