@@ -263,7 +263,10 @@ def _start_guardian(lifeline: Any) -> None:
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, 65536)
-        select.select(keep, [], [])  # readable at EOF: the generator or the worker is gone
+        watch = select.poll()  # poll, not select: any fd number
+        for fd in keep:
+            watch.register(fd, select.POLLIN)
+        watch.poll()  # readable (or hung up) at EOF: the generator or the worker is gone
     finally:  # whatever happened, the group goes
         _kill_group()
 
