@@ -14,6 +14,7 @@ from .config import SkyRLGymConfig as SkyRLGymConfig
 from .envs import AsyncEnvironment as AsyncEnvironment
 from .envs import EnvHandle as EnvHandle
 from .envs import open_env as open_env
+from .errors import EnvBoundaryError as EnvBoundaryError
 from .errors import EnvWorkerError as EnvWorkerError
 from .errors import GeneratorOutputError as GeneratorOutputError
 from .errors import MalformedEngineReplyError as MalformedEngineReplyError
@@ -52,6 +53,7 @@ __all__ = (
     "BatchMetadata",
     "ChatTemplateConfig",
     "ConversationType",
+    "EnvBoundaryError",
     "EnvHandle",
     "EnvWorkerError",
     "FailedRollout",

@@ -5,6 +5,7 @@
     Exception
      +-- RolloutError                  one rollout failed: retried, or a placeholder with skip_failed_rollouts
      |    +-- EnvWorkerError           (also RuntimeError) the env's worker process or Ray actor died
+     |    +-- EnvBoundaryError         (also RuntimeError) a value could not cross to or from an env worker
      |    +-- RolloutCancelledError    (also RuntimeError) a cancellation none of our scopes caused
      |    +-- StragglerCutError        cut by generator.straggler_cutoff
      |    +-- PromptTooLongError       (also ValueError) the first prompt exceeds max_input_length
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "EnvBoundaryError",
     "EnvWorkerError",
     "GeneratorOutputError",
     "MalformedEngineReplyError",
@@ -65,6 +67,16 @@ class EnvWorkerError(RolloutError, RuntimeError):
 
 def _rebuild_worker_error(message: str, worker: str, exitcode: int | None, killed: bool) -> EnvWorkerError:
     return EnvWorkerError(message, worker=worker, exitcode=exitcode, killed=killed)
+
+
+class EnvBoundaryError(RolloutError, RuntimeError):
+    """A value could not cross between the generator and an env worker (pickled one way, unpickled the other).
+
+    Only the call that carried it fails: a reply (or an error, or the metrics sent with it) that the
+    worker cannot pickle or the generator cannot unpickle, or an argument that cannot make the trip
+    the other way. The worker and its other envs carry on. The message names the env, the call, the
+    type that failed and why, in one line.
+    """
 
 
 class RolloutCancelledError(RolloutError, RuntimeError):

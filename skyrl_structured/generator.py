@@ -272,6 +272,7 @@ class StructuredGymGenerator(ChatAttributes):
                 runner=self._env_runner(),
                 cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=context.cleanup,
+                deadline=context.deadline,
                 abandoned=context.abandoned,
                 observe=context.emit,
                 _then=session_end,

@@ -360,7 +360,7 @@ async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises
         kills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("killing env worker")]
         assert len(kills) == 1
         assert kills[0].endswith(
-            "`close` of env 'skyrl_structured_trouble' was still running past env_cleanup_timeout_s"
+            "`close` of env 'skyrl_structured_trouble' was still running past env_cleanup_timeout_s=1s"
         )
     finally:
         await gen.aclose()

@@ -10,6 +10,7 @@ EXPECTED = {
     "ChatTemplateConfig",
     "ConversationType",
     "EnvHandle",
+    "EnvBoundaryError",
     "EnvWorkerError",
     "FailedRollout",
     "FinishedTrajectory",
@@ -82,6 +83,7 @@ def test_every_rollout_error_is_a_rollout_error_and_keeps_its_standard_library_b
     from skyrl_structured import errors
 
     expected_bases = {
+        "EnvBoundaryError": RuntimeError,
         "EnvWorkerError": RuntimeError,
         "RolloutCancelledError": RuntimeError,
         "StragglerCutError": Exception,

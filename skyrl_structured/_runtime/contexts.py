@@ -29,7 +29,7 @@ from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, failed_record, finished_record
 from ..types import ConversationType, InferenceClient, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
-from .pauses import PauseClock
+from .pauses import PausableDeadline, PauseClock
 
 __all__ = [
     "BatchContext",
@@ -213,6 +213,9 @@ class RolloutContext:
     time_splits: dict[str, float] = field(default_factory=lambda: {"llm": 0.0, "env": 0.0})
     #: Closes abandoned after ``env_cleanup_timeout_s`` that still run in their worker threads.
     abandoned: list[AbandonedClose] = field(default_factory=list)
+    #: The attempt's own ``rollout_timeout_s`` deadline (None without one): an env worker is killed
+    #: when this one passes, never for a deadline or cancel in the caller's scopes (DESIGN rule 17).
+    deadline: PausableDeadline | None = None
 
     @property
     def client(self) -> InferenceClient:

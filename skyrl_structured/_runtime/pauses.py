@@ -172,6 +172,22 @@ class PausableDeadline:
         self._remaining: float | None = None
         self.scope = anyio.CancelScope()
 
+    @property
+    def seconds(self) -> float:
+        """The budget, in seconds of unpaused time (``inf``: none)."""
+        return self._seconds
+
+    @property
+    def expired(self) -> bool:
+        """Whether the budget has run out (the scope is cancelled, or is about to be at its next check).
+
+        Read by whoever must tell this deadline apart from a cancellation by some other scope (an env
+        worker is killed for its rollout's own ``rollout_timeout_s``, never for a caller's deadline).
+        """
+        if self.scope.cancel_called:
+            return True
+        return self._remaining is None and anyio.current_time() >= self.scope.deadline
+
     def stop(self, now: float) -> None:
         if self._remaining is None:
             self._remaining = max(self.scope.deadline - now, 0.0)

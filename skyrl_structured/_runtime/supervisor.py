@@ -350,7 +350,8 @@ class _Supervisor:
         if deadline is None:
             return await self.rollout(index)
         # Measures work: the clock stops while the generator is paused (a weight sync).
-        with PausableDeadline(self.batch.pauses, deadline) as scope:
+        own = context.deadline = PausableDeadline(self.batch.pauses, deadline)
+        with own as scope:
             result = await self.rollout(index)
         if scope.cancelled_caught:
             raise TimeoutError(

@@ -17,6 +17,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from .._runtime.cleanup import CleanupStats
+from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker
 from ..types import AsyncEnvironment, ConversationType, EnvStepOutput, SkyRLConfig
 from ._executors import EnvExecutor
@@ -43,7 +44,13 @@ class EnvCallRunner(EnvExecutor):
         return 0 if self.pool is None else self.pool.max_workers
 
     def make_env(
-        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+        self,
+        env_class: str,
+        *,
+        env_config: SkyRLConfig,
+        extras: dict[str, Any],
+        stats: CleanupStats,
+        deadline: PausableDeadline | None = None,
     ) -> object:
         # Looked up on the module at call time (as SkyRL does), so registering or patching later works.
         return skyrl_gym.make(env_class, env_config=env_config, extras=extras)

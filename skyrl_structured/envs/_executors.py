@@ -21,13 +21,18 @@ Abandoned work, the one set of rules for every executor (DESIGN rules 5, 9 and 1
 1. A call whose rollout gave up before it *started* is skipped; a close, once submitted, always runs.
 2. A call whose rollout was cancelled while it *runs* is waited for by that env's cleanup (bounded by
    ``env_cleanup_timeout_s``) before the close, so a close never races a step.
-3. When that bound (or, for a call in flight, the rollout's own ``rollout_timeout_s`` deadline) runs out:
+3. When that bound (or, for a call in flight, the rollout's own ``rollout_timeout_s`` deadline, never
+   a deadline or cancel of the caller's scopes around ``generate()``, which is rule 2's case) runs out:
    a thread cannot be stopped, so the call keeps its thread, the close is chained after it, and the
    env stays counted as live (``max_concurrent_rollouts``, ``max_env_workers``) until it returns;
-   a worker process or actor is killed (SIGTERM, then SIGKILL after a short grace, or ``ray.kill``),
-   every env living in it fails with :class:`EnvWorkerError`, and a fresh worker replaces it.
-4. Nothing abandoned keeps the process alive: threads are daemons; worker processes die with the
-   generator's process (parent-death signal and a pipe watchdog) and at ``aclose()``/interpreter exit.
+   a worker process or actor is killed (SIGTERM to its whole process group, then SIGKILL after a short
+   grace, or ``ray.kill``), every env living in it fails with :class:`EnvWorkerError`, and a fresh
+   worker replaces it.
+4. Nothing abandoned keeps the process alive: threads are daemons; worker processes, with the process
+   groups they lead (an env's children), die with the generator's process (parent-death signal and a
+   pipe watchdog) and at ``aclose()``/interpreter exit.
+5. What crosses to or from a worker fails only its own call when it cannot be pickled or unpickled
+   (:class:`EnvBoundaryError`); the worker and its other envs carry on.
 """
 
 from __future__ import annotations
@@ -38,11 +43,20 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from .._runtime.cleanup import CleanupStats
+from .._runtime.pauses import PausableDeadline
 from ..config import ENV_EXECUTORS, EnvExecutorKind, invalid_value, read_knob
-from ..errors import EnvWorkerError
+from ..errors import EnvBoundaryError, EnvWorkerError
 from ..types import SkyRLConfig
 
-__all__ = ["ENV_EXECUTORS", "EnvExecutor", "EnvExecutorKind", "EnvWorkerError", "env_executor_kind", "make_executor"]
+__all__ = [
+    "ENV_EXECUTORS",
+    "EnvBoundaryError",
+    "EnvExecutor",
+    "EnvExecutorKind",
+    "EnvWorkerError",
+    "env_executor_kind",
+    "make_executor",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +74,13 @@ class EnvExecutor(abc.ABC):
 
     @abc.abstractmethod
     def make_env(
-        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+        self,
+        env_class: str,
+        *,
+        env_config: SkyRLConfig,
+        extras: dict[str, Any],
+        stats: CleanupStats,
+        deadline: PausableDeadline | None = None,
     ) -> object:
         """A new environment: a ``skyrl_gym`` env, or an async handle to one living in a worker.
 
@@ -70,7 +90,9 @@ class EnvExecutor(abc.ABC):
         SkyRL hands it to ``skyrl_gym.make``).
 
         ``stats`` (the batch's :class:`~skyrl_structured.envs.CleanupStats`) counts what the handle
-        sees: workers killed, worker crashes, envs lost with their worker.
+        sees: workers killed, worker crashes, envs lost with their worker. ``deadline`` is the
+        rollout's own ``rollout_timeout_s`` (None without one), the only deadline a handle may kill
+        its worker for while a call runs (rule 3 of the module docstring).
         """
 
     @property

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any
 
 from .._runtime.cleanup import AbandonedClose, Cleanup, CleanupStats, run_cleanups
+from .._runtime.pauses import PausableDeadline
 from ..observe import CleanupOutcome, RolloutEmitter, RolloutObserver
 from ..types import EnvHandle, SkyRLConfig
 from ._adapters import _wrap
@@ -107,6 +108,7 @@ def open_env(
     runner: EnvExecutor,
     cleanup_timeout: float,
     stats: CleanupStats,
+    deadline: PausableDeadline | None = None,
     abandoned: list[AbandonedClose] | None = None,
     observe: EnvObserver | None = None,
     _then: Cleanup | None = None,
@@ -116,11 +118,14 @@ def open_env(
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
     patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
     in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
-    counted as live until it returns. ``observe`` hears ``env_opened`` and ``cleanup_started``/``cleanup_finished``.
+    counted as live until it returns. ``deadline`` is the rollout's own ``rollout_timeout_s`` (the
+    supervisor's; None without one): an env worker process or actor is killed when a call overruns
+    it, never for another scope's deadline or cancel (those get an ordinary close). ``observe``
+    hears ``env_opened`` and ``cleanup_started``/``cleanup_finished``.
     (``_then`` is the generator's: its session's end, run right after the close in the same
     shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
     """
-    raw = runner.make_env(env_class, env_config=env_config, extras=extras, stats=stats)
+    raw = runner.make_env(env_class, env_config=env_config, extras=extras, stats=stats, deadline=deadline)
     stats.envs_opened += 1
     if observe is not None:
         observe(RolloutObserver.env_opened)

@@ -10,7 +10,9 @@ thread pool). That link is the same on asyncio and trio, needs no task of the ev
 costs nothing while a worker is idle; ``benchmarks/env_executors.py`` measures it against threads.
 
 A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF it
-watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit.
+watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit. Each worker
+leads its own process group: every kill signals the group, and a worker's end (killed, crashed, shut
+down, or orphaned by the generator's death, through its guardian) takes its env's children with it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import collections
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -30,10 +33,11 @@ from typing import Any
 import skyrl_gym
 
 from .._runtime.cleanup import CleanupStats
+from .._runtime.pauses import PausableDeadline
 from ..types import SkyRLConfig
 from ._executors import EnvExecutor, EnvWorkerError
-from ._remote import Reply, Transport, WorkerEnv, WorkerPool
-from ._worker import EnvRecipe, process_main
+from ._remote import Reply, Transport, WorkerEnv, WorkerPool, decode, encode_request
+from ._worker import EnvRecipe, dumps, one_line, process_main
 
 __all__ = ["ProcessEnvExecutor", "ProcessWorker", "env_recipe"]
 
@@ -138,21 +142,23 @@ class ProcessWorker(Transport):
                 return  # the worker is gone; the reader reports it
 
     def _pickled(self, batch: list[tuple[int, str, int, Any]]) -> bytes | None:
-        try:
-            return pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            kept = []
-            for request in batch:  # fail only the request that cannot cross the process boundary
-                try:
-                    pickle.dumps(request, pickle.HIGHEST_PROTOCOL)
-                except Exception as exc:
-                    with self._cond:
-                        reply = self._pending.pop(request[0], None)
-                    if reply is not None:
-                        reply.resolve(False, TypeError(f"{reply.what}: its argument cannot be pickled: {exc!r}"))
-                else:
-                    kept.append(request)
-            return pickle.dumps(kept, pickle.HIGHEST_PROTOCOL) if kept else None
+        """One message for ``batch``: each payload pickled on its own, so one that cannot be fails its call only."""
+        kept: list[tuple[int, str, int, Any]] = []
+        for call_id, op, key, payload in batch:
+            if op in ("skip", "exit"):
+                kept.append((call_id, op, key, payload))
+                continue
+            with self._cond:
+                reply = self._pending.get(call_id)
+            data = encode_request(reply.what if reply is not None else f"`{op}`", payload, dumps)
+            if isinstance(data, bytes):
+                kept.append((call_id, op, key, data))
+                continue
+            with self._cond:
+                reply = self._pending.pop(call_id, None)
+            if reply is not None:
+                reply.resolve(False, data)
+        return pickle.dumps(kept, pickle.HIGHEST_PROTOCOL) if kept else None
 
     def _read(self) -> None:
         conn = self._conn
@@ -161,16 +167,18 @@ class ProcessWorker(Transport):
                 replies = conn.recv()
             except (EOFError, OSError):
                 break
-            except Exception as exc:  # pragma: no cover - a reply the worker could pickle but we cannot load
-                logger.error("env worker %s sent an unreadable reply: %r", self.name, exc)
+            except Exception as exc:  # pragma: no cover - ints and bytes (see serve): a broken link
+                # The calls it carried cannot be told apart: end the worker, which fails every call it has.
+                self.kill(f"it sent a message the generator cannot read ({one_line(exc)})")
                 continue
-            for call_id, ok, value in replies:
+            for call_id, ok, value, metrics in replies:
                 if call_id == "ready":
                     continue
                 with self._cond:
                     reply = self._pending.pop(call_id, None)
                 if reply is not None:
-                    reply.resolve(ok, value)
+                    reply.resolve(*decode(reply.what, ok, value, metrics))
+        self._kill_group()  # whatever ended the worker, its env's children go with it
         self._join(KILL_GRACE_S + 5.0)
         self._died(self._death_error())
 
@@ -231,9 +239,7 @@ class ProcessWorker(Transport):
             self._signal()
 
     def _signal(self) -> None:
-        try:
-            self.process.terminate()
-        except (OSError, ValueError):  # pragma: no cover - already reaped
+        if not self._signal_group(signal.SIGTERM):
             return
         self._timer = threading.Timer(KILL_GRACE_S, self._force_kill)
         self._timer.daemon = True
@@ -241,8 +247,46 @@ class ProcessWorker(Transport):
 
     def _force_kill(self) -> None:
         if self.death is None:
-            with contextlib.suppress(OSError, ValueError):  # already gone
-                self.process.kill()
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> bool:
+        """Send ``signum`` to the worker's process group (its env's children too); False once it is gone.
+
+        The worker makes itself a group leader as it starts (``setsid``); killed before that, it has
+        no group yet (and no children): the signal goes to the process alone.
+        """
+        pid = self._pid()
+        if pid is None:  # pragma: no cover - never started, or closed
+            return False
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            try:
+                os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                return False
+        except PermissionError:  # pragma: no cover - the id is another user's group now
+            return False
+        return True
+
+    def _kill_group(self) -> None:
+        """SIGKILL what is left of the worker's process group once the worker has ended.
+
+        Its guardian does the same from inside; this covers a guardian that was killed too. The
+        group's id cannot go to another process while any member lives, and with none left the
+        signal finds nothing.
+        """
+        pid = self._pid()
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _pid(self) -> int | None:
+        try:
+            pid: int | None = self.process.pid
+        except ValueError:  # pragma: no cover - closed by shutdown()
+            return None
+        return pid
 
     def shutdown(self, timeout_s: float) -> None:
         if not self._started.wait(timeout_s) or self._reader is None:
@@ -255,7 +299,7 @@ class ProcessWorker(Transport):
             if self._join(timeout_s) is None:
                 with self._cond:
                     self._kill_reason = "the generator shut its env workers down and it did not exit"
-                self.process.kill()
+                self._signal_group(signal.SIGKILL)
                 self._join(timeout_s)
         # The reader sees the EOF, reports the death and closes the pipes: nothing is left open.
         for thread in (self._reader, self._writer):
@@ -354,9 +398,15 @@ class RemoteEnvExecutor(EnvExecutor):
         check_picklable(env_class, "env extras", extras, self.kind)
 
     def make_env(
-        self, env_class: str, *, env_config: SkyRLConfig, extras: dict[str, Any], stats: CleanupStats
+        self,
+        env_class: str,
+        *,
+        env_config: SkyRLConfig,
+        extras: dict[str, Any],
+        stats: CleanupStats,
+        deadline: PausableDeadline | None = None,
     ) -> WorkerEnv:
-        return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats)
+        return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats, deadline)
 
 
 class ProcessEnvExecutor(RemoteEnvExecutor):

@@ -15,6 +15,7 @@ killer) fails every env in it with :class:`~skyrl_structured.EnvWorkerError`, an
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -22,8 +23,8 @@ from typing import Any
 from ..types import SkyRLConfig
 from ._executors import EnvWorkerError
 from ._process import RemoteEnvExecutor
-from ._remote import Reply, Transport, WorkerPool
-from ._worker import EnvHost
+from ._remote import Reply, Transport, WorkerPool, decode, encode_request
+from ._worker import EnvHost, serve
 
 __all__ = ["EnvActor", "RayEnvExecutor"]
 
@@ -33,18 +34,25 @@ _POLL_S = 0.05
 
 
 class EnvActor:
-    """The Ray actor class: an :class:`~skyrl_structured.envs._worker.EnvHost` behind one method."""
+    """The Ray actor class: an :class:`~skyrl_structured.envs._worker.EnvHost` behind one method.
+
+    Payloads and replies cross as bytes pickled by :func:`~skyrl_structured.envs._worker.serve` with
+    Ray's cloudpickle (what Ray itself would use), so a value that cannot be pickled here or
+    unpickled in the generator fails its own call, never as a Ray error mistaken for the actor's death.
+    """
 
     def __init__(self) -> None:
         self.host = EnvHost()
 
-    def call(self, op: str, key: int, payload: Any) -> tuple[bool, Any]:
-        try:
-            return True, self.host.handle(op, key, payload)
-        except BaseException as exc:  # the env's error travels back as a value, not as a Ray task error
-            from ._worker import _portable
+    def call(self, op: str, key: int, payload: bytes) -> tuple[bool, bytes, bytes | None]:
+        return serve(self.host, op, key, payload, _cloudpickle_dumps, pickle.loads)
 
-            return False, _portable(exc)
+
+def _cloudpickle_dumps(value: Any) -> bytes:
+    from ray import cloudpickle
+
+    data: bytes = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
+    return data
 
 
 def _ray() -> Any:
@@ -107,12 +115,15 @@ class _Poller:
 
     def _settle(self, ray: Any, ref: Any, reply: Reply, worker: RayWorker) -> None:
         try:
-            ok, value = ray.get(ref)
+            ok, value, metrics = ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:  # the call itself failed in a live actor: this call's error
+            reply.resolve(False, exc)
+            return
         except Exception as exc:  # the actor died (RayActorError and kin): the worker's death
             worker.died(exc, running=reply)
             reply.resolve(False, worker.death)
             return
-        reply.resolve(ok, value)
+        reply.resolve(*decode(reply.what, ok, value, metrics))
 
 
 class RayWorker(Transport):
@@ -135,7 +146,11 @@ class RayWorker(Transport):
         if self.death is not None:
             reply.resolve(False, self.death)
             return
-        ref = self._actor.call.remote(op, key, payload)
+        data = encode_request(reply.what, payload, _cloudpickle_dumps)
+        if not isinstance(data, bytes):
+            reply.resolve(False, data)
+            return
+        ref = self._actor.call.remote(op, key, data)
         self._poller.add(ref, reply, self)
 
     def died(self, cause: BaseException, *, running: Reply | None) -> None:

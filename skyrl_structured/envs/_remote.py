@@ -11,14 +11,20 @@ A :class:`WorkerEnv` is the env's handle in the generator: ``init``/``step``/``c
 its worker, ``get_metrics`` reads what the worker sent with the last reply. The abandoned-work rules
 are :mod:`~skyrl_structured.envs._executors`'s; here is how they apply:
 
-- a call cancelled by a deadline that has passed (the rollout's ``rollout_timeout_s``, or cleanup's
-  ``env_cleanup_timeout_s``) while it runs kills the worker at once;
-- a call cancelled otherwise (``generate()`` cancelled, a sibling's failure) is waited for by the
-  env's close, inside cleanup's bound; the close follows it; past the bound the worker is killed;
+- a call cancelled by a bound of its own that has passed (the rollout's ``rollout_timeout_s``, which
+  the supervisor hands to the handle, or cleanup's ``env_cleanup_timeout_s``) while it runs kills
+  the worker at once; the log line names that bound and its value;
+- a call cancelled otherwise (``generate()`` cancelled, or a deadline of the caller's own scopes
+  around it, a sibling's failure) is waited for by the env's close, inside cleanup's bound; the
+  close follows it; past the bound the worker is killed;
 - a dead worker fails every call of its envs with :class:`~skyrl_structured.EnvWorkerError`; their
   closes cannot run and are counted (``generate/envs_lost_with_worker``), as are the kill
   (``generate/env_workers_killed``, in the batch whose call overran) or the crash
   (``generate/env_worker_crashes``, in the batch that first saw it).
+
+What crosses the boundary is pickled per call (:func:`~skyrl_structured.envs._worker.serve` in the
+worker, :func:`decode` here): a value that cannot be pickled or unpickled fails its own call with
+:class:`~skyrl_structured.EnvBoundaryError`, and the metrics sent with a reply fail only ``get_metrics``.
 
 A :class:`Transport` is one worker seen from the generator; :mod:`~skyrl_structured.envs._process`
 and :mod:`~skyrl_structured.envs._ray` implement it. Replies come back on a transport's own thread
@@ -29,9 +35,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import io
 import itertools
 import logging
-import math
+import pickle
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -41,15 +48,95 @@ from typing import Any
 import anyio
 
 from .._runtime.cleanup import CleanupStats
+from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker, current_waker, resolve_future
 from ..types import ConversationType, EnvStepOutput, SkyRLConfig
-from ._executors import EnvWorkerError
+from ._executors import EnvBoundaryError, EnvWorkerError
+from ._worker import Dumps, Uncrossed, culprit, one_line
 
-__all__ = ["Reply", "Transport", "WorkerEnv", "WorkerPool"]
+__all__ = ["Reply", "Transport", "WorkerEnv", "WorkerPool", "decode", "encode_request"]
 
 logger = logging.getLogger(__name__)
 
 _keys = itertools.count(1)
+
+
+class _NamingUnpickler(pickle.Unpickler):
+    """Records the last class or function it looked up: what was being rebuilt when a load failed."""
+
+    last = ""
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.last = f"{module}.{name}"
+        return super().find_class(module, name)
+
+
+def _unpickle_failure(data: bytes) -> str:
+    """Why ``data`` cannot be unpickled here, naming what was being rebuilt (run after a load failed)."""
+    unpickler = _NamingUnpickler(io.BytesIO(data))
+    try:
+        unpickler.load()
+    except BaseException as exc:
+        where = f"rebuilding {unpickler.last}" if unpickler.last else "unpickling it"
+        return f"{where} failed in the generator ({one_line(exc)})"
+    return "unpickling it failed once in the generator, then worked"  # pragma: no cover - a flaky reconstructor
+
+
+def _load(data: bytes, what: str, part: str) -> tuple[bool, Any]:
+    """``data`` unpickled, or False and the :class:`EnvBoundaryError` saying why it cannot cross."""
+    try:
+        value = pickle.loads(data)
+    except BaseException:  # whatever a reconstructor raises: this call's failure
+        why = _unpickle_failure(data)
+        return False, EnvBoundaryError(f"{_part(part, what)} could not cross to the generator: {why}{_FIX}")
+    if isinstance(value, Uncrossed):
+        if value.part == "argument":
+            return False, EnvBoundaryError(
+                f"the argument of {what} could not cross to its env worker: unpickling it there failed "
+                f"({value.error}); pass plain values"
+            )
+        return False, EnvBoundaryError(
+            f"{_part(value.part, what)} could not cross to the generator: {value.culprit} cannot be pickled "
+            f"in the env worker ({value.error}){_FIX}"
+        )
+    return True, value
+
+
+_FIX = "; return plain values (str, numbers, lists, dicts), or use env_executor='thread'"
+
+
+def _part(part: str, what: str) -> str:
+    if part == "metrics":
+        return f"the metrics (get_metrics) sent with the reply to {what}"
+    if part == "error":
+        return f"the error raised by {what}"
+    return f"the reply to {what}"
+
+
+def decode(what: str, ok: bool, data: bytes, metrics: bytes | None) -> tuple[bool, Any]:
+    """A worker's reply to ``what`` (``"`step` of env 'x'"``) as ``(ok, value)`` for :meth:`Reply.resolve`.
+
+    ``init`` and ``step`` replies carry their env's metrics: the value is ``(result, (ok, metrics))``,
+    and metrics that cannot cross fail only ``get_metrics``.
+    """
+    loaded, value = _load(data, what, "reply" if ok else "error")
+    if not loaded:
+        return False, value
+    if metrics is None or not ok:
+        return ok, value
+    loaded, pair = _load(metrics, what, "metrics")
+    return True, (value, pair if loaded else (False, pair))
+
+
+def encode_request(what: str, payload: Any, pickle_it: Dumps) -> bytes | EnvBoundaryError:
+    """``payload`` pickled for the worker, or the error that fails its call when it cannot be."""
+    try:
+        return pickle_it(payload)
+    except BaseException as exc:  # whatever a __reduce__ raises: this call's failure
+        return EnvBoundaryError(
+            f"the argument of {what} could not cross to its env worker: {culprit(payload, pickle_it)} cannot be "
+            f"pickled ({one_line(exc)}); pass plain values"
+        )
 
 
 class Reply:
@@ -225,8 +312,11 @@ class WorkerEnv:
         env_config: SkyRLConfig,
         extras: dict[str, Any],
         stats: CleanupStats,
+        deadline: PausableDeadline | None = None,
     ) -> None:
         self.env_class = env_class
+        #: The rollout's own ``rollout_timeout_s``: the only deadline a running call kills its worker for.
+        self._deadline = deadline
         self._pool = pool
         self._make: Any = (recipe, env_config, extras)
         self._stats = stats
@@ -337,15 +427,25 @@ class WorkerEnv:
         return reply.value
 
     async def _await(self, worker: Transport, reply: Reply, *, cleanup: bool) -> None:
-        """Wait for ``reply``; cancelled while it runs, kill the worker if a deadline has passed."""
-        deadline = anyio.current_effective_deadline()
+        """Wait for ``reply``; cancelled while it runs, kill the worker if a bound of its own has passed.
+
+        Those bounds are cleanup's (``cleanup``: the close runs shielded, so only its deadline cancels
+        it) and the rollout's own ``rollout_timeout_s``, when it passed while this call ran. Any other
+        cancellation (the caller's deadline or cancel around ``generate()``) leaves the call to the
+        env's close, which waits for it within ``env_cleanup_timeout_s``.
+        """
+        own = self._deadline
+        expired_before = own is not None and own.expired  # sent after it passed: the close settles it
         try:
             await reply.wait()
         except BaseException:
             if not reply.done:
-                # -inf: already cancelled when it was sent, by whatever scope: the close settles it.
-                if cleanup or (deadline != -math.inf and anyio.current_time() >= deadline):
-                    why = "env_cleanup_timeout_s" if cleanup else "its rollout's deadline (rollout_timeout_s)"
+                why: str | None = None
+                if cleanup:
+                    why = f"env_cleanup_timeout_s={self._pool.cleanup_timeout_s:g}s"
+                elif own is not None and not expired_before and own.expired:
+                    why = f"its rollout's rollout_timeout_s={own.seconds:g}s"
+                if why is not None:
                     if worker.kill(f"{reply.what} was still running past {why}"):
                         self._stats.env_workers_killed += 1
                 else:

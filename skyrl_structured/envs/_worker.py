@@ -4,9 +4,17 @@ This module is what a worker imports, so it stays small: ``skyrl_gym`` and the s
 A worker hosts many environments, each under the key its handle in the generator gave it, and runs
 every call in its main thread, one at a time (so ``signal.alarm`` and ``setitimer`` work in env code).
 
-Requests are ``(call_id, op, key, payload)``; replies ``(call_id, ok, value)`` where ``value`` is
-the result or, when ``ok`` is False, the exception (replaced by a ``RuntimeError`` carrying its text
-when it cannot be pickled).
+Requests are ``(call_id, op, key, payload)``; replies ``(call_id, ok, value, metrics)`` where
+``value`` is the result or, when ``ok`` is False, the exception (replaced by a ``RuntimeError``
+carrying its text when it cannot be pickled), and ``metrics`` what ``get_metrics`` returned after an
+``init`` or ``step``. Each payload, value and metrics travels pickled on its own (:func:`serve`), inside
+a message of plain ints and bytes: so a value that cannot be pickled here, or unpickled on the other
+side, fails its own call (an :class:`Uncrossed` note in its place), never the message, the other
+calls it carries, or the worker.
+
+A worker leads its own process group (:func:`process_main`): the generator's kills signal the
+group, and a guardian process kills it when the worker or the generator dies, so an env's children
+and grandchildren go with their worker.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -34,6 +43,11 @@ logger = logging.getLogger(__name__)
 #: ``(registry id, "module:attribute" entry point, registry kwargs)``: how a worker rebuilds an env class.
 EnvRecipe = tuple[str, str, dict[str, Any]]
 
+#: ``dumps`` of the process executor (Ray's actors use cloudpickle's).
+Dumps = Callable[[Any], bytes]
+#: How deep :func:`culprit` looks for the part of a value that cannot be pickled.
+_CULPRIT_DEPTH = 16
+
 #: Replies queued at most this long before they are sent (a burst of cheap calls costs one message).
 _FLUSH_AFTER_S = 0.002
 _PR_SET_PDEATHSIG = 1
@@ -47,6 +61,105 @@ def _portable(exc: BaseException) -> BaseException:
         text = "".join(traceback.format_exception(exc)).rstrip()
         return RuntimeError(f"{type(exc).__name__}: {exc} (raised in an env worker; not picklable)\n{text}")
     return exc
+
+
+def dumps(value: Any) -> bytes:
+    """Pickle ``value`` for the pipe (the process executor's ``dumps``)."""
+    return pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (errors from pickling can be long, or multi-line)."""
+    try:
+        text = str(exc).strip().splitlines()
+    except BaseException:  # an exception whose __str__ raises still gets a description
+        text = []
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _parts(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{index}]", item) for index, item in enumerate(value)]
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        return [(f".{name}", item) for name, item in attributes.items()]
+    return []
+
+
+def culprit(value: Any, pickle_it: Dumps) -> str:
+    """The innermost part of ``value`` that fails to pickle, as ``Type at value['key'][0]``.
+
+    Only run once pickling ``value`` failed: each level pickles the parts until one fails, and
+    looks inside it (at most ``_CULPRIT_DEPTH`` levels: a list nested 200,000 deep is named at that depth).
+    """
+    path = "value"
+    try:
+        for _ in range(_CULPRIT_DEPTH):
+            for where, part in _parts(value):
+                try:
+                    pickle_it(part)
+                except BaseException:
+                    path += where
+                    value = part
+                    break
+            else:
+                break
+    except BaseException:  # a part that cannot even be looked at: name what was found so far
+        pass
+    return f"{type_name(value)} at {path}" if path != "value" else type_name(value)
+
+
+class Uncrossed:
+    """Sent in place of a value that could not be pickled (or a request's payload that could not be unpickled).
+
+    Plain strings only, so it always crosses; the generator turns it into the call's
+    :class:`~skyrl_structured.EnvBoundaryError`, which names the env and the call.
+    """
+
+    def __init__(self, part: str, culprit: str, error: str) -> None:
+        #: ``"reply"``, ``"error"``, ``"metrics"`` or ``"argument"``.
+        self.part = part
+        #: What failed: ``"mymod.Handle at value['metadata']['h']"``.
+        self.culprit = culprit
+        #: ``"RuntimeError: no pickling"``.
+        self.error = error
+
+
+def _encode(value: Any, part: str, pickle_it: Dumps) -> bytes:
+    try:
+        return pickle_it(value)
+    except BaseException as exc:  # whatever a __reduce__ raises (RecursionError too): this call's failure
+        return pickle_it(Uncrossed(part, culprit(value, pickle_it), one_line(exc)))
+
+
+def serve(
+    host: EnvHost, op: str, key: int, payload: bytes, pickle_it: Dumps, unpickle: Callable[[bytes], Any]
+) -> tuple[bool, bytes, bytes | None]:
+    """Run one request on ``host``: ``(ok, value, metrics)``, each pickled on its own (see the module docstring).
+
+    Never raises: an env's exception (``SystemExit`` included) is the call's failure, a value that
+    cannot be pickled is replaced by an :class:`Uncrossed` note, and so is a payload that cannot be
+    unpickled here.
+    """
+    try:
+        argument = unpickle(payload)
+    except BaseException as exc:
+        return False, pickle_it(Uncrossed("argument", "", one_line(exc))), None
+    try:
+        value = host.handle(op, key, argument)
+    except BaseException as exc:  # an env's SystemExit is its call's failure, not the worker's end
+        return False, _encode(_portable(exc), "error", pickle_it), None
+    if op in ("init", "step"):
+        result, metrics = value
+        return True, _encode(result, "reply", pickle_it), _encode(metrics, "metrics", pickle_it)
+    return True, _encode(value, "reply", pickle_it), None
 
 
 class EnvHost:
@@ -115,11 +228,55 @@ class _Inbox:
         return True
 
 
+def _lead_group() -> None:
+    """Make this worker the leader of a process group of its own (a new session), which its env's
+    children and grandchildren join by default: the generator's kills signal the whole group."""
+    with contextlib.suppress(OSError):  # already a group leader (not the case when forked or spawned)
+        os.setsid()
+
+
+def _kill_group() -> None:
+    """SIGKILL this worker's process group: the worker (when it is the caller), its guardian, its env's children."""
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os._exit(70)
+
+
+def _start_guardian(lifeline: Any) -> None:
+    """Fork a guardian that SIGKILLs this worker's process group once the worker or the generator is gone.
+
+    The worker itself cannot always do it: a parent-death SIGKILL cannot be caught, a crash or the
+    OOM killer leaves no time, and code holding the GIL can stall its threads. The guardian is a
+    fork of this single-threaded worker that only waits on two pipes: the lifeline (EOF when the
+    generator's process is gone) and one whose write end only the worker holds (EOF when it is).
+    A worker that exits cleanly at shutdown takes its env's left-over children with it the same way.
+    """
+    alive_r, alive_w = os.pipe()
+    if os.fork() != 0:
+        os.close(alive_r)  # alive_w stays open here until the worker ends (never inherited by an exec)
+        return
+    try:
+        os.close(alive_w)
+        keep = sorted({alive_r, lifeline.fileno()})
+        low = 3
+        for fd in keep:  # hold nothing of the worker's: its pipe to the generator must close with it
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 65536)
+        watch = select.poll()  # poll, not select: any fd number
+        for fd in keep:
+            watch.register(fd, select.POLLIN)
+        watch.poll()  # readable (or hung up) at EOF: the generator or the worker is gone
+    finally:  # whatever happened, the group goes
+        _kill_group()
+
+
 def _die_with_parent(lifeline: Any) -> None:
     """Exit when the generator's process dies, even by SIGKILL: a parent-death signal and a pipe watchdog.
 
     The parent is the generator (spawn) or multiprocessing's fork server, which exits when the
-    generator does; the lifeline pipe's other end is the generator's alone, whichever it is.
+    generator does; the lifeline pipe's other end is the generator's alone, whichever it is. The
+    guardian (:func:`_start_guardian`) takes the worker's process group down at the same moment.
     """
     parent_pid = os.getppid()
     if sys.platform.startswith("linux"):
@@ -134,21 +291,14 @@ def _die_with_parent(lifeline: Any) -> None:
     def watch() -> None:
         with contextlib.suppress(OSError, EOFError):
             lifeline.poll(None)  # the generator never writes: this returns at EOF, when it is gone
-        os._exit(70)
+        _kill_group()
 
     threading.Thread(target=watch, name="skyrl-structured-env-lifeline", daemon=True).start()
 
 
 def _sender(conn: Any) -> Callable[[list[Any]], None]:
     def send(replies: list[Any]) -> None:
-        try:
-            conn.send(replies)
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError):
-            for reply in replies:  # one reply cannot be pickled: send the others, and an error for it
-                try:
-                    conn.send([reply])
-                except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
-                    conn.send([(reply[0], False, RuntimeError(f"an env's reply could not be pickled: {exc!r}"))])
+        conn.send_bytes(dumps(replies))  # ints, bools and bytes (see serve): nothing here can fail to pickle
 
     return send
 
@@ -160,13 +310,16 @@ def process_main(conn: Any, lifeline: Any) -> None:
     here still stops that call from starting. Replies go out in bursts: once the worker has nothing
     left to run, or after ``_FLUSH_AFTER_S``.
     """
+    _lead_group()
+    _start_guardian(lifeline)
     _die_with_parent(lifeline)
-    # Ctrl-C reaches the whole process group; the generator decides what stops, and closes the envs.
+    # The worker leads its own session, out of the terminal's reach; a SIGINT sent to it anyway is
+    # ignored: the generator decides what stops, and closes the envs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = EnvHost()
     send = _sender(conn)
     inbox = _Inbox(conn)
-    conn.send([("ready", True, os.getpid())])
+    send([("ready", True, b"", None)])
     out: list[Any] = []
     first = 0.0
     while True:
@@ -185,12 +338,9 @@ def process_main(conn: Any, lifeline: Any) -> None:
             inbox.skipped = {i for i in inbox.skipped if i >= call_id}
         if call_id in inbox.skipped:
             inbox.skipped.discard(call_id)
-            out.append((call_id, False, CallSkipped()))
+            out.append((call_id, False, dumps(CallSkipped()), None))
         else:
-            try:
-                out.append((call_id, True, host.handle(op, key, payload)))
-            except BaseException as exc:  # an env's SystemExit is its call's failure, not the worker's end
-                out.append((call_id, False, _portable(exc)))
+            out.append((call_id, *serve(host, op, key, payload, dumps, pickle.loads)))
         now = time.monotonic()
         if len(out) == 1:
             first = now
