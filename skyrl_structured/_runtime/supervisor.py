@@ -39,7 +39,7 @@ from ..observe import RolloutObserver, RolloutRef, failed_record, finished_recor
 from .cleanup import AbandonedClose, CleanupStats
 from .contexts import BatchContext, RolloutContext, activate
 from .gc import relaxed_gc
-from .pauses import PausableDeadline, use_clock
+from .pauses import PausableDeadline, use_clock, use_rollout_deadline
 from .stragglers import StragglerCutError, StragglerCutoff
 from .wakers import loop_scheduler
 
@@ -373,7 +373,8 @@ class _Supervisor:
         if deadline is None:
             return await self.rollout(index)
         # Measures work: the clock stops while the generator is paused (a weight sync).
-        with PausableDeadline(self.batch.pauses, deadline) as scope:
+        rollout_deadline = PausableDeadline(self.batch.pauses, deadline)
+        with rollout_deadline as scope, use_rollout_deadline(rollout_deadline):
             result = await self.rollout(index)
         if scope.cancelled_caught:
             raise TimeoutError(

@@ -56,6 +56,14 @@ class EnvHost:
         self.envs: dict[int, Any] = {}
 
     def handle(self, op: str, key: int, payload: Any) -> Any:
+        if op == "ping":  # the worker's first request: it has started (and takes the generator's environment)
+            if payload is not None:
+                os.environ.clear()
+                os.environ.update(payload)
+            return os.getpid()
+        if op == "main":
+            _import_main(payload)
+            return None
         if op == "make":
             recipe, env_config, extras = payload
             env_id, entry_point, kwargs = recipe
@@ -82,6 +90,37 @@ class EnvHost:
             return True, env.get_metrics()
         except Exception as exc:
             return False, _portable(exc)
+
+
+#: The generator's main script while a worker imports it (for an env class defined there), else None.
+_importing_main: str | None = None
+
+
+def importing_main() -> str | None:
+    """The script an env worker is importing as ``__main__`` right now (None: not in such an import).
+
+    A generator built while it is set is a script without an ``if __name__ == "__main__":`` guard,
+    re-running itself inside its own env worker: :class:`~skyrl_structured.envs.EnvWorkers` refuses it.
+    """
+    return _importing_main
+
+
+def _import_main(spec: dict[str, str]) -> None:
+    """Import the generator's ``__main__`` here (as multiprocessing's spawn would), for envs defined there.
+
+    Only a worker hosting such an env pays for it: a worker's start never runs the user's script.
+    """
+    global _importing_main
+    from multiprocessing import process, spawn
+
+    _importing_main = spec.get("init_main_from_path") or spec.get("init_main_from_name") or "__main__"
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]  # multiprocessing's own "bootstrapping" flag
+    try:
+        spawn.prepare(spec)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+        _importing_main = None
 
 
 class CallSkipped(Exception):
