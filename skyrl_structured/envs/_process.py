@@ -147,7 +147,7 @@ class ProcessWorker(Transport):
         if doomed:  # killed while it was starting
             self._signal()
 
-    def ping_payload(self) -> Any:
+    def environ(self) -> dict[str, str] | None:
         # The worker takes the generator's environment variables as of its start (the fork server's
         # are those of the moment it started, maybe long ago).
         return dict(os.environ)
@@ -412,8 +412,12 @@ class RemoteEnvExecutor(EnvExecutor):
         recipe = self._recipes.get(env_class)
         if recipe is None:
             recipe = self._recipes[env_class] = env_recipe(env_class)
-            if recipe[1].startswith("__main__:") and self.pool.main_spec is None:
-                self.pool.main_spec = main_spec()
+            module = recipe[1].partition(":")[0]
+            if module == "__main__":
+                if self.pool.main_spec is None:
+                    self.pool.main_spec = main_spec()
+            else:
+                self.pool.env_modules.add(module)
         return recipe
 
     def warm_up(self) -> None:

@@ -138,8 +138,8 @@ class Transport(abc.ABC):
         """False once dead, being killed or retired: no new env is placed on it."""
         return self.death is None and not self._killed and not self.retired
 
-    def ping_payload(self) -> Any:
-        """What the worker's first request carries (the process executor: the environment variables)."""
+    def environ(self) -> dict[str, str] | None:
+        """The environment variables the worker takes at its start (None: its own, e.g. a Ray actor's)."""
         return None
 
     def start_trouble(self) -> str:
@@ -217,6 +217,8 @@ class WorkerPool:
         self.closed = False
         #: Set by the executor when an env class lives in ``__main__``: what a worker imports for it.
         self.main_spec: dict[str, str] | None = None
+        #: The modules of the env classes seen so far: a worker imports them as part of its start.
+        self.env_modules: set[str] = set()
 
     def place(self) -> Transport:
         """The worker for a new env (see the module docstring); starts one if the rule says so."""
@@ -251,7 +253,10 @@ class WorkerPool:
         worker = self._factory(self._started)
         worker.ready = Reply(f"start of env worker {worker.name}", None)
         worker.start()
-        worker.submit("ping", 0, worker.ping_payload(), worker.ready)
+        # Its first request: answered once it runs and has imported the env classes' modules (a start's
+        # cost, not a rollout's: an env module may import torch).
+        ping = {"environ": worker.environ(), "modules": sorted(self.env_modules)}
+        worker.submit("ping", 0, ping, worker.ready)
         self._workers.append(worker)
         if math.isfinite(self.start_timeout_s):
             timer = threading.Timer(self.start_timeout_s, self._start_overdue, (worker,))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import importlib
 import logging
 import os
 import pickle
@@ -56,10 +57,8 @@ class EnvHost:
         self.envs: dict[int, Any] = {}
 
     def handle(self, op: str, key: int, payload: Any) -> Any:
-        if op == "ping":  # the worker's first request: it has started (and takes the generator's environment)
-            if payload is not None:
-                os.environ.clear()
-                os.environ.update(payload)
+        if op == "ping":  # the worker's first request: its start (see _start)
+            _start(payload)
             return os.getpid()
         if op == "main":
             _import_main(payload)
@@ -90,6 +89,22 @@ class EnvHost:
             return True, env.get_metrics()
         except Exception as exc:
             return False, _portable(exc)
+
+
+def _start(ping: dict[str, Any]) -> None:
+    """Take the generator's environment variables (if sent) and import the env classes' modules.
+
+    An import that fails is left for the env's ``make`` to report, with its own error.
+    """
+    environ = ping.get("environ")
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    for module in ping.get("modules", ()):
+        try:
+            importlib.import_module(module)
+        except Exception:
+            logger.debug("env worker: importing %s failed; the env's make will report it", module, exc_info=True)
 
 
 #: The generator's main script while a worker imports it (for an env class defined there), else None.
