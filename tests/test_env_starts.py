@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,7 @@ async def test_a_start_that_raises_fails_its_rollouts_and_never_hangs(anyio_back
     # The fork server's hand-off failing (out of file descriptors, say): the start thread used to die
     # on join() of a process that never started, before resolving the rollouts waiting on it.
     def start(self: Any) -> None:
+        time.sleep(0.5)  # fails once its rollouts wait on it (sooner, it fails them as well, just earlier)
         raise OSError(24, "Too many open files")
 
     gen = make_gen(tokenizer, workers=2, skip_failed_rollouts=True)
