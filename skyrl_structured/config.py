@@ -268,8 +268,8 @@ class SkyRLGymConfig:
     )
     env_worker_num_cpus: float = _help("CPUs Ray reserves for each env worker actor (env_executor='ray' only).", 1.0)
     env_workers_warm: int = _help(
-        "Env worker processes or Ray actors started before the first rollout needs one (at the first generate()), "
-        "and kept started: a dead one is replaced at once (0: start them on demand).",
+        "Env worker processes or Ray actors started ahead of need at the first generate(), and kept started: "
+        "one that died is replaced at the next generate() or env placement (0: start them on demand).",
         0,
     )
     env_worker_start_timeout_s: float = _help(
