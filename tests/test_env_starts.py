@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -23,6 +23,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
 from skyrl_structured import EnvWorkerError, GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured.envs._process import RemoteEnvExecutor
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
 from tests.helpers import turn_replies
@@ -203,22 +204,38 @@ if HOARD_ENV not in skyrl_gym.registry:
     skyrl_gym.register(id=HOARD_ENV, entry_point=f"{__name__}:HoardEnv")
 
 
+def worker_rss_mb(gen: StructuredGymGenerator) -> float:
+    (worker,) = cast(RemoteEnvExecutor, gen._envs._executor).pool.workers
+    rss = worker.rss_mb()
+    assert rss is not None
+    return rss
+
+
 async def test_a_worker_over_its_memory_bound_is_recycled_once_it_hosts_no_env(anyio_backend, tokenizer, tmp_path):
-    gen = make_gen(tokenizer, workers=1, gym={"env_worker_max_rss_mb": 1.0})  # any worker is over 1 MB
-    gen_off = make_gen(tokenizer, workers=1)
+    plain = make_gen(tokenizer, workers=1)
     try:
-        first = await gen.generate({**batch(2, tmp_path), "env_classes": [HOARD_ENV] * 2}, disable_tqdm=True)
-        second = await gen.generate(batch(1, tmp_path), disable_tqdm=True)
-        off = await gen_off.generate({**batch(2, tmp_path), "env_classes": [HOARD_ENV] * 2}, disable_tqdm=True)
+        await plain.generate(batch(1, tmp_path), disable_tqdm=True)
+        bound = worker_rss_mb(plain) + 100  # a worker that has run an env, plus 100 MB
+    finally:
+        await plain.aclose()
+    gen = make_gen(tokenizer, workers=1, gym={"env_worker_max_rss_mb": bound})
+    lean = make_gen(tokenizer, workers=1, gym={"env_worker_max_rss_mb": bound})
+    try:
+        # Two envs share the one worker; each keeps 2 x 64 MB alive there.
+        hoard = await gen.generate({**batch(2, tmp_path), "env_classes": [HOARD_ENV] * 2}, disable_tqdm=True)
+        after = await gen.generate(batch(1, tmp_path), disable_tqdm=True)
+        within = await lean.generate(batch(2, tmp_path), disable_tqdm=True)
     finally:
         await gen.aclose()
-        await gen_off.aclose()
-    assert first["stop_reasons"] == ["stop", "stop"]
-    # Two envs shared the one worker: it was recycled once, after the last of them closed.
-    assert metrics(first)["generate/env_workers_recycled"] == 1
-    assert metrics(second)["generate/env_workers_recycled"] == 1
-    assert metrics(off)["generate/env_workers_recycled"] == 0
-    assert len(worker_pids(tmp_path)) == 3  # one worker per batch of gen, one of gen_off
+        await lean.aclose()
+    assert hoard["stop_reasons"] == ["stop", "stop"]
+    assert metrics(hoard)["generate/env_workers_recycled"] == 1  # once, after the last of its envs closed
+    assert metrics(hoard)["generate/num_envs_closed"] == 2  # its envs were closed first, not cut short
+    assert after["stop_reasons"] == ["stop"]
+    assert metrics(after)["generate/env_workers_recycled"] == 0
+    assert within["stop_reasons"] == ["stop", "stop"]
+    assert metrics(within)["generate/env_workers_recycled"] == 0
+    assert len(worker_pids(tmp_path)) == 4  # plain's, gen's two (the recycled one replaced), lean's
 
 
 def test_rss_bound_and_other_pool_knobs_are_checked(tokenizer):
