@@ -238,6 +238,45 @@ async def test_a_worker_over_its_memory_bound_is_recycled_once_it_hosts_no_env(a
     assert len(worker_pids(tmp_path)) == 4  # plain's, gen's two (the recycled one replaced), lean's
 
 
+class EnvVarEnv(TroubleEnv):  # type: ignore[misc]
+    """A TroubleEnv that reads the variable its extras name at creation, into ``<ledger>/<key>.var``."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__(env_config, extras)
+        value = os.environ[(extras or {})["variable"]]
+        if self.ledger is not None:
+            (self.ledger / f"{self.key}.var").write_text(value)
+
+
+ENV_VAR_ENV = "skyrl_structured_env_var"
+if ENV_VAR_ENV not in skyrl_gym.registry:
+    skyrl_gym.register(id=ENV_VAR_ENV, entry_point=f"{__name__}:EnvVarEnv")
+
+
+async def test_a_worker_takes_the_environment_as_of_its_start_and_a_missing_variable_says_so(
+    anyio_backend, tokenizer, tmp_path, monkeypatch
+):
+    warm = make_gen(tokenizer, workers=1)
+    try:
+        await warm.generate(batch(1, tmp_path), disable_tqdm=True)  # the fork server runs from here on
+    finally:
+        await warm.aclose()
+    name = f"SKYRL_STRUCTURED_TEST_{os.getpid()}"
+    monkeypatch.setenv(name, "set after the fork server started")
+    rows = {**batch(1, tmp_path, {0: {"variable": name}}), "env_classes": [ENV_VAR_ENV]}
+    missing = {**batch(1, tmp_path, {0: {"variable": name + "_MISSING"}}), "env_classes": [ENV_VAR_ENV]}
+    gen = make_gen(tokenizer, workers=1)
+    try:
+        out = await gen.generate(rows, disable_tqdm=True)
+        with pytest.raises(KeyError, match=f"{name}_MISSING") as info:
+            await gen.generate(missing, disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop"]
+    assert [p.read_text() for p in tmp_path.glob("*.var")] == ["set after the fork server started"]
+    assert "as of the worker's start" in " ".join(getattr(info.value, "__notes__", [])), info.value
+
+
 def test_rss_bound_and_other_pool_knobs_are_checked(tokenizer):
     for knob, value in (("env_worker_max_rss_mb", 0), ("env_workers_warm", -1), ("env_worker_start_timeout_s", 0)):
         with pytest.raises(ValueError, match=rf"^`environment.skyrl_gym.{knob}` must be"):

@@ -57,6 +57,17 @@ class EnvHost:
         self.envs: dict[int, Any] = {}
 
     def handle(self, op: str, key: int, payload: Any) -> Any:
+        try:
+            return self._handle(op, key, payload)
+        except KeyError as exc:
+            if _from_environ(exc):
+                exc.add_note(
+                    "(raised in an env worker, whose environment variables are the generator's as of the worker's "
+                    "start: set it before the first generate(), or pass it in env_config or extras)"
+                )
+            raise
+
+    def _handle(self, op: str, key: int, payload: Any) -> Any:
         if op == "ping":  # the worker's first request: its start (see _start)
             _start(payload)
             return os.getpid()
@@ -89,6 +100,16 @@ class EnvHost:
             return True, env.get_metrics()
         except Exception as exc:
             return False, _portable(exc)
+
+
+def _from_environ(exc: KeyError) -> bool:
+    """Whether ``exc`` is ``os.environ[name]`` missing its key (the innermost frame is ``os.environ``'s)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is type(os.environ).__getitem__.__code__
 
 
 def _start(ping: dict[str, Any]) -> None:
