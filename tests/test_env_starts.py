@@ -263,8 +263,8 @@ async def test_a_worker_takes_the_environment_as_of_its_start_and_a_missing_vari
         await warm.aclose()
     name = f"SKYRL_STRUCTURED_TEST_{os.getpid()}"
     monkeypatch.setenv(name, "set after the fork server started")
-    rows = {**batch(1, tmp_path, {0: {"variable": name}}), "env_classes": [ENV_VAR_ENV]}
-    missing = {**batch(1, tmp_path, {0: {"variable": name + "_MISSING"}}), "env_classes": [ENV_VAR_ENV]}
+    rows = slow_batch(ENV_VAR_ENV, 1, tmp_path, {0: {"variable": name}})
+    missing = slow_batch(ENV_VAR_ENV, 1, tmp_path, {0: {"variable": name + "_MISSING"}})
     gen = make_gen(tokenizer, workers=1)
     try:
         out = await gen.generate(rows, disable_tqdm=True)
