@@ -11,6 +11,11 @@
     what became a placeholder; then a clean batch on the same generator, which must be all real.
 (d) ``cancel``: 1,024 rollouts in flight with process envs, ``generate()`` cancelled; the time until it
     re-raised (the thread executor's figure in the same run for comparison); every env closed once.
+(e) ``start``: a fresh script whose ``__main__`` imports torch (``--main-imports``), as a trainer's
+    entrypoint does: time from ``generate()`` to the end of a 2-env, 1-step batch on 2 new worker
+    processes, with an env class from a module (workers never run ``__main__``) / with one defined in
+    ``__main__`` (each worker imports the script: what every worker start cost before); then the same
+    for a fresh pair of workers once the fork server runs (what a replacement costs).
 
 Both executors get the same ``max_env_workers`` (``--workers``, default: the CPU count, at least 2),
 except (c), which needs few envs per worker (see docs/envs.md). The engine is the scripted one, so
@@ -166,7 +171,82 @@ async def bench_cancel(tokenizer: Any, args: argparse.Namespace) -> dict[str, An
     }
 
 
-BENCHES = {"cpu": bench_cpu, "cheap": bench_cheap, "hang": bench_hang, "cancel": bench_cancel}
+_START_SCRIPT = """
+import json, sys, time
+started = time.perf_counter()
+for name in sys.argv[2].split(","):
+    __import__(name)
+import_s = time.perf_counter() - started
+import anyio, skyrl_gym
+from benchmarks.env_executors import _batch, _generator
+from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
+from skyrl_structured.tiny import build_chatml_tokenizer
+
+class MainEnv(TroubleEnv):
+    pass
+
+skyrl_gym.register(id="bench_main_env", entry_point=MainEnv)
+if __name__ == "__main__":
+    register_trouble_env()
+    gen = _generator(build_chatml_tokenizer(), "process", 2, rollout_timeout_s=600.0)
+    batch = _batch(2, {"turns": 1})
+    if sys.argv[1] == "main":
+        batch["env_classes"] = ["bench_main_env"] * 2
+    began = time.perf_counter()
+    out = anyio.run(gen.generate, batch)
+    first_s = time.perf_counter() - began
+    anyio.run(gen.aclose)
+    assert out["stop_reasons"] == ["stop", "stop"], out["stop_reasons"]
+    gen = _generator(build_chatml_tokenizer(), "process", 2, rollout_timeout_s=600.0)
+    began = time.perf_counter()
+    out = anyio.run(gen.generate, batch)  # two new workers; the fork server runs already
+    fresh_s = time.perf_counter() - began
+    anyio.run(gen.aclose)
+    print(json.dumps({"first_batch_s": first_s, "fresh_pair_s": fresh_s, "main_import_s": import_s}))
+"""
+
+
+def _start_once(mode: str, imports: str) -> dict[str, float]:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="env-start-") as where:
+        script = Path(where) / "train.py"
+        script.write_text(_START_SCRIPT)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(
+            [sys.executable, str(script), mode, imports], env=env, capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the start benchmark's script failed: {done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+async def bench_start(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    imports = "json" if args.quick else args.main_imports
+    lean = [await anyio.to_thread.run_sync(_start_once, "module", imports) for _ in range(args.repeats)]
+    main = [await anyio.to_thread.run_sync(_start_once, "main", imports) for _ in range(args.repeats)]
+
+    def median(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    return {
+        "main_imports": imports,
+        "main_import_s": median(lean + main, "main_import_s"),
+        # Includes starting multiprocessing's fork server (once per process).
+        "first_batch_s": median(lean, "first_batch_s"),
+        "first_batch_rerunning_main_s": median(main, "first_batch_s"),
+        "first_batch_ratio": median(lean, "first_batch_s") / median(main, "first_batch_s"),
+        # A fresh pair of workers from the running fork server: the start a replacement pays.
+        "fresh_pair_s": median(lean, "fresh_pair_s"),
+        "fresh_pair_rerunning_main_s": median(main, "fresh_pair_s"),
+        "ratio": median(lean, "fresh_pair_s") / median(main, "fresh_pair_s"),
+    }
+
+
+BENCHES = {"cpu": bench_cpu, "cheap": bench_cheap, "hang": bench_hang, "cancel": bench_cancel, "start": bench_start}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hang-n", type=int, default=4096)
     parser.add_argument("--hang-p", type=float, default=0.005)
+    parser.add_argument("--main-imports", default="torch", help="what the start benchmark's __main__ imports")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]

@@ -272,6 +272,21 @@ class SkyRLGymConfig:
         "thread",
     )
     env_worker_num_cpus: float = _help("CPUs Ray reserves for each env worker actor (env_executor='ray' only).", 1.0)
+    env_workers_warm: int = _help(
+        "Env worker processes or Ray actors started ahead of need at the first generate(), and kept started: "
+        "one that died is replaced at the next generate() or env placement (0: start them on demand).",
+        0,
+    )
+    env_worker_start_timeout_s: float = _help(
+        "Seconds an env worker process or Ray actor may take to start; past it, the rollouts waiting on it fail "
+        "with EnvWorkerError. Time spent waiting for a start never counts against rollout_timeout_s.",
+        120.0,
+    )
+    env_worker_max_rss_mb: float | None = _help(
+        "Recycle an env worker process whose resident memory exceeds this many MB, once it hosts no env "
+        "(env_executor='process' only; null: never).",
+        None,
+    )
 
 
 #: The fields of :class:`SkyRLGymConfig` that are ours (SkyRL's ``environment.skyrl_gym`` has the others):

@@ -114,7 +114,10 @@ class StructuredGymGenerator(ChatAttributes):
         self._episode: EpisodeRunner = self._make_episode()
         # Worker threads, processes or Ray actors for env calls, shared by every generate() of this generator.
         self._envs = EnvWorkers(
-            skyrl_gym_cfg, self.max_env_workers, cleanup_timeout_s=self.resilience.env_cleanup_timeout_s
+            skyrl_gym_cfg,
+            self.max_env_workers,
+            cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
+            rollout_timeout_s=self.resilience.rollout_timeout_s,
         )
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.

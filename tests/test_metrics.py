@@ -61,6 +61,7 @@ def test_failure_metrics_are_counts_except_the_mean_named_fraction():
         "generate/env_workers_killed": 1,
         "generate/env_worker_crashes": 0,
         "generate/envs_lost_with_worker": 2,
+        "generate/env_workers_recycled": 0,
         "generate/failures/TimeoutError": 1,
         "generate/failures/ValueError": 2,
     }

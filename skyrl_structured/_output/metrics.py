@@ -172,6 +172,7 @@ def failure_metrics(
         "generate/env_workers_killed": cleanup.env_workers_killed,
         "generate/env_worker_crashes": cleanup.env_worker_crashes,
         "generate/envs_lost_with_worker": cleanup.envs_lost_with_worker,
+        "generate/env_workers_recycled": cleanup.env_workers_recycled,
     }
     for name, n in sorted(Counter(type(f.exception).__name__ for f in failures).items()):
         out[f"generate/failures/{name}"] = n

@@ -54,6 +54,8 @@ class CleanupStats:
     env_worker_crashes: int = 0
     #: Environments whose close could not run because their worker had died.
     envs_lost_with_worker: int = 0
+    #: Env worker processes stopped and replaced because their memory passed ``env_worker_max_rss_mb``.
+    env_workers_recycled: int = 0
 
 
 def _cleanup_failed(

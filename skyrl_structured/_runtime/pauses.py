@@ -29,7 +29,15 @@ from types import TracebackType
 
 import anyio
 
-__all__ = ["PausableDeadline", "PauseClock", "PausedBlock", "current_clock", "use_clock"]
+__all__ = [
+    "PausableDeadline",
+    "PauseClock",
+    "PausedBlock",
+    "current_clock",
+    "off_the_rollout_clock",
+    "use_clock",
+    "use_rollout_deadline",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +171,15 @@ class PausableDeadline:
     ``clock=None`` makes it a plain deadline.
     """
 
-    __slots__ = ("_clock", "_remaining", "_seconds", "scope")
+    __slots__ = ("_clock", "_holds", "_remaining", "_seconds", "scope")
 
     def __init__(self, clock: PauseClock | None, seconds: float | None) -> None:
         self._clock = clock
         self._seconds = math.inf if seconds is None else float(seconds)
         #: Budget left while the clock is stopped; None while it runs.
         self._remaining: float | None = None
+        #: Holds of this deadline alone (:meth:`hold`): it stays stopped while any is held.
+        self._holds = 0
         self.scope = anyio.CancelScope()
 
     @property
@@ -194,9 +204,21 @@ class PausableDeadline:
             self.scope.deadline = math.inf
 
     def start(self, now: float) -> None:
-        if self._remaining is not None:
+        if self._remaining is not None and not self._holds:
             remaining, self._remaining = self._remaining, None
             self.scope.deadline = now + remaining
+
+    def hold(self) -> None:
+        """Stop this deadline alone (nests), e.g. while its rollout waits for the pool's worker to start."""
+        self._holds += 1
+        if self._holds == 1:
+            self.stop(anyio.current_time())
+
+    def release(self) -> None:
+        """Release one :meth:`hold`; the deadline runs again once none is held and the clock runs."""
+        self._holds -= 1
+        if not self._holds and not (self._clock is not None and self._clock.paused):
+            self.start(anyio.current_time())
 
     def __enter__(self) -> anyio.CancelScope:
         clock = self._clock
@@ -242,3 +264,46 @@ class _UsingClock:
 def use_clock(clock: PauseClock | None) -> _UsingClock:
     """Make ``clock`` the :func:`current_clock` for the block (and the tasks started in it)."""
     return _UsingClock(clock)
+
+
+_ROLLOUT: ContextVar[PausableDeadline | None] = ContextVar("skyrl_structured_rollout_deadline", default=None)
+
+
+def use_rollout_deadline(deadline: PausableDeadline) -> _UsingRolloutDeadline:
+    """Make ``deadline`` the one :func:`off_the_rollout_clock` stops, for the block (the rollout's task)."""
+    return _UsingRolloutDeadline(deadline)
+
+
+class _UsingRolloutDeadline:
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: PausableDeadline) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        self._token: Token[PausableDeadline | None] = _ROLLOUT.set(self._deadline)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _ROLLOUT.reset(self._token)
+
+
+def off_the_rollout_clock() -> _OffTheClock:
+    """Time spent in the block does not count against the current rollout's ``rollout_timeout_s``.
+
+    For waits that are the generator's, not the rollout's: an env worker process or Ray actor still
+    starting (``env_worker_start_timeout_s`` bounds those). Other scopes (a caller's deadline) still apply.
+    """
+    return _OffTheClock()
+
+
+class _OffTheClock:
+    __slots__ = ("_deadline",)
+
+    def __enter__(self) -> None:
+        self._deadline = _ROLLOUT.get()
+        if self._deadline is not None:
+            self._deadline.hold()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._deadline is not None:
+            self._deadline.release()

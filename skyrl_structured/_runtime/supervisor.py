@@ -41,7 +41,7 @@ from ..types import TrajectoryID
 from .cleanup import AbandonedClose, CleanupStats
 from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
-from .pauses import PausableDeadline, use_clock
+from .pauses import PausableDeadline, use_clock, use_rollout_deadline
 from .stragglers import StragglerCutError, StragglerCutoff
 from .wakers import loop_scheduler
 
@@ -351,7 +351,7 @@ class _Supervisor:
             return await self.rollout(index)
         # Measures work: the clock stops while the generator is paused (a weight sync).
         own = context.deadline = PausableDeadline(self.batch.pauses, deadline)
-        with own as scope:
+        with own as scope, use_rollout_deadline(own):
             result = await self.rollout(index)
         if scope.cancelled_caught:
             raise TimeoutError(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -100,6 +101,9 @@ class EnvExecutor(abc.ABC):
         """Workers started and not known dead (worker processes, Ray actors); 0 where there are none."""
         return 0
 
+    def warm_up(self) -> None:  # noqa: B027
+        """Start ``env_workers_warm`` workers ahead of need, non-blocking (threads need nothing)."""
+
     def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:  # noqa: B027
         """Refuse, before any rollout starts, an env this executor cannot run (``ValueError``, one line).
 
@@ -137,16 +141,51 @@ def make_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, *, cleanup_timeout_s
     kind = env_executor_kind(skyrl_gym_cfg)
     if kind == "thread" or workers <= 0:
         return None
+    pool_knobs = worker_pool_knobs(skyrl_gym_cfg)
     if kind == "process":
         from ._process import ProcessEnvExecutor
 
-        return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s)
+        return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s, **pool_knobs)
     from ._ray import RayEnvExecutor
 
     num_cpus = read_knob(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
     return RayEnvExecutor(
-        workers, cleanup_timeout_s=cleanup_timeout_s, num_cpus=float(1.0 if num_cpus is None else num_cpus)
+        workers,
+        cleanup_timeout_s=cleanup_timeout_s,
+        num_cpus=float(1.0 if num_cpus is None else num_cpus),
+        start_timeout_s=pool_knobs["start_timeout_s"],
+        warm=pool_knobs["warm"],
     )
+
+
+def worker_pool_knobs(skyrl_gym_cfg: SkyRLConfig) -> dict[str, Any]:
+    """``env_workers_warm``, ``env_worker_start_timeout_s`` and ``env_worker_max_rss_mb``, checked.
+
+    Raises:
+        ValueError: a value out of range (one line naming the knob).
+    """
+    warm = read_knob(skyrl_gym_cfg, "env_workers_warm", 0)
+    if warm is None:
+        warm = 0
+    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
+        raise invalid_value(
+            "environment.skyrl_gym.env_workers_warm", warm, "an int >= 0", "0 starts workers on demand."
+        )
+    start_timeout_s = read_knob(skyrl_gym_cfg, "env_worker_start_timeout_s", 120.0)
+    if start_timeout_s is None:
+        start_timeout_s = math.inf
+    if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, int | float) or start_timeout_s <= 0:
+        raise invalid_value(
+            "environment.skyrl_gym.env_worker_start_timeout_s", start_timeout_s, "a number > 0", "null: no bound."
+        )
+    max_rss_mb = read_knob(skyrl_gym_cfg, "env_worker_max_rss_mb", None)
+    if max_rss_mb is not None and (
+        isinstance(max_rss_mb, bool) or not isinstance(max_rss_mb, int | float) or max_rss_mb <= 0
+    ):
+        raise invalid_value(
+            "environment.skyrl_gym.env_worker_max_rss_mb", max_rss_mb, "a number > 0 or null", "null: never recycle."
+        )
+    return {"start_timeout_s": float(start_timeout_s), "warm": warm, "max_rss_mb": max_rss_mb}
 
 
 def check_envs(

@@ -9,6 +9,12 @@ resolves replies and wakes the event loop once per burst (the coalescing waker s
 thread pool). That link is the same on asyncio and trio, needs no task of the event loop's, and
 costs nothing while a worker is idle; ``benchmarks/env_executors.py`` measures it against threads.
 
+A worker never runs the user's ``__main__`` to start (CPython's spawn and fork-server hand-offs
+re-run the main script in every child: seconds for a trainer's entrypoint that imports torch; the
+3.11 fork server never preloads it). :func:`_without_main` keeps the main module out of the data a
+worker starts from; a worker imports ``__main__`` only when it must host an env class defined there
+(``'__main__:Cls'``), once, off every rollout's clock.
+
 A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF it
 watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit. Each worker
 leads its own process group: every kill signals the group, and a worker's end (killed, crashed, shut
@@ -27,7 +33,8 @@ import signal
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing import spawn
 from typing import Any
 
 import skyrl_gym
@@ -45,8 +52,45 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL for a worker being killed.
 KILL_GRACE_S = 0.5
-#: What the fork server imports before forking workers (``__main__`` only when it is a file).
-FORKSERVER_PRELOAD = ("__main__", "skyrl_gym", "skyrl_structured.envs._worker")
+#: What the fork server imports before forking workers (never ``__main__``: see the module docstring).
+FORKSERVER_PRELOAD = ("skyrl_gym", "skyrl_structured.envs._worker")
+#: The keys of multiprocessing's preparation data that make a child re-run the main module.
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
+
+_lean = threading.local()
+_original_preparation_data: Callable[[str], dict[str, Any]] = spawn.get_preparation_data
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data, less the main module inside :func:`_without_main`."""
+    data = _original_preparation_data(name)
+    if getattr(_lean, "active", False):
+        for key in _MAIN_KEYS:
+            data.pop(key, None)
+    return data
+
+
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """Start processes in this block (this thread only) without re-running ``__main__`` in them.
+
+    Both hand-offs (``popen_forkserver`` and ``popen_spawn_posix``) read ``spawn.get_preparation_data``
+    when they launch: it is wrapped once, and the wrapper drops the main keys only for a thread inside
+    this block, so every other user of multiprocessing sees the standard behaviour.
+    """
+    if spawn.get_preparation_data is not _preparation_data:
+        spawn.get_preparation_data = _preparation_data
+    _lean.active = True
+    try:
+        yield
+    finally:
+        _lean.active = False
+
+
+def main_spec() -> dict[str, str]:
+    """How a worker imports the generator's ``__main__`` (multiprocessing's own keys for it)."""
+    data = _original_preparation_data("main")
+    return {key: data[key] for key in _MAIN_KEYS if key in data}
 
 
 def _signal_name(number: int) -> str:
@@ -86,7 +130,8 @@ class ProcessWorker(Transport):
 
     def _start(self) -> None:
         try:
-            self.process.start()
+            with _without_main():
+                self.process.start()
         except BaseException as exc:
             self._died(EnvWorkerError(f"env worker {self.name} could not start: {exc!r}", worker=self.name))
             self._started.set()
@@ -104,6 +149,24 @@ class ProcessWorker(Transport):
             doomed = self._kill_reason is not None
         if doomed:  # killed while it was starting
             self._signal()
+
+    def environ(self) -> dict[str, str] | None:
+        # The worker takes the generator's environment variables as of its start (the fork server's
+        # are those of the moment it started, maybe long ago).
+        return dict(os.environ)
+
+    def rss_mb(self) -> float | None:
+        pid = self.process.pid
+        if pid is None:
+            return None
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024.0
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
 
     def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
         with self._cond:
@@ -190,6 +253,8 @@ class ProcessWorker(Transport):
         255 for a worker that exited cleanly, so the polls take turns.
         """
         with self._reap:
+            if self.process.pid is None:  # it never started (its start failed): nothing to wait for
+                return None
             self.process.join(timeout_s)
             code: int | None = self.process.exitcode
             return code
@@ -390,7 +455,16 @@ class RemoteEnvExecutor(EnvExecutor):
         recipe = self._recipes.get(env_class)
         if recipe is None:
             recipe = self._recipes[env_class] = env_recipe(env_class)
+            module = recipe[1].partition(":")[0]
+            if module == "__main__":
+                if self.pool.main_spec is None:
+                    self.pool.main_spec = main_spec()
+            else:
+                self.pool.env_modules.add(module)
         return recipe
+
+    def warm_up(self) -> None:
+        self.pool.warm_up()
 
     def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:
         self._recipe(env_class)
@@ -414,7 +488,16 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
 
     kind = "process"
 
-    def __init__(self, workers: int, *, cleanup_timeout_s: float = 30.0, start_method: str | None = None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        *,
+        cleanup_timeout_s: float = 30.0,
+        start_method: str | None = None,
+        start_timeout_s: float = 120.0,
+        warm: int = 0,
+        max_rss_mb: float | None = None,
+    ) -> None:
         if start_method is None:
             start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         if start_method not in ("spawn", "forkserver"):
@@ -424,7 +507,14 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
             # The fork server imports these once; each worker forked from it then starts in milliseconds
             # (a spawned one imports skyrl_gym afresh: about a second). No effect once the server runs.
             context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        pool = WorkerPool(workers, lambda index: ProcessWorker(index, context), cleanup_timeout_s=cleanup_timeout_s)
+        pool = WorkerPool(
+            workers,
+            lambda index: ProcessWorker(index, context),
+            cleanup_timeout_s=cleanup_timeout_s,
+            start_timeout_s=start_timeout_s,
+            warm=warm,
+            max_rss_mb=max_rss_mb,
+        )
         super().__init__(pool)
         # At garbage collection or interpreter exit, whichever comes first (aclose() makes it a no-op).
         self._finalizer = weakref.finalize(self, pool.shutdown, 2.0)

@@ -142,6 +142,28 @@ class RayWorker(Transport):
         actor_class = ray.remote(EnvActor)
         self._actor = actor_class.options(num_cpus=self._num_cpus, max_concurrency=1).remote()
 
+    def start_trouble(self) -> str:
+        """Ray's side of a start that overran: the actor's state and the CPUs it waits for."""
+        ray = _ray()
+        state = ""
+        try:  # the state API needs Ray's dashboard agent: best effort
+            from ray.util.state import get_actor
+
+            info = get_actor(self._actor._actor_id.hex(), timeout=2)
+            if info is not None:
+                state = f"actor state {getattr(info, 'state', '?')}, "
+        except Exception:
+            logger.debug("Ray's state API could not describe env actor %s", self.name, exc_info=True)
+        try:
+            free = ray.available_resources().get("CPU", 0.0)
+            total = ray.cluster_resources().get("CPU", 0.0)
+        except Exception:  # pragma: no cover - Ray is gone
+            return f"; Ray has not placed it ({state}asks for {self._num_cpus:g} CPU)"
+        return (
+            f"; Ray has not placed it ({state}it asks for {self._num_cpus:g} CPU, the cluster has {free:g} of "
+            f"{total:g} CPUs free: lower environment.skyrl_gym.env_worker_num_cpus or max_env_workers)"
+        )
+
     def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
         if self.death is not None:
             reply.resolve(False, self.death)
@@ -188,18 +210,38 @@ class RayEnvExecutor(RemoteEnvExecutor):
 
     kind = "ray"
 
-    def __init__(self, workers: int, *, cleanup_timeout_s: float = 30.0, num_cpus: float = 1.0) -> None:
+    def __init__(
+        self,
+        workers: int,
+        *,
+        cleanup_timeout_s: float = 30.0,
+        num_cpus: float = 1.0,
+        start_timeout_s: float = 120.0,
+        warm: int = 0,
+    ) -> None:
         if num_cpus < 0:
             raise ValueError(f"`environment.skyrl_gym.env_worker_num_cpus` must be >= 0; got {num_cpus!r}")
         self._poller = _Poller()
+        self._num_cpus = num_cpus
+        self._capacity_checked = False
         pool = WorkerPool(
-            workers, lambda index: RayWorker(index, self._poller, num_cpus), cleanup_timeout_s=cleanup_timeout_s
+            workers,
+            lambda index: RayWorker(index, self._poller, num_cpus),
+            cleanup_timeout_s=cleanup_timeout_s,
+            start_timeout_s=start_timeout_s,
+            warm=warm,
         )
         super().__init__(pool)
 
     def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:
         connect()
+        if not self._capacity_checked:
+            check_capacity(self.pool.size, self._num_cpus)
+            self._capacity_checked = True
         super().check_env(env_class, env_config, extras)
+
+    def warm_up(self) -> None:
+        self.pool.warm_up()
 
     async def aclose(self) -> None:
         import anyio
@@ -228,6 +270,29 @@ def connect() -> None:
             f"({type(exc).__name__}: {exc}); start one (`ray start --head`, or ray.init() in your entrypoint) "
             "or use env_executor='process'"
         ) from None
+
+
+def check_capacity(workers: int, num_cpus: float) -> None:
+    """Before any rollout: the cluster has the CPUs ``workers`` actors of ``num_cpus`` each ask for.
+
+    Ray would leave the actors it cannot place pending for good, and their rollouts waiting; so the
+    executor refuses instead (it never shrinks the pool behind the user's back). CPUs other work
+    holds are not counted here: an actor that stays pending fails its rollouts after
+    ``env_worker_start_timeout_s``.
+
+    Raises:
+        ValueError: one line naming both knobs, the numbers and the fix.
+    """
+    need = workers * num_cpus
+    have = float(_ray().cluster_resources().get("CPU", 0.0))
+    if need <= have:
+        return
+    fit = int(have // num_cpus) if num_cpus > 0 else workers
+    raise ValueError(
+        f"`environment.skyrl_gym.max_env_workers`={workers} Ray actors x `environment.skyrl_gym.env_worker_num_cpus`"
+        f"={num_cpus:g} ask for {need:g} CPUs and the Ray cluster has {have:g}: Ray could never place them all; "
+        f"set max_env_workers <= {fit} or env_worker_num_cpus <= {have / workers:g} (0 reserves none)"
+    )
 
 
 def start_local_ray_if_needed(skyrl_gym_cfg: SkyRLConfig) -> None:

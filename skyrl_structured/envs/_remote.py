@@ -38,6 +38,7 @@ import asyncio
 import io
 import itertools
 import logging
+import math
 import pickle
 import threading
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from typing import Any
 import anyio
 
 from .._runtime.cleanup import CleanupStats
-from .._runtime.pauses import PausableDeadline
+from .._runtime.pauses import PausableDeadline, off_the_rollout_clock
 from .._runtime.wakers import LoopWaker, current_waker, resolve_future
 from ..types import ConversationType, EnvStepOutput, SkyRLConfig
 from ._executors import EnvBoundaryError, EnvWorkerError
@@ -208,6 +209,12 @@ class Transport(abc.ABC):
         self.death: EnvWorkerError | None = None
         self._killed = False
         self._crash_counted = False
+        #: Resolved once the worker answers its first request (``ping``): started, or failed to start.
+        self.ready: Reply | None = None
+        #: Resolved once the worker has imported the generator's ``__main__`` (envs defined there), if asked.
+        self.main_ready: Reply | None = None
+        #: Over ``env_worker_max_rss_mb``: no new env goes here; it is stopped once it hosts none.
+        self.retired = False
 
     @property
     def dead(self) -> bool:
@@ -215,8 +222,20 @@ class Transport(abc.ABC):
 
     @property
     def usable(self) -> bool:
-        """False once dead or being killed: no new env is placed on it."""
-        return self.death is None and not self._killed
+        """False once dead, being killed or retired: no new env is placed on it."""
+        return self.death is None and not self._killed and not self.retired
+
+    def environ(self) -> dict[str, str] | None:
+        """The environment variables the worker takes at its start (None: its own, e.g. a Ray actor's)."""
+        return None
+
+    def start_trouble(self) -> str:
+        """Why a start may be slow, for the start-timeout message ('' when nothing is known)."""
+        return ""
+
+    def rss_mb(self) -> float | None:
+        """The worker's resident memory in MB, None where it cannot be read (Ray actors)."""
+        return None
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -255,34 +274,141 @@ class Transport(abc.ABC):
 
 
 class WorkerPool:
-    """At most ``size`` workers built by ``factory(index)``, started on demand, replaced when they die."""
+    """At most ``size`` workers built by ``factory(index)``, started on demand, replaced when they die.
 
-    def __init__(self, size: int, factory: Callable[[int], Transport], *, cleanup_timeout_s: float = 30.0) -> None:
+    ``warm`` workers are started ahead of need (:meth:`warm_up`, and again whenever one has died); a
+    worker that has not answered its first request within ``start_timeout_s`` fails the rollouts
+    waiting on it; one whose memory passed ``max_rss_mb`` is recycled once it hosts no env.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        factory: Callable[[int], Transport],
+        *,
+        cleanup_timeout_s: float = 30.0,
+        start_timeout_s: float = 120.0,
+        warm: int = 0,
+        max_rss_mb: float | None = None,
+    ) -> None:
         self.size = size
         #: Bounds the close of an env whose start was cancelled (the generator's env_cleanup_timeout_s).
         self.cleanup_timeout_s = cleanup_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.warm = min(max(warm, 0), size)
+        self.max_rss_mb = max_rss_mb
         self._factory = factory
         self._workers: list[Transport] = []
         self._started = 0
         self._lock = threading.Lock()
         self.closed = False
+        #: Set by the executor when an env class lives in ``__main__``: what a worker imports for it.
+        self.main_spec: dict[str, str] | None = None
+        #: The modules of the env classes seen so far: a worker imports them as part of its start.
+        self.env_modules: set[str] = set()
 
     def place(self) -> Transport:
         """The worker for a new env (see the module docstring); starts one if the rule says so."""
         if self.closed:
             raise RuntimeError("the generator's env workers were shut down (aclose() was called)")
-        live = [w for w in self._workers if w.usable]
-        if len(live) != len(self._workers):
-            self._workers = [w for w in self._workers if not w.dead]
+        live = self._prune()
+        if len(live) < self.warm:
+            self.warm_up()
+            live = [w for w in self._workers if w.usable]
         if len(live) < self.size and (not live or min(w.load for w in live) > 0):
-            self._started += 1
-            worker = self._factory(self._started)
-            worker.start()
-            self._workers.append(worker)
-            live.append(worker)
+            live.append(self._start_one())
         worker = min(live, key=lambda w: w.load)
         worker.load += 1
         return worker
+
+    def warm_up(self) -> None:
+        """Start workers until ``warm`` are alive (non-blocking): at each generate() and after a death."""
+        if self.closed:
+            return
+        live = self._prune()
+        for _ in range(self.warm - len(live)):
+            self._start_one()
+
+    def _prune(self) -> list[Transport]:
+        live = [w for w in self._workers if w.usable]
+        if len(live) != len(self._workers):
+            self._workers = [w for w in self._workers if not w.dead and not (w.retired and w.load == 0)]
+        return live
+
+    def _start_one(self) -> Transport:
+        self._started += 1
+        worker = self._factory(self._started)
+        worker.ready = Reply(f"start of env worker {worker.name}", None)
+        worker.start()
+        # Its first request: answered once it runs and has imported the env classes' modules (a start's
+        # cost, not a rollout's: an env module may import torch).
+        ping = {"environ": worker.environ(), "modules": sorted(self.env_modules)}
+        worker.submit("ping", 0, ping, worker.ready)
+        self._workers.append(worker)
+        if math.isfinite(self.start_timeout_s):
+            timer = threading.Timer(self.start_timeout_s, self._start_overdue, (worker,))
+            timer.daemon = True
+            timer.start()
+        return worker
+
+    def _start_overdue(self, worker: Transport) -> None:
+        """Timer thread: a worker not started within ``start_timeout_s`` fails its waiting rollouts."""
+        ready = worker.ready
+        if ready is None or ready.done:
+            return
+        reason = (
+            f"could not start: not ready after {self.start_timeout_s:g}s "
+            f"(environment.skyrl_gym.env_worker_start_timeout_s){worker.start_trouble()}"
+        )
+        ready.resolve(False, EnvWorkerError(f"env worker {worker.name} {reason}", worker=worker.name, killed=True))
+        worker.kill(reason)
+
+    async def prepared(self, worker: Transport, *, needs_main: bool) -> None:
+        """Wait until ``worker`` has started (and imported ``__main__`` if ``needs_main``), off the rollout's clock.
+
+        Raises:
+            EnvWorkerError: it could not start (or died starting).
+        """
+        replies = [worker.ready]
+        if needs_main and self.main_spec is not None:
+            if worker.main_ready is None:
+                worker.main_ready = Reply(f"import of __main__ in env worker {worker.name}", None)
+                worker.submit("main", 0, self.main_spec, worker.main_ready)
+            replies.append(worker.main_ready)
+        for reply in replies:
+            if reply is None:
+                continue
+            if not reply.done:
+                with off_the_rollout_clock():
+                    await reply.wait()
+            reply.result()
+
+    def released(self, worker: Transport, stats: CleanupStats) -> None:
+        """An env of ``worker`` is gone: recycle the worker if it is over ``max_rss_mb`` (once it hosts none)."""
+        if self.max_rss_mb is None or worker.dead or worker._killed:
+            return
+        if not worker.retired:
+            rss = worker.rss_mb()
+            if rss is None or rss <= self.max_rss_mb:
+                return
+            worker.retired = True
+            logger.info(
+                "env worker %s uses %.0f MB (environment.skyrl_gym.env_worker_max_rss_mb=%g): recycling it "
+                "once it hosts no env",
+                worker.name,
+                rss,
+                self.max_rss_mb,
+            )
+        if worker.load > 0:
+            return
+        stats.env_workers_recycled += 1
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+        threading.Thread(
+            target=worker.shutdown, args=(self.cleanup_timeout_s,), name=f"{worker.name}-recycle", daemon=True
+        ).start()
+        self.warm_up()
 
     @property
     def workers(self) -> list[Transport]:
@@ -331,6 +457,14 @@ class WorkerEnv:
 
     async def __aenter__(self) -> WorkerEnv:
         worker = self._worker = self._pool.place()
+        try:
+            # The worker's start is the pool's time, not the rollout's (env_worker_start_timeout_s bounds it).
+            await self._pool.prepared(worker, needs_main=self._make[0][1].startswith("__main__:"))
+        except BaseException as exc:
+            self._release()
+            if isinstance(exc, EnvWorkerError) and worker.claim_crash():
+                self._stats.env_worker_crashes += 1
+            raise
         reply = self._submit(worker, "make", self._make)
         try:
             await self._await(worker, reply, cleanup=False)
@@ -466,3 +600,4 @@ class WorkerEnv:
         if not self._closed and self._worker is not None:
             self._closed = True
             self._worker.load -= 1
+            self._pool.released(self._worker, self._stats)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import importlib
 import logging
 import os
 import pickle
@@ -169,6 +170,23 @@ class EnvHost:
         self.envs: dict[int, Any] = {}
 
     def handle(self, op: str, key: int, payload: Any) -> Any:
+        try:
+            return self._handle(op, key, payload)
+        except KeyError as exc:
+            if _from_environ(exc):
+                exc.add_note(
+                    "(raised in an env worker, whose environment variables are the generator's as of the worker's "
+                    "start: set it before the first generate(), or pass it in env_config or extras)"
+                )
+            raise
+
+    def _handle(self, op: str, key: int, payload: Any) -> Any:
+        if op == "ping":  # the worker's first request: its start (see _start)
+            _start(payload)
+            return os.getpid()
+        if op == "main":
+            _import_main(payload)
+            return None
         if op == "make":
             recipe, env_config, extras = payload
             env_id, entry_point, kwargs = recipe
@@ -195,6 +213,63 @@ class EnvHost:
             return True, env.get_metrics()
         except Exception as exc:
             return False, _portable(exc)
+
+
+def _from_environ(exc: KeyError) -> bool:
+    """Whether ``exc`` is ``os.environ[name]`` missing its key (the innermost frame is ``os.environ``'s)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is type(os.environ).__getitem__.__code__
+
+
+def _start(ping: dict[str, Any]) -> None:
+    """Take the generator's environment variables (if sent) and import the env classes' modules.
+
+    An import that fails is left for the env's ``make`` to report, with its own error.
+    """
+    environ = ping.get("environ")
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    for module in ping.get("modules", ()):
+        try:
+            importlib.import_module(module)
+        except Exception:
+            logger.debug("env worker: importing %s failed; the env's make will report it", module, exc_info=True)
+
+
+#: The generator's main script while a worker imports it (for an env class defined there), else None.
+_importing_main: str | None = None
+
+
+def importing_main() -> str | None:
+    """The script an env worker is importing as ``__main__`` right now (None: not in such an import).
+
+    A generator built while it is set is a script without an ``if __name__ == "__main__":`` guard,
+    re-running itself inside its own env worker: :class:`~skyrl_structured.envs.EnvWorkers` refuses it.
+    """
+    return _importing_main
+
+
+def _import_main(spec: dict[str, str]) -> None:
+    """Import the generator's ``__main__`` here (as multiprocessing's spawn would), for envs defined there.
+
+    Only a worker hosting such an env pays for it: a worker's start never runs the user's script.
+    """
+    global _importing_main
+    from multiprocessing import process, spawn
+
+    _importing_main = spec.get("init_main_from_path") or spec.get("init_main_from_name") or "__main__"
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]  # multiprocessing's own "bootstrapping" flag
+    try:
+        spawn.prepare(spec)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+        _importing_main = None
 
 
 class CallSkipped(Exception):

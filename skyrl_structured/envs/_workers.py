@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..types import SkyRLConfig
 from ._adapters import EnvCallRunner
 from ._executors import EnvExecutor, check_envs, make_executor
 from ._threads import EnvThreadPool
+from ._worker import importing_main
 
 __all__ = ["EnvWorkers"]
+
+logger = logging.getLogger(__name__)
 
 
 class EnvWorkers:
@@ -22,11 +26,31 @@ class EnvWorkers:
 
     __slots__ = ("_executor", "_pool")
 
-    def __init__(self, skyrl_gym_cfg: SkyRLConfig, max_env_workers: int, *, cleanup_timeout_s: float) -> None:
+    def __init__(
+        self,
+        skyrl_gym_cfg: SkyRLConfig,
+        max_env_workers: int,
+        *,
+        cleanup_timeout_s: float,
+        rollout_timeout_s: float | None = None,
+    ) -> None:
+        script = importing_main()
+        if script is not None:
+            raise RuntimeError(
+                f'your script {script} has no `if __name__ == "__main__":` guard: an env worker imported it to '
+                "build an env class defined there, and it built a generator again; put the code that runs under "
+                "the guard (or define the env class in a module of its own)"
+            )
         self._pool: EnvThreadPool | None = None
         self._executor: EnvExecutor | None = make_executor(
             skyrl_gym_cfg, max_env_workers, cleanup_timeout_s=cleanup_timeout_s
         )
+        if self._executor is not None and rollout_timeout_s is None:
+            logger.warning(
+                "environment.skyrl_gym.env_executor=%r without generator.rollout_timeout_s: a hung env call is "
+                "never killed and hangs the training step; set generator.rollout_timeout_s to bound each rollout",
+                self._executor.kind,
+            )
 
     def runner(self, max_env_workers: int) -> EnvExecutor:
         """The executor for the next rollouts."""
@@ -49,6 +73,7 @@ class EnvWorkers:
         """Before any rollout: every env class and row can cross to a worker (threads take anything)."""
         if self._executor is not None:
             check_envs(self._executor, skyrl_gym_cfg, env_classes, env_extras)
+            self._executor.warm_up()  # env_workers_warm: started now, replaced here after a death
 
     async def aclose(self) -> None:
         """Stop worker processes or actors; threads need nothing."""

@@ -1,0 +1,72 @@
+"""env_executor="ray": actors Ray cannot place are refused before any rollout, or fail their rollouts.
+
+A real local Ray with 2 CPUs (the fixture of tests/test_env_ray.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from skyrl_structured import EnvWorkerError, GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.worker_envs import register_trouble_env
+from tests.helpers import turn_replies
+from tests.test_env_process import batch, worker_pids
+from tests.test_env_ray import local_ray  # noqa: F401 - the module's Ray, started once
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.anyio
+
+register_trouble_env()
+
+
+def make_gen(tokenizer: Any, *, workers: int, num_cpus: float, **gym: Any) -> StructuredGymGenerator:
+    cfg = GeneratorConfig(max_turns=3, max_input_length=4096, skip_failed_rollouts=True, rollout_timeout_s=60.0)
+    skyrl_gym_cfg = SkyRLGymConfig(max_env_workers=workers, env_executor="ray", env_worker_num_cpus=num_cpus, **gym)
+    return StructuredGymGenerator(cfg, skyrl_gym_cfg, ScriptedEngine(tokenizer, turn_replies("one", "two")), tokenizer)
+
+
+async def test_more_cpus_than_the_cluster_has_are_refused_before_any_rollout(anyio_backend, tokenizer, tmp_path: Path):
+    gen = make_gen(tokenizer, workers=4, num_cpus=1.0)  # 4 CPUs asked of a 2-CPU Ray
+    try:
+        with anyio.fail_after(120), pytest.raises(ValueError, match="Ray could never place them all") as info:
+            await gen.generate(batch(4, tmp_path), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "`environment.skyrl_gym.max_env_workers`=4" in message
+    assert "`environment.skyrl_gym.env_worker_num_cpus`=1" in message
+    assert "ask for 4 CPUs and the Ray cluster has 2" in message
+    assert "set max_env_workers <= 2 or env_worker_num_cpus <= 0.5" in message
+    assert worker_pids(tmp_path) == set()  # no env was made
+
+
+async def test_an_actor_ray_cannot_place_fails_its_rollouts_past_the_start_bound(
+    anyio_backend, tokenizer, tmp_path: Path
+):
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self) -> bool:
+            return True
+
+    hog = Hog.remote()  # type: ignore[attr-defined]
+    ray.get(hog.ready.remote())  # every CPU of the cluster is taken from here on
+    gen = make_gen(tokenizer, workers=1, num_cpus=1.0, env_worker_start_timeout_s=2.0)
+    try:
+        with anyio.fail_after(120), pytest.raises(RuntimeError, match="All 2 rollouts failed") as info:
+            await gen.generate(batch(2, tmp_path), disable_tqdm=True)
+    finally:
+        ray.kill(hog)
+        await gen.aclose()
+    cause = info.value.__cause__
+    assert isinstance(cause, EnvWorkerError), info.value
+    message = str(cause)
+    assert "could not start: not ready after 2s (environment.skyrl_gym.env_worker_start_timeout_s)" in message
+    assert "Ray has not placed it" in message
+    assert "the cluster has 0 of 2 CPUs free" in message
