@@ -23,7 +23,7 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
 from skyrl_structured import EnvWorkerError, GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator
-from skyrl_structured.envs._process import RemoteEnvExecutor
+from skyrl_structured.envs._remote_executor import RemoteEnvExecutor
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
 from tests.helpers import turn_replies

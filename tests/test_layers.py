@@ -109,3 +109,100 @@ def test_the_checker_sees_upward_imports(tmp_path):
     )
     assert _top(fake, tmp_path) == "envs"
     assert _imported(fake, tmp_path) == [(1, "generator"), (2, "_output"), (3, "envs")]
+
+
+# ------------------------------------------------------------------ no circles, inside a layer too
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    hidden: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            hidden.update(id(inner) for inner in ast.walk(node))
+    return hidden
+
+
+def _module_imports(path: Path, root: Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports, at the top or inside a function (a circle either way).
+
+    Imports under ``if TYPE_CHECKING:`` never run, so they are left out; ``from pkg import name``
+    counts as importing ``pkg.name`` where that is a module, else ``pkg``.
+    """
+    name = _module_name(path, root)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    hidden = _type_checking_nodes(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(
+                    [*package[: len(package) - (node.level - 1)], *(node.module.split(".") if node.module else [])]
+                )
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {target for target in found if target in modules and target != name}
+
+
+def _circles(root: Path) -> list[list[str]]:
+    """Each set of modules under ``root`` that import each other round a loop (Tarjan's components)."""
+    paths = {_module_name(path, root): path for path in root.rglob("*.py")}
+    graph = {name: _module_imports(path, root, set(paths)) for name, path in paths.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in order:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], order[target])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return circles
+
+
+def test_no_module_imports_itself_back_round_a_loop():
+    assert _circles(PACKAGE) == []
+
+
+def test_the_circle_check_sees_a_circle_inside_one_layer(tmp_path):
+    """The check can fail: two env modules importing each other (one lazily) are caught; a
+    ``TYPE_CHECKING`` import is not an import."""
+    root = tmp_path / "skyrl_structured"
+    (root / "envs").mkdir(parents=True)
+    (root / "__init__.py").write_text("", encoding="utf-8")
+    (root / "envs" / "__init__.py").write_text("from ._a import A\n", encoding="utf-8")
+    (root / "envs" / "_a.py").write_text("from ._b import B\nA = 1\n", encoding="utf-8")
+    (root / "envs" / "_b.py").write_text("def f():\n    from . import _a\nB = 2\n", encoding="utf-8")
+    (root / "envs" / "_c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._a import A\n", encoding="utf-8"
+    )
+    assert _circles(root) == [["skyrl_structured.envs._a", "skyrl_structured.envs._b"]]

@@ -24,7 +24,8 @@ from skyrl_structured import (
     StructuredVLMGymGenerator,
 )
 from skyrl_structured.config import read_knob, resolve_resilience
-from skyrl_structured.envs._executors import env_executor_kind, make_executor
+from skyrl_structured.envs._executors import env_executor_kind
+from skyrl_structured.envs._kinds import make_executor
 from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine
 
 from .test_parity_upstream import REPLIES, assert_same_output, batch, copy_batch, run_upstream, turn_handler
@@ -141,7 +142,8 @@ def test_fields_skyrls_dataclasses_lack_are_absent_and_a_set_none_is_kept():
 
 def test_magicmock_configs_take_every_default_and_pick_threads():
     assert resolve_resilience(MagicMock()) == resolve_resilience(GeneratorConfig())
-    assert make_executor(mock_env_cfg(), 4) is None  # threads, the generator's own pool
+    executor = make_executor(mock_env_cfg(), 4)
+    assert (executor.kind, executor.bound) == ("thread", 4)  # threads, the generator's own pool
     set_by_test = MagicMock()
     set_by_test.rollout_timeout_s = 30
     set_by_test.skip_failed_rollouts = True

@@ -59,6 +59,14 @@ class EnvCallRunner(EnvExecutor):
     def inline(self) -> bool:
         return self.pool is None
 
+    @property
+    def workers_alive(self) -> int:
+        return 0 if self.pool is None else self.pool.threads
+
+    def resized(self, workers: int) -> EnvCallRunner:
+        """The same pool while ``workers`` is its size; else a new pool of ``workers`` threads (0: inline)."""
+        return self if workers == self.bound else EnvCallRunner(EnvThreadPool(workers) if workers > 0 else None)
+
     async def run(self, call: EnvCall[T]) -> T:
         """Run ``call`` in a worker thread and return its result.
 
@@ -73,6 +81,14 @@ class EnvCallRunner(EnvExecutor):
             call.skip()
             raise
         return call.result()
+
+
+def thread_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, cleanup_timeout_s: float) -> EnvCallRunner:
+    """``env_executor="thread"``: the row of the executor table (:mod:`~skyrl_structured.envs._kinds`).
+
+    The pool's threads start on first use; ``workers=0`` runs every env call inline.
+    """
+    return EnvCallRunner(EnvThreadPool(workers) if workers > 0 else None)
 
 
 #: skyrl_gym's base-class ``close`` functions, which do nothing (tests/test_envs.py checks that

@@ -1,7 +1,9 @@
 """The executor seam: where blocking environment code runs, and what happens to work nobody waits for.
 
 Every environment a rollout opens comes from one :class:`EnvExecutor`, chosen by
-``environment.skyrl_gym.env_executor``:
+``environment.skyrl_gym.env_executor`` from the one table of kinds
+(:data:`~skyrl_structured.envs._kinds.EXECUTORS`); the three are peers, and no caller treats threads
+apart:
 
 - ``"thread"`` (the default, SkyRL's behaviour): :class:`~skyrl_structured.envs.EnvCallRunner`.
   The env lives in the generator's process; ``init``/``step``/``close`` run in at most
@@ -13,10 +15,15 @@ Every environment a rollout opens comes from one :class:`EnvExecutor`, chosen by
 The seam is small: :meth:`EnvExecutor.make_env` returns an environment (a plain ``skyrl_gym`` env
 for threads, an async handle with ``init``/``step``/``close``/``get_metrics`` for the others),
 :meth:`EnvExecutor.check_env` refuses before any rollout what an executor cannot run,
-:attr:`EnvExecutor.bound` is the number of workers, :meth:`EnvExecutor.aclose` stops them. Killing
-a worker is the remote handles' business (:meth:`~skyrl_structured.envs._remote.WorkerPool.kill`).
+:attr:`EnvExecutor.bound` is the number of workers, :meth:`EnvExecutor.warm_up` starts them ahead of
+need, :meth:`EnvExecutor.aclose` stops them. Killing a worker is the remote handles' business
+(:meth:`~skyrl_structured.envs._pool.WorkerPool.kill`). The modules import downward only: this seam,
+then the transports (:mod:`._threads`, :mod:`._worker`, :mod:`._crossing`, :mod:`._pool`), then the
+handles and executors (:mod:`._adapters`, :mod:`._remote`, :mod:`._remote_executor`, :mod:`._process`,
+:mod:`._ray`), then the table
+(:mod:`._kinds`) and :mod:`._workers`, which holds a generator's executor.
 
-Abandoned work, the one set of rules for every executor (DESIGN rules 5, 9 and 14):
+Abandoned work, the one set of rules for every executor (docs/failures.md and docs/envs.md):
 
 1. A call whose rollout gave up before it *started* is skipped; a close, once submitted, always runs.
 2. A call whose rollout was cancelled while it *runs* is waited for by that env's cleanup (bounded by
@@ -41,6 +48,7 @@ import abc
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 from .._runtime.cleanup import CleanupStats
@@ -55,8 +63,9 @@ __all__ = [
     "EnvExecutor",
     "EnvExecutorKind",
     "EnvWorkerError",
+    "WorkerPoolKnobs",
     "env_executor_kind",
-    "make_executor",
+    "worker_pool_knobs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +110,14 @@ class EnvExecutor(abc.ABC):
         """Workers started and not known dead (worker processes, Ray actors); 0 where there are none."""
         return 0
 
+    def resized(self, workers: int) -> EnvExecutor:
+        """This executor for ``workers`` workers (the generator's ``max_env_workers`` may change between calls).
+
+        Only threads follow it (their pool is made again); a process or Ray pool keeps the size it
+        was built with.
+        """
+        return self
+
     def warm_up(self) -> None:  # noqa: B027
         """Start ``env_workers_warm`` workers ahead of need, non-blocking (threads need nothing)."""
 
@@ -133,32 +150,16 @@ def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> EnvExecutorKind:
     return cast(EnvExecutorKind, kind)
 
 
-def make_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, *, cleanup_timeout_s: float = 30.0) -> EnvExecutor | None:
-    """The executor ``skyrl_gym_cfg`` asks for, or None for threads (the generator's own pool).
+@dataclass(frozen=True)
+class WorkerPoolKnobs:
+    """The worker-pool knobs of ``environment.skyrl_gym`` (process and Ray executors), read and checked once."""
 
-    ``max_env_workers=0`` means inline calls whatever the executor: there is no worker to host an env.
-    """
-    kind = env_executor_kind(skyrl_gym_cfg)
-    if kind == "thread" or workers <= 0:
-        return None
-    pool_knobs = worker_pool_knobs(skyrl_gym_cfg)
-    if kind == "process":
-        from ._process import ProcessEnvExecutor
-
-        return ProcessEnvExecutor(workers, cleanup_timeout_s=cleanup_timeout_s, **pool_knobs)
-    from ._ray import RayEnvExecutor
-
-    num_cpus = read_knob(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
-    return RayEnvExecutor(
-        workers,
-        cleanup_timeout_s=cleanup_timeout_s,
-        num_cpus=float(1.0 if num_cpus is None else num_cpus),
-        start_timeout_s=pool_knobs["start_timeout_s"],
-        warm=pool_knobs["warm"],
-    )
+    start_timeout_s: float
+    warm: int
+    max_rss_mb: float | None
 
 
-def worker_pool_knobs(skyrl_gym_cfg: SkyRLConfig) -> dict[str, Any]:
+def worker_pool_knobs(skyrl_gym_cfg: SkyRLConfig) -> WorkerPoolKnobs:
     """``env_workers_warm``, ``env_worker_start_timeout_s`` and ``env_worker_max_rss_mb``, checked.
 
     Raises:
@@ -185,22 +186,4 @@ def worker_pool_knobs(skyrl_gym_cfg: SkyRLConfig) -> dict[str, Any]:
         raise invalid_value(
             "environment.skyrl_gym.env_worker_max_rss_mb", max_rss_mb, "a number > 0 or null", "null: never recycle."
         )
-    return {"start_timeout_s": float(start_timeout_s), "warm": warm, "max_rss_mb": max_rss_mb}
-
-
-def check_envs(
-    executor: EnvExecutor, skyrl_gym_cfg: SkyRLConfig, env_classes: list[str], env_extras: list[Any]
-) -> None:
-    """Before any rollout: every env class and every row's extras can be run by ``executor``.
-
-    Raises:
-        ValueError: one line naming the env class, what cannot cross to a worker, and the fix.
-    """
-    from . import env_config_for
-
-    seen: set[str] = set()
-    for env_class, extras in zip(env_classes, env_extras, strict=True):
-        if env_class not in seen:
-            seen.add(env_class)
-            executor.check_env(env_class, env_config_for(skyrl_gym_cfg, env_class), {})
-        executor.check_env(env_class, None, extras or {})
+    return WorkerPoolKnobs(float(start_timeout_s), warm, max_rss_mb)

@@ -30,23 +30,20 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from multiprocessing import spawn
 from typing import Any
 
-import skyrl_gym
-
-from .._runtime.cleanup import CleanupStats
-from .._runtime.pauses import PausableDeadline
 from ..types import SkyRLConfig
-from ._executors import EnvExecutor, EnvWorkerError
-from ._remote import Reply, Transport, WorkerEnv, WorkerPool, decode, encode_request
-from ._worker import EnvRecipe, dumps, one_line, process_main
+from ._crossing import decode, encode_request
+from ._executors import EnvWorkerError, worker_pool_knobs
+from ._pool import Reply, Transport, WorkerPool
+from ._remote_executor import RemoteEnvExecutor
+from ._worker import MAIN_KEYS, Request, WorkerOp, dumps, one_line, process_main
 
-__all__ = ["ProcessEnvExecutor", "ProcessWorker", "env_recipe"]
+__all__ = ["ProcessEnvExecutor", "ProcessWorker", "process_executor"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +51,6 @@ logger = logging.getLogger(__name__)
 KILL_GRACE_S = 0.5
 #: What the fork server imports before forking workers (never ``__main__``: see the module docstring).
 FORKSERVER_PRELOAD = ("skyrl_gym", "skyrl_structured.envs._worker")
-#: The keys of multiprocessing's preparation data that make a child re-run the main module.
-_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 
 _lean = threading.local()
 _original_preparation_data: Callable[[str], dict[str, Any]] = spawn.get_preparation_data
@@ -65,7 +60,7 @@ def _preparation_data(name: str) -> dict[str, Any]:
     """multiprocessing's preparation data, less the main module inside :func:`_without_main`."""
     data = _original_preparation_data(name)
     if getattr(_lean, "active", False):
-        for key in _MAIN_KEYS:
+        for key in MAIN_KEYS:
             data.pop(key, None)
     return data
 
@@ -87,12 +82,6 @@ def _without_main() -> Iterator[None]:
         _lean.active = False
 
 
-def main_spec() -> dict[str, str]:
-    """How a worker imports the generator's ``__main__`` (multiprocessing's own keys for it)."""
-    data = _original_preparation_data("main")
-    return {key: data[key] for key in _MAIN_KEYS if key in data}
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -110,7 +99,7 @@ class ProcessWorker(Transport):
         self._child_ends = (child_conn, lifeline_r)
         self.process = context.Process(target=process_main, args=(child_conn, lifeline_r), name=self.name, daemon=True)
         self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[tuple[int, str, int, Any]] = collections.deque()
+        self._queue: collections.deque[Request] = collections.deque()
         #: Requests sent and not answered, in the order the worker runs them (the first one is running).
         self._pending: dict[int, Reply] = {}
         self._ids = 0
@@ -168,7 +157,7 @@ class ProcessWorker(Transport):
             return None
         return None
 
-    def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
+    def submit(self, op: WorkerOp, key: int, payload: Any, reply: Reply) -> None:
         with self._cond:
             if self.death is not None:
                 error = self.death
@@ -204,9 +193,9 @@ class ProcessWorker(Transport):
             except (OSError, EOFError):
                 return  # the worker is gone; the reader reports it
 
-    def _pickled(self, batch: list[tuple[int, str, int, Any]]) -> bytes | None:
+    def _pickled(self, batch: list[Request]) -> bytes | None:
         """One message for ``batch``: each payload pickled on its own, so one that cannot be fails its call only."""
-        kept: list[tuple[int, str, int, Any]] = []
+        kept: list[Request] = []
         for call_id, op, key, payload in batch:
             if op in ("skip", "exit"):
                 kept.append((call_id, op, key, payload))
@@ -374,115 +363,6 @@ class ProcessWorker(Transport):
             self.process.close()
 
 
-def env_recipe(env_class: str) -> EnvRecipe:
-    """How a worker rebuilds ``env_class``: its registry id, an importable entry point, its kwargs.
-
-    Raises:
-        ValueError: the class is not registered, or cannot be imported by a worker (one line naming
-            the class and the fix).
-    """
-    spec = skyrl_gym.registry.get(env_class)
-    if spec is None:
-        known = ", ".join(sorted(skyrl_gym.registry))
-        raise ValueError(f"env class {env_class!r} is not registered with skyrl_gym (registered: {known})")
-    entry = spec.entry_point
-    kwargs = dict(spec.kwargs or {})
-    fix = (
-        "define it at module level in an importable module and register it by name "
-        "(skyrl_gym.register(id=..., entry_point='package.module:Class')), or use env_executor='thread'"
-    )
-    if isinstance(entry, str):
-        target = entry
-    else:
-        module = getattr(entry, "__module__", None)
-        qualname = getattr(entry, "__qualname__", "")
-        where = f"{module}.{qualname}"
-        if not module or "<" in qualname or "." in qualname:
-            raise ValueError(
-                f"env class {env_class!r} ({where}) cannot be rebuilt in an env worker process: "
-                f"it is a lambda or a nested definition; {fix}"
-            )
-        if module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
-            raise ValueError(
-                f"env class {env_class!r} ({where}) is defined in __main__ of `python -c` or a REPL, which a "
-                f"worker process cannot import; {fix}"
-            )
-        found = getattr(sys.modules.get(module), qualname, None)
-        if found is not entry:
-            raise ValueError(
-                f"env class {env_class!r} ({where}) is not what `{module}:{qualname}` names, so a worker "
-                f"would build something else; {fix}"
-            )
-        target = f"{module}:{qualname}"
-    try:
-        pickle.dumps(kwargs)
-    except Exception as exc:
-        raise ValueError(
-            f"env class {env_class!r} was registered with kwargs that cannot be pickled for an env worker: "
-            f"{exc!r}; register it with plain values, or use env_executor='thread'"
-        ) from None
-    return env_class, target, kwargs
-
-
-def check_picklable(env_class: str, what: str, value: Any, executor: str) -> None:
-    """Refuse ``value`` (an env's config or extras) that cannot be sent to a worker; one line with the fix."""
-    try:
-        pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise ValueError(
-            f"the {what} of env class {env_class!r} cannot be pickled to reach an env worker "
-            f"(env_executor={executor!r}): {exc!r}; pass plain values (str, numbers, lists, dicts), "
-            "or use env_executor='thread'"
-        ) from None
-
-
-class RemoteEnvExecutor(EnvExecutor):
-    """What the process and Ray executors share: recipes, checks, handles, the pool's shutdown."""
-
-    def __init__(self, pool: WorkerPool) -> None:
-        self.pool = pool
-        self._recipes: dict[str, EnvRecipe] = {}
-
-    @property
-    def bound(self) -> int:
-        return self.pool.size
-
-    @property
-    def workers_alive(self) -> int:
-        return len(self.pool.workers)
-
-    def _recipe(self, env_class: str) -> EnvRecipe:
-        recipe = self._recipes.get(env_class)
-        if recipe is None:
-            recipe = self._recipes[env_class] = env_recipe(env_class)
-            module = recipe[1].partition(":")[0]
-            if module == "__main__":
-                if self.pool.main_spec is None:
-                    self.pool.main_spec = main_spec()
-            else:
-                self.pool.env_modules.add(module)
-        return recipe
-
-    def warm_up(self) -> None:
-        self.pool.warm_up()
-
-    def check_env(self, env_class: str, env_config: SkyRLConfig, extras: Mapping[str, Any]) -> None:
-        self._recipe(env_class)
-        check_picklable(env_class, "env_config", env_config, self.kind)
-        check_picklable(env_class, "env extras", extras, self.kind)
-
-    def make_env(
-        self,
-        env_class: str,
-        *,
-        env_config: SkyRLConfig,
-        extras: dict[str, Any],
-        stats: CleanupStats,
-        deadline: PausableDeadline | None = None,
-    ) -> WorkerEnv:
-        return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats, deadline)
-
-
 class ProcessEnvExecutor(RemoteEnvExecutor):
     """``max_env_workers`` spawned worker processes (see the module docstring)."""
 
@@ -524,3 +404,15 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
 
         self._finalizer.detach()
         await anyio.to_thread.run_sync(self.pool.shutdown, 5.0)
+
+
+def process_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, cleanup_timeout_s: float) -> ProcessEnvExecutor:
+    """``env_executor="process"``: the row of the executor table (:mod:`~skyrl_structured.envs._kinds`)."""
+    knobs = worker_pool_knobs(skyrl_gym_cfg)
+    return ProcessEnvExecutor(
+        workers,
+        cleanup_timeout_s=cleanup_timeout_s,
+        start_timeout_s=knobs.start_timeout_s,
+        warm=knobs.warm,
+        max_rss_mb=knobs.max_rss_mb,
+    )

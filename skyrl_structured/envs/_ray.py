@@ -1,7 +1,7 @@
 """``env_executor="ray"``: environments in Ray actors, so an env fleet can spread over a cluster's CPUs.
 
 Each worker is one actor (:class:`EnvActor`, ``env_worker_num_cpus`` CPUs each) hosting many envs, placed
-and killed by the same :class:`~skyrl_structured.envs._remote.WorkerPool` rules as worker processes. The
+and killed by the same :class:`~skyrl_structured.envs._pool.WorkerPool` rules as worker processes. The
 executor joins the Ray that is running (``ray.is_initialized()``, else ``ray.init(address="auto")``:
 the user's cluster, or SkyRL's); it never starts one itself (the CLI does, for local runs).
 
@@ -20,11 +20,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import read_knob
 from ..types import SkyRLConfig
-from ._executors import EnvWorkerError
-from ._process import RemoteEnvExecutor
-from ._remote import Reply, Transport, WorkerPool, decode, encode_request
-from ._worker import EnvHost, serve
+from ._crossing import decode, encode_request
+from ._executors import EnvWorkerError, worker_pool_knobs
+from ._pool import Reply, Transport, WorkerPool
+from ._remote_executor import RemoteEnvExecutor
+from ._worker import EnvHost, WorkerOp, serve
 
 __all__ = ["EnvActor", "RayEnvExecutor"]
 
@@ -44,7 +46,7 @@ class EnvActor:
     def __init__(self) -> None:
         self.host = EnvHost()
 
-    def call(self, op: str, key: int, payload: bytes) -> tuple[bool, bytes, bytes | None]:
+    def call(self, op: WorkerOp, key: int, payload: bytes) -> tuple[bool, bytes, bytes | None]:
         return serve(self.host, op, key, payload, _cloudpickle_dumps, pickle.loads)
 
 
@@ -164,7 +166,7 @@ class RayWorker(Transport):
             f"{total:g} CPUs free: lower environment.skyrl_gym.env_worker_num_cpus or max_env_workers)"
         )
 
-    def submit(self, op: str, key: int, payload: Any, reply: Reply) -> None:
+    def submit(self, op: WorkerOp, key: int, payload: Any, reply: Reply) -> None:
         if self.death is not None:
             reply.resolve(False, self.death)
             return
@@ -251,6 +253,19 @@ class RayEnvExecutor(RemoteEnvExecutor):
     def _shutdown(self) -> None:
         self.pool.shutdown(5.0)
         self._poller.stop(5.0)
+
+
+def ray_executor(skyrl_gym_cfg: SkyRLConfig, workers: int, cleanup_timeout_s: float) -> RayEnvExecutor:
+    """``env_executor="ray"``: the row of the executor table (:mod:`~skyrl_structured.envs._kinds`)."""
+    knobs = worker_pool_knobs(skyrl_gym_cfg)
+    num_cpus = read_knob(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
+    return RayEnvExecutor(
+        workers,
+        cleanup_timeout_s=cleanup_timeout_s,
+        num_cpus=float(1.0 if num_cpus is None else num_cpus),
+        start_timeout_s=knobs.start_timeout_s,
+        warm=knobs.warm,
+    )
 
 
 def connect() -> None:

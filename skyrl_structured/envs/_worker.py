@@ -33,16 +33,27 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import skyrl_gym
 
-__all__ = ["CallSkipped", "EnvHost", "process_main"]
+__all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "Request", "WorkerOp", "process_main"]
 
 logger = logging.getLogger(__name__)
 
 #: ``(registry id, "module:attribute" entry point, registry kwargs)``: how a worker rebuilds an env class.
 EnvRecipe = tuple[str, str, dict[str, Any]]
+
+#: The worker protocol's operations: ``ping`` (the start's first request), ``main`` (import the
+#: generator's ``__main__``), ``make``/``init``/``step``/``close`` (one env's calls, by env key),
+#: ``skip`` (drop a queued call whose rollout gave up before it started) and ``exit`` (stop serving).
+WorkerOp = Literal["ping", "main", "make", "init", "step", "close", "skip", "exit"]
+
+#: One request on the wire: ``(reply id, operation, env key, payload)``.
+Request = tuple[int, WorkerOp, int, Any]
+
+#: The keys of multiprocessing's preparation data that make a child re-run the main module.
+MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 
 #: ``dumps`` of the process executor (Ray's actors use cloudpickle's).
 Dumps = Callable[[Any], bytes]
@@ -141,7 +152,7 @@ def _encode(value: Any, part: str, pickle_it: Dumps) -> bytes:
 
 
 def serve(
-    host: EnvHost, op: str, key: int, payload: bytes, pickle_it: Dumps, unpickle: Callable[[bytes], Any]
+    host: EnvHost, op: WorkerOp, key: int, payload: bytes, pickle_it: Dumps, unpickle: Callable[[bytes], Any]
 ) -> tuple[bool, bytes, bytes | None]:
     """Run one request on ``host``: ``(ok, value, metrics)``, each pickled on its own (see the module docstring).
 
@@ -169,7 +180,7 @@ class EnvHost:
     def __init__(self) -> None:
         self.envs: dict[int, Any] = {}
 
-    def handle(self, op: str, key: int, payload: Any) -> Any:
+    def handle(self, op: WorkerOp, key: int, payload: Any) -> Any:
         try:
             return self._handle(op, key, payload)
         except KeyError as exc:
@@ -180,7 +191,7 @@ class EnvHost:
                 )
             raise
 
-    def _handle(self, op: str, key: int, payload: Any) -> Any:
+    def _handle(self, op: WorkerOp, key: int, payload: Any) -> Any:
         if op == "ping":  # the worker's first request: its start (see _start)
             _start(payload)
             return os.getpid()
@@ -281,10 +292,10 @@ class _Inbox:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
-        self.queue: collections.deque[tuple[Any, str, int, Any]] = collections.deque()
+        self.queue: collections.deque[tuple[Any, WorkerOp, int, Any]] = collections.deque()
         self.skipped: set[Any] = set()
 
-    def absorb(self, requests: list[tuple[Any, str, int, Any]]) -> None:
+    def absorb(self, requests: list[tuple[Any, WorkerOp, int, Any]]) -> None:
         for request in requests:
             if request[1] == "skip":
                 self.skipped.add(request[3])

@@ -32,7 +32,7 @@ import skyrl_gym
 from skyrl_gym.metrics import default_aggregate_metrics
 
 from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
-from ..envs._process import env_recipe
+from ..envs._remote_executor import env_recipe
 from ..generator import StructuredGymGenerator
 from .engines import Reply, ScriptedEngine, replies_by_turn
 
