@@ -190,10 +190,11 @@ class _Lines:
         self._reader.start()
 
     def _read(self, stream: Any) -> None:
-        for line in stream:
-            with self._new:
-                self.seen.append(line)
-                self._new.notify_all()
+        with stream:
+            for line in stream:
+                with self._new:
+                    self.seen.append(line)
+                    self._new.notify_all()
 
     def wait_for(self, text: str, timeout: float = 240) -> str:
         """The first line holding ``text``; a failure after ``timeout`` (a guard against a hang only)."""
@@ -207,10 +208,19 @@ class _Lines:
         return "".join(self.seen)
 
 
+def _finish(proc: subprocess.Popen[str]) -> str:
+    """Wait for the exit (a guard of 120 s against a hang only), then its stdout (stderr is the reader's)."""
+    proc.wait(timeout=120)
+    assert proc.stdout is not None
+    with proc.stdout:
+        return proc.stdout.read()
+
+
 #: The command, with its engine load stalled for good (a download that never ends) once it has begun.
 _STALLED_LOAD = """
-import sys, threading
-import skyrl_structured.cli._run as run
+import importlib, sys, threading
+
+run = importlib.import_module("skyrl_structured.cli._run")  # the attribute `_run` of cli is a function
 
 def stalled(cfg, policy):
     print("test: the engine load has begun", file=sys.stderr, flush=True)
@@ -243,11 +253,13 @@ def test_a_stop_while_the_engine_loads_exits_without_waiting_for_it(tmp_path, ba
         lines.wait_for("test: the engine load has begun")
         proc.send_signal(signal.SIGTERM)
         # Without the fix the interpreter waits for the loading thread at exit: forever here.
-        stdout, _ = proc.communicate(timeout=120)
+        stdout = _finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     stderr = lines.text()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "stopping before generation started, without waiting for the engine to finish loading" in stderr
@@ -272,11 +284,13 @@ def test_a_second_stop_while_the_pictures_are_drawn_still_leaves_the_summary(tmp
         time.sleep(max(0.0, first + DUPLICATE_SIGNAL_WINDOW_S + 0.2 - time.monotonic()))
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=120)
+        stdout = _finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     stderr = lines.text()
     assert proc.returncode == 130, stderr
     out = tmp_path / "out"
@@ -345,11 +359,13 @@ def test_a_stop_waiting_on_a_hung_close_says_so_and_a_second_stop_leaves_the_sum
         assert "1 rollout still running, 1 environment not closed yet" in still
         assert "env_cleanup_timeout_s=300 s" in still
         proc.send_signal(signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=120)
+        stdout = _finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     stderr = lines.text()
     assert proc.returncode == 130, stderr
     assert "SIGINT received again: exiting without waiting for cleanup" in stderr

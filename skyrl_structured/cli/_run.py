@@ -146,10 +146,11 @@ async def _still_waiting(result: RunResult, cleanup_s: float, say: Callable[[str
     """Once a stop has taken :data:`STILL_WAITING_AFTER_S`, say what it waits for and the bound."""
     await anyio.sleep(STILL_WAITING_AFTER_S)
     tally = result.tally
+    running, open_envs = tally.in_flight, tally.envs_opened - tally.envs_closed
     say(
-        f"still stopping: {tally.in_flight} rollouts and {tally.envs_opened - tally.envs_closed} environments "
-        f"not closed yet; a close is abandoned after generator.env_cleanup_timeout_s={cleanup_s:g} s "
-        "(send the signal again to exit now)"
+        f"still stopping: {running} {'rollout' if running == 1 else 'rollouts'} still running, {open_envs} "
+        f"{'environment' if open_envs == 1 else 'environments'} not closed yet; a close is abandoned after "
+        f"generator.env_cleanup_timeout_s={cleanup_s:g} s (send the signal again to exit now)"
     )
 
 
