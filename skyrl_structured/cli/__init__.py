@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,7 @@ def _hold_repeats(result: RunResult, finishing: _Finishing | None = None) -> Non
         state.saved[signum] = signal.signal(signum, stop)
 
 
-def _exit_now_writer(plan: _Plan, argv: Sequence[str]) -> Any:
+def _exit_now_writer(plan: _Plan, argv: Sequence[str]) -> Callable[[RunResult], None]:
     """What a second stop does before the process exits without cleanup: summary.json and the table."""
 
     def write(result: RunResult) -> None:
@@ -327,6 +327,8 @@ def _finish(plan: _Plan, args: argparse.Namespace, result: RunResult, finishing:
 
     try:
         write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result, before_pictures=before_pictures)
+    except KeyboardInterrupt:
+        pass  # a stop just before the drawing began: summary.json is written, the pictures are skipped
     except OSError as exc:
         _error(f"could not write the output to {str(plan.output_dir)!r}: {exc}")
         return EXIT_FAILED
