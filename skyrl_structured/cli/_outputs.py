@@ -228,8 +228,11 @@ def write_outputs(
         result.trace.write(output_dir / TRACE_FILE)
     else:
         (output_dir / TRACE_FILE).unlink(missing_ok=True)
-    if result.metrics is not None:
+    metered = result.metrics is not None and result.started_generating
+    if result.metrics is not None and metered:
         write_metrics(output_dir / METRICS_FILE, result.metrics)
+    else:
+        (output_dir / METRICS_FILE).unlink(missing_ok=True)
     wanted = _pictures_wanted(result)
     for name in {PLOT_FILE, TIMELINE_FILE} - set(wanted):
         (output_dir / name).unlink(missing_ok=True)
@@ -240,7 +243,7 @@ def write_outputs(
             *([PLOT_FILE] if PLOT_FILE in drawn else []),
             *([TRACE_FILE] if traced else []),
             *([TIMELINE_FILE] if TIMELINE_FILE in drawn else []),
-            *([METRICS_FILE] if result.metrics is not None else []),
+            *([METRICS_FILE] if metered else []),
             "summary.json",
         ]
 
