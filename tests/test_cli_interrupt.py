@@ -297,8 +297,8 @@ def test_a_second_stop_while_the_pictures_are_drawn_still_leaves_the_summary(tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir()), summary["files"]
-    if "skipping the pictures" in stderr:  # the second stop landed while they were drawn
-        assert "summary.png" not in summary["files"]
+    if "skipping the pictures" in stderr:  # the second stop landed while they were drawn: the rest are skipped
+        assert "timeline.png" not in summary["files"]  # drawn last
     assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
 
 

@@ -374,4 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
     handlers: dict[str, Any] = {"rollout": _rollout}
     status: int = handlers[args.command](args)
+    if argv is None and status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        # Stopped, and everything is written: a repeat of the stop landing while the interpreter
+        # shuts down (where Python puts the default handlers back) must not turn 130 into a kill.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     return status
