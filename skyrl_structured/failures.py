@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .errors import StragglerCutError
 from .types import TrajectoryID
@@ -33,6 +34,18 @@ def failure_summary(failures: Sequence[FailedRollout]) -> str:
     return ", ".join(f"{n} x {name}" for name, n in counts.most_common())
 
 
+def as_written(share: float) -> Fraction:
+    """``share`` as the decimal it was written as (0.7 is 7/10, not the float just below it).
+
+    Shares of a batch are compared exactly: in floating point 0.7 * 90 is 62.99999999999999, so 63
+    cuts under ``straggler_cutoff=0.3`` would blow ``max_failed_rollout_fraction=0.7`` (issue 27).
+    """
+    return Fraction(repr(float(share)))
+
+
 def failure_budget_exceeded(failed: int, total: int, max_fraction: float) -> bool:
-    """Whether ``failed`` of ``total`` rollouts is over budget: all of them, or more than ``max_fraction``."""
-    return failed > 0 and (failed >= total or failed > max_fraction * total)
+    """Whether ``failed`` of ``total`` rollouts is over budget: all of them, or more than ``max_fraction``.
+
+    Compared exactly (:func:`as_written`): the budget holds at ``failed == max_fraction * total``.
+    """
+    return failed > 0 and (failed >= total or Fraction(failed, total) > as_written(max_fraction))

@@ -13,6 +13,7 @@ from .config import ResilienceSettings, check_number, routed_experts_enabled
 from .envs._executors import env_executor_kind
 from .envs._registration import is_import_path, register_import_path
 from .errors import GeneratorOutputError
+from .failures import as_written
 from .types import SkyRLConfig, TrajectoryID
 
 __all__ = [
@@ -158,7 +159,7 @@ def _check_straggler_budget(settings: ResilienceSettings) -> None:
     cutoff = settings.straggler_cutoff
     if cutoff is None or settings.failure_budget_action != "raise":
         return
-    if settings.max_failed_rollout_fraction < 1.0 - cutoff - 1e-9:
+    if as_written(settings.max_failed_rollout_fraction) < 1 - as_written(cutoff):  # exact, as the budget is judged
         raise ValueError(
             f"`generator.straggler_cutoff={cutoff:g}` may cut up to {1.0 - cutoff:.3g} of a batch, and cut rollouts "
             f"count as failures, but `generator.max_failed_rollout_fraction={settings.max_failed_rollout_fraction:g}` "

@@ -184,3 +184,53 @@ def test_an_env_class_every_row_overrides_is_refused_naming_both(tmp_path):
     )
     # Naming the rows' own class is no conflict.
     assert set(load_dataset(None, default_env_class="gsm8k", max_prompts=None).env_classes) == {"gsm8k"}
+
+
+_GOOD_ENV = """
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class GoodEnv(BaseTextEnv):
+    def step(self, action):
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+"""
+
+
+def _console_script(tmp_path, *args):
+    """The installed ``skyrl-structured`` console script, run in ``tmp_path`` on this checkout's package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import skyrl_structured
+
+    script = Path(sys.executable).parent / "skyrl-structured"
+    if not script.exists():
+        pytest.skip("the skyrl-structured console script is not installed next to this interpreter")
+    env = dict(os.environ, PYTHONPATH=str(Path(skyrl_structured.__file__).parents[1]))
+    return subprocess.run(
+        [str(script), "rollout", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_console_script_imports_env_classes_from_the_current_directory(tmp_path):
+    """``python -m`` puts the current directory on sys.path; the console script does the same (issue 27)."""
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "__init__.py").write_text("")
+    (tmp_path / "my_envs" / "good.py").write_text(_GOOD_ENV)
+    rows = [dict(ROWS[0], env_class="my_envs.good:GoodEnv")]
+    _write_jsonl(tmp_path / "rows.jsonl", rows)
+    done = _console_script(tmp_path, "data.path=rows.jsonl", "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert "path: rows.jsonl" in done.stdout
+
+
+def test_a_module_found_nowhere_names_pythonpath(tmp_path):
+    rows = [dict(ROWS[0], env_class="my_missing_envs.bad:GoodEnv")]
+    _write_jsonl(tmp_path / "rows.jsonl", rows)
+    done = _console_script(tmp_path, "data.path=rows.jsonl", "--print-config")
+    assert done.returncode == 2
+    assert "cannot import 'my_missing_envs.bad' (ModuleNotFoundError" in done.stderr
+    assert "add its directory to PYTHONPATH" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

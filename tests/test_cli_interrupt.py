@@ -13,12 +13,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from skyrl_structured.cli._run import DUPLICATE_SIGNAL_WINDOW_S
 from skyrl_structured.testing.chaos import ChaosPolicy
 
 pytestmark = pytest.mark.slow
@@ -172,3 +174,204 @@ def test_a_late_copy_of_the_stop_is_ignored_while_the_summary_is_written():
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+
+
+# ---------------------------------------------------------------- issue 27: no silent waits after a stop
+
+
+class _Lines:
+    """A process's stderr, line by line, read in a thread: wait for a line without blocking forever."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.seen: list[str] = []
+        self._new = threading.Condition()
+        assert proc.stderr is not None
+        self._reader = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: Any) -> None:
+        with stream:
+            for line in stream:
+                with self._new:
+                    self.seen.append(line)
+                    self._new.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 240) -> str:
+        """The first line holding ``text``; a failure after ``timeout`` (a guard against a hang only)."""
+        with self._new:
+            found = self._new.wait_for(lambda: any(text in line for line in self.seen), timeout=timeout)
+            assert found, f"no line with {text!r} in:\n{''.join(self.seen)}"
+            return next(line for line in self.seen if text in line)
+
+    def text(self) -> str:
+        self._reader.join(timeout=60)
+        return "".join(self.seen)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    """Wait for the exit (a guard of 120 s against a hang only), then its stdout (stderr is the reader's)."""
+    proc.wait(timeout=120)
+    assert proc.stdout is not None
+    with proc.stdout:
+        return proc.stdout.read()
+
+
+#: The command, with its engine load stalled for good (a download that never ends) once it has begun.
+_STALLED_LOAD = """
+import importlib, sys, threading
+
+run = importlib.import_module("skyrl_structured.cli._run")  # the attribute `_run` of cli is a function
+
+def stalled(cfg, policy):
+    print("test: the engine load has begun", file=sys.stderr, flush=True)
+    threading.Event().wait()
+
+run.load_engine = stalled
+from skyrl_structured.cli import main
+sys.argv = ["skyrl-structured", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stop_while_the_engine_loads_exits_without_waiting_for_it(tmp_path, backend):
+    """The loading thread cannot be stopped: the process exits anyway, and writes no empty files."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "trajectories.jsonl").write_text('{"an earlier run": 1}\n')
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-c", _STALLED_LOAD, "rollout", f"run.output_dir={tmp_path / 'out'}"),
+            *(f"run.backend={backend}", "data.max_prompts=3", "run.progress=false", "run.trace=true"),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = _Lines(proc)
+        lines.wait_for("test: the engine load has begun")
+        proc.send_signal(signal.SIGTERM)
+        # Without the fix the interpreter waits for the loading thread at exit: forever here.
+        stdout = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    stderr = lines.text()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopping before generation started, without waiting for the engine to finish loading" in stderr
+    assert "exiting without waiting for the engine's loading thread" in stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.json"]  # no empty jsonl, no trace
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["status"], summary["engine_loaded"], summary["files"]) == ("interrupted", False, ["summary.json"])
+    assert re.search(r"^  trajectories kept\s+none \(12 never started\)$", stdout, re.MULTILINE), stdout
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_second_stop_while_the_pictures_are_drawn_still_leaves_the_summary(tmp_path, backend):
+    path = tmp_path / "out" / "trajectories.jsonl"
+    proc = _start(tmp_path, backend)
+    try:
+        lines = _Lines(proc)
+        _wait_for_lines(proc, path, 1)
+        proc.send_signal(signal.SIGINT)
+        first = time.monotonic()
+        lines.wait_for("drawing summary.png")  # said before the seconds of drawing, not after
+        # A repeat within the duplicate window is the same stop; this one is a second request.
+        time.sleep(max(0.0, first + DUPLICATE_SIGNAL_WINDOW_S + 0.2 - time.monotonic()))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        stdout = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    stderr = lines.text()
+    assert proc.returncode == 130, stderr
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir()), summary["files"]
+    if "skipping the pictures" in stderr:  # the second stop landed while they were drawn: the rest are skipped
+        assert "timeline.png" not in summary["files"]  # drawn last
+    assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
+
+
+_HANG_ENV = '''
+import time
+from pathlib import Path
+
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+
+class HangEnv(BaseTextEnv):
+    """Its step says it has begun (a file), then blocks its worker thread for ten minutes."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.marker = Path(extras["extra_info"]["marker"])
+
+    def step(self, action):
+        self.marker.touch()
+        time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stop_waiting_on_a_hung_close_says_so_and_a_second_stop_leaves_the_summary(tmp_path, backend):
+    (tmp_path / "hang_envs.py").write_text(_HANG_ENV)
+    marker = tmp_path / "step_begun"
+    row = {
+        "prompt": [{"role": "user", "content": "q"}],
+        "env_class": "hang_envs:HangEnv",
+        "extra_info": {"marker": str(marker)},
+    }
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "skyrl_structured", "rollout", f"run.output_dir={tmp_path / 'out'}"),
+            *(f"run.backend={backend}", "data.path=rows.jsonl", "generator.n_samples_per_prompt=1"),
+            *("generator.sampling_params.max_generate_length=4", "generator.env_cleanup_timeout_s=300"),
+            "run.progress=false",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = _Lines(proc)
+        deadline = time.monotonic() + 240  # a guard against a hang only
+        while not marker.exists():
+            assert proc.poll() is None, "".join(lines.seen)
+            assert time.monotonic() < deadline, "".join(lines.seen)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        said = lines.wait_for("SIGINT received: cancelling")
+        assert "each close bounded by generator.env_cleanup_timeout_s=300 s" in said
+        # The step blocks its close for 300 s: the command says what it still waits for.
+        still = lines.wait_for("still stopping:")
+        assert "1 rollout still running, 1 environment not closed yet" in still
+        assert "env_cleanup_timeout_s=300 s" in still
+        proc.send_signal(signal.SIGINT)
+        stdout = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    stderr = lines.text()
+    assert proc.returncode == 130, stderr
+    assert "SIGINT received again: exiting without waiting for cleanup" in stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["exited_without_cleanup"] is True
+    assert (summary["envs_opened"], summary["envs_closed"]) == (1, 0)
+    assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
+    assert re.search(r"^  environments\s+1 opened, 0 closed \(1 NOT CLOSED\)$", stdout, re.MULTILINE), stdout

@@ -187,3 +187,91 @@ def test_overlong_filter_zero_reward_and_fill_group_mean_are_counted_apart(tmp_p
     assert summary["trainable_rows"] == sum(1 for mask in output["loss_masks"] if any(mask))
     assert summary["reward_overrides"] == {"zero_reward_on_non_stop": len(cut), "fill_group_mean": failures}
     _check_groups_and_pass_at_k(output, summary)
+
+
+_DRILL_ENV = '''
+import os
+import time
+
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class DrillEnv(BaseTextEnv):
+    """Its row says what its step does: return, hang (until its worker is killed) or kill its worker."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.mode = (extras or {}).get("extra_info", {}).get("mode", "ok")
+
+    def step(self, action):
+        if self.mode == "hang":
+            time.sleep(600)
+        if self.mode == "crash":
+            os._exit(3)
+        return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+'''
+
+
+def test_killed_and_crashed_workers_and_their_lost_envs_have_rows(tmp_path):
+    """A lost env is not a closed one, and each worker's end is told apart (issue 27, item 6)."""
+    (tmp_path / "drill_envs.py").write_text(_DRILL_ENV)
+    modes = ["ok", "hang", "crash", "ok"]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "env_class": "drill_envs:DrillEnv",
+            "extra_info": {"mode": m},
+        }
+        for i, m in enumerate(modes)
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [
+        "rollout",
+        f"run.output_dir={tmp_path / 'out'}",
+        "run.progress=false",
+        "data.path=rows.jsonl",
+        "generator.n_samples_per_prompt=1",
+        "generator.sampling_params.max_generate_length=8",
+        "environment.skyrl_gym.env_executor=process",
+        "generator.rollout_timeout_s=30",  # the hung step's bound; the others never come near it
+        "generator.skip_failed_rollouts=true",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_structured", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["rollouts_ok"], summary["rollouts_failed"], summary["rollouts_cut"]) == (2, 2, 0)
+    assert summary["env_workers_killed"] == 1
+    assert summary["env_worker_crashes"] == 1
+    assert summary["envs_lost_with_worker"] == 2
+    assert (summary["envs_opened"], summary["envs_closed"]) == (4, 2)
+    stdout = proc.stdout
+    assert re.search(r"^  environments\s+4 opened, 2 closed, 2 lost with their worker \(never closed\)$", stdout, re.M)
+    assert re.search(r"^  env workers\s+1 killed past a deadline, 1 crashed$", stdout, re.M), stdout
+
+
+def test_straggler_cuts_have_their_own_row_not_the_failures(tmp_path):
+    hung = sum(ChaosPolicy(hang_rate=0.5, seed=0).decide("generate", call) == "hang" for call in range(1, 13))
+    assert 0 < hung <= 6  # every hung rollout is cut once half the batch is final
+    argv = [
+        "rollout",
+        f"run.output_dir={tmp_path / 'out'}",
+        "data.max_prompts=3",
+        "generator.sampling_params.max_generate_length=8",
+        "run.progress=false",
+        "chaos.hang_rate=0.5",  # hung engine calls never finish on their own: only the cut ends them
+        "generator.skip_failed_rollouts=true",
+        "generator.straggler_cutoff=0.5",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_structured", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["rollouts_ok"], summary["rollouts_failed"], summary["rollouts_cut"]) == (12 - hung, 0, hung)
+    assert "StragglerCutError" not in summary["failures_by_type"]
+    assert summary["rollout_metrics"]["generate/num_cut_rollouts"] == hung  # the library's own figure, unchanged
+    assert re.search(rf"^  rollouts cut\s+{hung} \(generator.straggler_cutoff=0.5\)$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  rollouts failed\s+0$", proc.stdout, re.M)
+    assert re.search(r"^  failures by type\s+none$", proc.stdout, re.M)

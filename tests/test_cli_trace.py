@@ -134,7 +134,53 @@ def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) ->
     assert max(s["skyrl_structured_rollouts_in_flight"] for s in scrapes) > 0
     assert max(s["skyrl_structured_rollouts_started_total"] for s in scrapes) <= ROLLOUTS
     with pytest.raises(OSError, match="Connection refused"):
-        _scrape(url)  # the server stopped with the step
+        _scrape(url)  # the server stopped with the process
+    # The final values, which a scraper may never see live, are in the output directory (issue 27).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    final = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families((tmp_path / "out" / "metrics.prom").read_text())
+        for sample in family.samples
+        if not sample.labels
+    }
+    assert final["skyrl_structured_rollouts_started_total"] == ROLLOUTS
+    assert final["skyrl_structured_rollouts_in_flight"] == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "metrics.prom" in summary["files"]
+
+
+def test_a_busy_metrics_port_is_named_with_its_knob(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "skyrl_structured",
+                "rollout",
+                f"run.output_dir={tmp_path / 'out'}",
+                "run.progress=false",
+                f"run.metrics_port={port}",
+                "run.metrics_host=127.0.0.1",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("skyrl-structured: error:")]
+    assert errors == [
+        f"skyrl-structured: error: cannot serve metrics at 127.0.0.1:{port} (`run.metrics_port`): Address already "
+        "in use; choose a free port, or run.metrics_port=0 for any free one"
+    ], proc.stderr
+    assert "could not start the engine" not in proc.stderr
 
 
 def test_a_degenerate_panel_is_a_sentence() -> None:

@@ -128,7 +128,9 @@ def test_entrypoint_on_python_311_says_which_python_works():
     assert line.startswith(f"error: SkyRL cannot build its configuration on Python {platform.python_version()}: ")
     assert "typing.TypedDict" in line
     assert "Run SkyRL's trainer on Python 3.12 or newer" in line
-    assert "uv pip install 'skyrl[fsdp]' skyrl-structured" in line
+    # From the checkout: the package is not on PyPI yet (issue 27).
+    assert "uv pip install 'skyrl[fsdp]' -e /path/to/skyrl-structured" in line
+    assert "not on PyPI yet" in line
 
 
 def test_entrypoint_without_skyrls_trainer_says_what_to_install():

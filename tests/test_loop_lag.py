@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from skyrl_structured._runtime import loop_lag as _loop_lag
@@ -80,3 +81,23 @@ async def test_the_work_s_outcome_comes_out_as_itself(anyio_backend):
         await watch_loop_lag(LoopLag(0.01), forever)
     assert scope.cancelled_caught
     assert other_tasks() == before
+
+
+async def test_work_ending_in_a_stray_cancelled_error_is_an_error_not_an_index_error(anyio_backend):
+    """A ``CancelledError`` no scope caused never leaves the result slot empty (issue 27)."""
+    import asyncio
+
+    from skyrl_structured._runtime.loop_lag import LoopLag, watch_loop_lag
+
+    async def work() -> int:
+        await anyio.lowlevel.checkpoint()
+        raise asyncio.CancelledError
+
+    import sniffio
+
+    if sniffio.current_async_library() == "asyncio":  # the task group takes it for a cancellation and swallows it
+        with pytest.raises(RuntimeError, match="cancelled by a CancelledError that no cancel scope caused"):
+            await watch_loop_lag(LoopLag(), work)
+    else:  # under trio it is an exception like any other, handed back as is
+        with pytest.raises(asyncio.CancelledError):
+            await watch_loop_lag(LoopLag(), work)

@@ -252,3 +252,35 @@ async def test_an_attempt_cancelled_before_its_slot_is_never_in_flight(tokenizer
             assert progress.in_flight == 1
             scope.cancel()
     assert progress.in_flight == 0
+
+
+@pytest.mark.parametrize("event", ["batch_started", "attempt_started"])
+async def test_an_observer_raising_cancelled_error_is_an_observer_bug_not_a_hole(
+    tokenizer, anyio_backend, caplog, event
+):
+    """A sync method cannot be cancelled by a scope: its CancelledError is logged and skipped (issue 27).
+
+    It once escaped into the loop-lag sampler's task group on asyncio, which swallowed it, and
+    ``generate()`` raised ``IndexError``; on trio it came out of ``generate()`` bare.
+    """
+    import asyncio
+
+    class Cancelling(RolloutObserver):
+        calls = 0
+
+        def _cancel(self, *args: Any) -> None:
+            Cancelling.calls += 1
+            raise asyncio.CancelledError
+
+    setattr(Cancelling, event, Cancelling._cancel)
+    recorder = Recorder()
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, turn_replies("a #### 7", "b #### 8")))
+    gen.observers.extend([Cancelling(), recorder])
+    with caplog.at_level(logging.ERROR, logger="skyrl_structured.observe"):
+        out = await gen.generate(make_batch(3, EnvLedger()), disable_tqdm=True)
+    assert out["stop_reasons"] == ["stop"] * 3
+    assert Cancelling.calls == 1
+    assert [r.getMessage() for r in caplog.records if "observer" in r.getMessage()] == [
+        f"observer {gen.observers[0]!r} raised in {event}; it is skipped for the rest of this generate() call"
+    ]
+    assert ("batch_finished", 3, 0) in recorder.events

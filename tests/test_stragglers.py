@@ -333,3 +333,29 @@ async def test_group_scope_without_trajectory_ids_is_refused_before_any_rollout(
     with pytest.raises(ValueError, match=r"`generator.straggler_cutoff_scope=group` groups rollouts by"):
         await gen.generate(make_batch(2, EnvLedger(), with_ids=False), disable_tqdm=True)
     assert not engine.started_sessions
+
+
+def test_cuts_alone_never_exceed_the_budget_the_cutoff_allows():
+    """``max_failed_rollout_fraction = 1 - straggler_cutoff``, as written, holds for every batch size (issue 27)."""
+    from skyrl_structured.failures import failure_budget_exceeded
+
+    assert not failure_budget_exceeded(63, 90, 0.7)  # 0.7 * 90 is 62.99999999999999 in floating point
+    assert failure_budget_exceeded(64, 90, 0.7)
+    for percent in range(1, 100):
+        cutoff, budget = percent / 100, (100 - percent) / 100
+        for size in range(1, 301):
+            cuts = size - cutoff_threshold(cutoff, size)
+            assert not failure_budget_exceeded(cuts, size, budget), (cutoff, budget, size, cuts)
+
+
+async def test_a_batch_of_90_cut_at_0_3_stays_within_a_budget_of_0_7(tokenizer, anyio_backend):
+    """63 of 90 cut is exactly 0.7 of the batch: returned, not raised (the default budget action raises)."""
+    hung = {f"q{i // 2}_{i % 2}" for i in range(27, 90)}
+    engine = ScriptedEngine(tokenizer, Stragglers(hung=hung))
+    gen = make_generator(
+        tokenizer, engine, straggler_cutoff=0.3, max_failed_rollout_fraction=0.7, skip_failed_rollouts=True
+    )
+    with anyio.fail_after(120):
+        out = await gen.generate(make_batch(90, EnvLedger()), disable_tqdm=True)
+    assert metrics(out)["generate/num_cut_rollouts"] == 63
+    assert metrics(out)["generate/failure_budget_exceeded"] == 0

@@ -8,6 +8,7 @@ subclass :class:`RolloutObserver` from here, so nothing imports the facade back.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol
@@ -247,6 +248,9 @@ class Observers:
     def emit(self, event: BatchEvent[_P], /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Call ``event`` on every observer that overrides it; one that raises is logged and skipped from then on.
 
+        "Raises" includes a ``CancelledError`` an observer raises itself: no cancel scope delivers one
+        into a synchronous method, so it is the observer's error, never the batch's cancellation.
+
         Observers that keep the base class's do-nothing method are not called at all (that is most
         observers for most events, several times per rollout).
 
@@ -260,13 +264,28 @@ class Observers:
                 continue
             try:
                 method(*args, **kwargs)
-            except Exception:
+            except BaseException as exc:
+                # An observer's method is synchronous: a cancellation it raises was never delivered
+                # by a cancel scope (they land at awaits), so it is the observer's bug like any
+                # other error, not the batch's cancellation (issue 27).
+                if not isinstance(exc, Exception) and not _is_cancellation(exc):
+                    raise
                 self._broken.add(position)
                 logger.exception(
                     "observer %r raised in %s; it is skipped for the rest of this generate() call",
                     self._observers[position],
                     hearing[0],
                 )
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is asyncio's or trio's cancellation (looked up only where imported)."""
+    for module_name, name in (("asyncio", "CancelledError"), ("trio", "Cancelled")):
+        module = sys.modules.get(module_name)
+        kind = getattr(module, name, None) if module is not None else None
+        if isinstance(kind, type) and isinstance(exc, kind):
+            return True
+    return False
 
 
 class RolloutEmitter(Protocol):

@@ -151,4 +151,10 @@ async def watch_loop_lag(lag: LoopLag | None, work: Callable[[], Awaitable[T]]) 
             raise raised[0]
         finally:
             del raised[:]
+    if not results:
+        # The work ended in a cancellation no scope of ours caused (the group swallowed it): say so.
+        raise RuntimeError(
+            "generate() was cancelled by a CancelledError that no cancel scope caused (raised by user code: "
+            "an observer, client or environment); cancel the caller's scope instead"
+        )
     return results[0]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 
-from ..failures import StragglerCutError
+from ..failures import StragglerCutError, as_written
 from .pauses import PauseClock
 
 __all__ = ["StragglerCutError", "StragglerCutoff", "cutoff_threshold"]
@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 def cutoff_threshold(fraction: float, size: int) -> int:
     """How many of ``size`` rollouts must be final before the rest are given their grace."""
-    # The epsilon keeps 0.9 * 10 (9.000000000000002 in floating point) at 9.
-    return max(1, math.ceil(fraction * size - 1e-9))
+    # Exact: 0.9 * 10 is 9.000000000000002 in floating point, and the cuts (size minus this) must
+    # stay within a failure budget of 1 - fraction compared exactly too.
+    return max(1, math.ceil(as_written(fraction) * size))
 
 
 @dataclass

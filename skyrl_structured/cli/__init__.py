@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,14 @@ from ._config import load_config
 from ._data import build_batch, load_dataset
 from ._engine import EngineSetup, chaos_policy, preflight, wrap_env_classes
 from ._help import keys_help
+from ._live import MetricsPortError
 from ._logs import AggregatingHandler, configure_logging
-from ._outputs import write_outputs
+from ._outputs import write_outputs, write_summary_json
 from ._run import RunResult, is_duplicate, run_step
 from ._schema import RolloutConfig
 from ._summary import batch_line, environments_line, summarize
 from ._table import format_summary
-from ._trajectories import jsonable
+from ._trajectories import TRAJECTORIES_FILE, jsonable
 from ._values import ConfigError
 
 __all__ = ["main"]
@@ -108,6 +109,8 @@ def _describe_failure(result: RunResult, skip_failed: bool) -> str:
     error = result.error
     assert error is not None
     what = describe_error(error)
+    if isinstance(error, MetricsPortError):
+        return str(error)
     if not result.started_generating:
         return f"could not start the engine: {what}"
     cause = error.__cause__
@@ -178,28 +181,62 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(cfg, policy, dataset.source, len(dataset), samples, batch, Path(cfg.run.output_dir), logs, chosen)
 
 
-def _hold_repeats(result: RunResult) -> None:
-    """Once stopped, keep a repeat of the stop from killing the process while it writes its summary.
+@dataclass
+class _Finishing:
+    """What a stop arriving while the run's files are written has asked for."""
+
+    #: The pictures are being drawn: a stop skips them (KeyboardInterrupt), summary.json is written.
+    drawing: bool = False
+    #: The exit status a stop asked for (the files are finished first).
+    exit_status: int | None = None
+    #: The handlers replaced, to put back once the files are written.
+    saved: dict[int, Any] = field(default_factory=dict)
+
+
+def _hold_repeats(result: RunResult, finishing: _Finishing | None = None) -> None:
+    """Once the step is over, keep a stop from killing the process before summary.json is written.
 
     The signal receiver is gone by now (its handlers are the defaults again), and the summary, the
-    files and ``summary.png`` still take a while: a duplicate of the stop arriving late (``timeout``
-    signals the process, then its group) is ignored, and a deliberate second signal still exits at once.
+    files and the pictures still take a while: a duplicate of a first stop arriving late (``timeout``
+    signals the process, then its group) is ignored; any other SIGINT or SIGTERM has the files
+    finished, skips the pictures (interrupting them if they are being drawn) and sets the exit status.
     """
-    if result.signal is None:
-        return
+    state = _Finishing() if finishing is None else finishing
 
-    def repeated(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: Any) -> None:
         if is_duplicate(result):
             return
-        _status(f"{signal.Signals(signum).name} received again: exiting without writing the summary")
-        sys.stdout.flush()
-        os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        again = " again" if result.signal is not None else ""
+        state.exit_status = 128 + signum
+        if state.drawing:
+            _status(f"{name} received{again}: skipping the pictures (summary.json is written)")
+            raise KeyboardInterrupt
+        _status(f"{name} received{again}: exiting once summary.json is written")
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, repeated)
+        state.saved[signum] = signal.signal(signum, stop)
 
 
-def _run(plan: _Plan, debug: bool) -> RunResult | int:
+def _exit_now_writer(plan: _Plan, argv: Sequence[str]) -> Callable[[RunResult], None]:
+    """What a second stop does before the process exits without cleanup: summary.json and the table."""
+
+    def write(result: RunResult) -> None:
+        result.status = "interrupted"
+        try:
+            summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result, argv=argv)
+            summary["exited_without_cleanup"] = True
+            kept = result.trajectories is not None and result.started_generating
+            summary["files"] = [TRAJECTORIES_FILE, "summary.json"] if kept else ["summary.json"]
+            write_summary_json(plan.output_dir, summary, plan.cfg)
+            print(format_summary(summary, plan.output_dir), flush=True)
+        except Exception as exc:  # exiting anyway: say why there is no summary
+            _error(f"could not write summary.json on the way out: {type(exc).__name__}: {exc}")
+
+    return write
+
+
+def _run(plan: _Plan, debug: bool, finishing: _Finishing, argv: Sequence[str]) -> RunResult | int:
     """Run the step; an exit status instead when it could not run at all."""
     cfg = plan.cfg
     if cfg.chaos.hang_rate > 0 and cfg.generator.rollout_timeout_s is None:
@@ -213,7 +250,14 @@ def _run(plan: _Plan, debug: bool) -> RunResult | int:
         _status(f"engine ready: {setup.description}")
 
     step = functools.partial(
-        run_step, cfg, plan.batch, plan.policy, say=_status, on_engine=engine_ready, after_signals=_hold_repeats
+        run_step,
+        cfg,
+        plan.batch,
+        plan.policy,
+        say=_status,
+        on_engine=engine_ready,
+        after_signals=functools.partial(_hold_repeats, finishing=finishing),
+        on_exit_now=_exit_now_writer(plan, argv),
     )
     try:
         return anyio.run(step, backend=cfg.run.backend)
@@ -247,33 +291,81 @@ def _rollout(args: argparse.Namespace) -> int:
         _error(f"`run.output_dir` {str(plan.output_dir)!r} cannot be created: {exc}")
         return EXIT_CONFIG
 
-    result = _run(plan, args.debug)
+    finishing = _Finishing()
+    result = _run(plan, args.debug, finishing, args.argv)
     for line in plan.logs.summary_lines():
         _status(line)
     if isinstance(result, int):
         return result
-    summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result, argv=args.argv)
     try:
-        write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result)
+        status = _finish(plan, args, result, finishing)
+    finally:
+        if result.metrics is not None:
+            result.metrics.close()  # served until now: a last scrape sees the final values
+        if result.signal is None:  # not stopped, so no late copy of a stop to catch: as it was
+            for signum, handler in finishing.saved.items():
+                signal.signal(signum, handler)
+    if result.load_abandoned:
+        # The engine's loading thread cannot be stopped, and the interpreter would wait for it at exit.
+        _status("exiting without waiting for the engine's loading thread")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _finish(plan: _Plan, args: argparse.Namespace, result: RunResult, finishing: _Finishing) -> int:
+    """Write the files, print the table; the exit status."""
+    summary = summarize(plan.cfg, plan.source, plan.prompts, plan.samples, result, argv=args.argv)
+
+    def before_pictures(names: list[str]) -> bool:
+        if finishing.exit_status is not None:
+            return False
+        _status(f"drawing {' and '.join(names)} (matplotlib, a few seconds; Ctrl-C skips it)")
+        finishing.drawing = True
+        return True
+
+    try:
+        write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result, before_pictures=before_pictures)
+    except KeyboardInterrupt:
+        pass  # a stop just before the drawing began: summary.json is written, the pictures are skipped
     except OSError as exc:
         _error(f"could not write the output to {str(plan.output_dir)!r}: {exc}")
         return EXIT_FAILED
+    finally:
+        finishing.drawing = False
     if result.status == "failed":
         if args.debug and result.error is not None:
             traceback.print_exception(result.error)
         if result.started_generating:
             print(format_summary(summary, plan.output_dir), flush=True)
         _error(_describe_failure(result, plan.cfg.generator.skip_failed_rollouts))
-        return EXIT_FAILED
+        return finishing.exit_status or EXIT_FAILED
     print(format_summary(summary, plan.output_dir), flush=True)
+    if finishing.exit_status is not None:
+        return finishing.exit_status
     if result.status == "interrupted":
         assert result.signal is not None
         return 128 + result.signal
     return 0
 
 
+def _import_from_cwd() -> None:
+    """Let ``env_class: my_envs.mod:MyEnv`` import from the current directory, as ``python -m`` does.
+
+    A console script's ``sys.path`` starts at the script's own directory, not the current one, so a
+    dataset naming a module next to it would fail to import. Appended, not put first: the user's
+    directory never shadows an installed package.
+    """
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``skyrl-structured`` console script; returns the exit status."""
+    if argv is None:
+        _import_from_cwd()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -282,4 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
     handlers: dict[str, Any] = {"rollout": _rollout}
     status: int = handlers[args.command](args)
+    if argv is None and status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        # Stopped, and everything is written: a repeat of the stop landing while the interpreter
+        # shuts down (where Python puts the default handlers back) must not turn 130 into a kill.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     return status

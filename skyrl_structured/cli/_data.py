@@ -139,7 +139,10 @@ def _register_entry_point(env_class: str, source: str) -> None:
     try:
         register_import_path(env_class)
     except ValueError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        hint = ""
+        if "ModuleNotFoundError" in str(exc):
+            hint = " (the current directory is searched; for a module elsewhere, add its directory to PYTHONPATH)"
+        raise ConfigError(f"{source}: {exc}{hint}") from None
 
 
 def _listed(labels: list[str]) -> str:

@@ -68,9 +68,10 @@ def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigErr
         foreign = _FOREIGN_SECTIONS.get(head)
         if foreign is not None:
             return ConfigError(f"unknown key `{key}`{where}: {foreign}")
-        # `max_turns=3` is `generator.max_turns` with its section left out: name the full key.
-        nested = [p for p in specs if p.endswith(f".{key}")][:2]
-        close = nested or difflib.get_close_matches(head, SECTIONS, n=1)
+        if "." not in key:
+            return _bare_key(key, specs, where)
+        # `sampling_params.temperature=1` is a key with its section left out: name the full key.
+        close = [p for p in specs if p.endswith(f".{key}")][:2] or difflib.get_close_matches(head, SECTIONS, n=1)
         hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
         return ConfigError(f"unknown section `{head}` in `{key}`{where}{hint} Sections: {', '.join(SECTIONS)}")
     parent = key.rpartition(".")[0]
@@ -90,3 +91,20 @@ def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigErr
     hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
     listing = f" Keys under `{parent}`: {', '.join(siblings)}" if parent in specs else ""
     return ConfigError(f"unknown key `{key}`{where}{hint}{listing}")
+
+
+def _bare_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigError:
+    """A key without its section (``maxturns=3``): the full keys whose last name is, or looks like, it."""
+    # `max_turns=3` is `generator.max_turns` with its section left out: name the full key.
+    close = [p for p in specs if p.endswith(f".{key}")][:2]
+    if not close:
+        by_name: dict[str, list[str]] = {}
+        for path, spec in specs.items():
+            if spec.section is None:
+                by_name.setdefault(path.rpartition(".")[2], []).append(path)
+        names = difflib.get_close_matches(key, list(by_name), n=2, cutoff=0.75)
+        close = [path for name in names for path in by_name[name]][:2]
+    if not close:
+        close = [f"{c}.*" for c in difflib.get_close_matches(key, SECTIONS, n=1)]
+    hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
+    return ConfigError(f"unknown key `{key}`{where}: keys are `section.name`{hint} Sections: {', '.join(SECTIONS)}")

@@ -13,22 +13,25 @@ the same when matplotlib is installed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .._output.collector import reward_total
 from ..observe import FinishedTrajectory
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, TrajectoryID
+from ._live import METRICS_FILE, write_metrics
 from ._run import RunResult
 from ._schema import RolloutConfig
 from ._summary import counted
+from ._timeline import TIMELINE_FILE, TRACE_FILE, Timeline
 from ._trajectories import TRAJECTORIES_FILE, jsonable
 
-__all__ = ["OUTPUT_FILES", "PLOT_FILE", "write_outputs"]
+__all__ = ["OUTPUT_FILES", "PLOT_FILE", "write_outputs", "write_summary_json"]
 
 OUTPUT_FILES = ("generator_output.json", TRAJECTORIES_FILE, "timings.json", "summary.json")
 #: The ``GeneratorOutput`` fields, and the prefixes of the rollout metrics, that hold wall-clock times.
@@ -139,19 +142,62 @@ def _split_timings(output: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return output, timings
 
 
+def _pictures_wanted(result: RunResult) -> list[str]:
+    """The pictures this run would draw, in order: none without matplotlib or without anything run."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    names = []
+    if result.output is not None or (result.trajectories is not None and result.trajectories.kept > 0):
+        names.append(PLOT_FILE)
+    if result.trace is not None and result.started_generating and Timeline.of(result.trace.events).rows:
+        names.append(TIMELINE_FILE)
+    return names
+
+
+def _draw(name: str, output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig, result: RunResult) -> bool:
+    from ._plots import write_summary_png
+    from ._timeline import draw_timeline
+
+    timeline = Timeline.of(result.trace.events) if result.trace is not None else None
+    if name == TIMELINE_FILE:
+        return timeline is not None and draw_timeline(output_dir / TIMELINE_FILE, timeline)
+    limit = cfg.generator.sampling_params.max_generate_length
+    plot = dict(_plot_data(summary, result), max_generate_length=limit, timeline=timeline)
+    return write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **plot)
+
+
+def write_summary_json(output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig) -> None:
+    """Write ``summary.json``: the summary's figures and the resolved configuration."""
+    data = dict(summary, config=jsonable(cfg))
+    partial = output_dir / "summary.json.partial"
+    with partial.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(partial, output_dir / "summary.json")
+
+
 def write_outputs(
-    output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig, batch: GeneratorInput, result: RunResult
+    output_dir: Path,
+    summary: dict[str, Any],
+    cfg: RolloutConfig,
+    batch: GeneratorInput,
+    result: RunResult,
+    *,
+    before_pictures: Callable[[list[str]], bool] | None = None,
 ) -> None:
     """Write the run's files and list them in ``summary["files"]``.
 
     A completed step rewrites ``trajectories.jsonl`` (atomically) row for row with
     ``generator_output.json``. A stopped or failed step keeps the rows its rollouts appended as they
-    finished, and removes an earlier run's ``generator_output.json``. ``summary.png`` is drawn
-    when matplotlib is installed.
-    """
-    from ._plots import write_summary_png
-    from ._timeline import Timeline, write_timeline
+    finished, and removes an earlier run's ``generator_output.json``; a step stopped before
+    generation started writes ``summary.json`` only. ``metrics.prom`` holds the live metrics' final
+    values (``run.metrics_port``).
 
+    ``summary.json`` is written before the pictures (``summary.png``, ``timeline.png``, drawn when
+    matplotlib is installed, which takes seconds), then again with them listed: a stop while they
+    are drawn still leaves it. ``before_pictures`` is told the pictures about to be drawn and may
+    refuse them (False); a ``KeyboardInterrupt`` while they are drawn skips the rest.
+    """
     output_dir.mkdir(parents=True, exist_ok=True)
     files: list[str] = []
     trajectories = output_dir / TRAJECTORIES_FILE
@@ -172,26 +218,54 @@ def write_outputs(
         # Leave no output of an earlier run behind to be mistaken for this one's.
         (output_dir / "generator_output.json").unlink(missing_ok=True)
         (output_dir / "timings.json").unlink(missing_ok=True)
-        if result.trajectories is None:
-            trajectories.unlink(missing_ok=True)
+        if result.trajectories is None or not result.started_generating:
+            trajectories.unlink(missing_ok=True)  # nothing ran: no empty file to mistake for a result
         else:
             files.append(TRAJECTORIES_FILE)
-    drawn = result.output is not None or (result.trajectories is not None and result.trajectories.kept > 0)
-    timeline = Timeline.of(result.trace.events) if result.trace is not None else None
-    limit = cfg.generator.sampling_params.max_generate_length
-    plot = dict(_plot_data(summary, result), max_generate_length=limit, timeline=timeline)
-    if drawn and write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **plot):
-        files.append(PLOT_FILE)
+    traced = result.trace is not None and result.started_generating
+    if traced:
+        assert result.trace is not None
+        result.trace.write(output_dir / TRACE_FILE)
     else:
-        (output_dir / PLOT_FILE).unlink(missing_ok=True)
-    if result.trace is not None:
-        files += write_timeline(output_dir, result.trace)
-    files.append("summary.json")
-    summary["files"] = files
-    data = dict(summary, config=jsonable(cfg))
-    with (output_dir / "summary.json").open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+        (output_dir / TRACE_FILE).unlink(missing_ok=True)
+    metered = result.metrics is not None and result.started_generating
+    if result.metrics is not None and metered:
+        write_metrics(output_dir / METRICS_FILE, result.metrics)
+    else:
+        (output_dir / METRICS_FILE).unlink(missing_ok=True)
+    wanted = _pictures_wanted(result)
+    for name in {PLOT_FILE, TIMELINE_FILE} - set(wanted):
+        (output_dir / name).unlink(missing_ok=True)
+
+    def listed(drawn: list[str]) -> list[str]:
+        return [
+            *files,
+            *([PLOT_FILE] if PLOT_FILE in drawn else []),
+            *([TRACE_FILE] if traced else []),
+            *([TIMELINE_FILE] if TIMELINE_FILE in drawn else []),
+            *([METRICS_FILE] if metered else []),
+            "summary.json",
+        ]
+
+    summary["files"] = listed([])
+    write_summary_json(output_dir, summary, cfg)
+    if not wanted or (before_pictures is not None and not before_pictures(wanted)):
+        return
+    drawn: list[str] = []
+    try:
+        for name in wanted:
+            try:
+                if _draw(name, output_dir, summary, cfg, result):
+                    drawn.append(name)
+                else:
+                    (output_dir / name).unlink(missing_ok=True)
+            except KeyboardInterrupt:
+                (output_dir / name).unlink(missing_ok=True)  # half drawn
+                raise
+    except KeyboardInterrupt:
+        pass  # the caller asked to skip the rest; summary.json already lists what exists
+    summary["files"] = listed(drawn)
+    write_summary_json(output_dir, summary, cfg)
 
 
 def _plot_title(summary: dict[str, Any]) -> str:

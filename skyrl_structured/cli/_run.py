@@ -37,7 +37,7 @@ from ._live import env_workers_alive, serve_metrics
 from ._schema import RolloutConfig
 from ._trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
-__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "RunResult", "Tally", "is_duplicate", "run_step"]
+__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "STILL_WAITING_AFTER_S", "RunResult", "Tally", "is_duplicate", "run_step"]
 
 #: A signal this soon after the first is the same stop request delivered twice, not a second request.
 DUPLICATE_SIGNAL_WINDOW_S = 1.0
@@ -115,6 +115,8 @@ class RunResult:
     load_s: float = 0.0
     generate_s: float = 0.0
     started_generating: bool = False
+    #: Stopped while the engine loaded: its loading thread still runs, and would keep the process alive.
+    load_abandoned: bool = False
     #: The tokenizer the generator used (to decode the output), once the engine has loaded.
     tokenizer: Any = None
     #: ``trajectories.jsonl`` as the step appended to it (None when it could not be opened).
@@ -126,7 +128,8 @@ class RunResult:
     started_at: str = ""
     #: Every rollout's spans (``run.trace``), for ``trace.json`` and ``timeline.png``.
     trace: TraceRecorder | None = None
-    #: The live metrics served at ``run.metrics_port`` while the step runs.
+    #: The live metrics served at ``run.metrics_port`` while the step runs: the caller closes it once
+    #: the summary is written, so that a last scrape sees the final values.
     metrics: Any | None = None
 
 
@@ -135,27 +138,59 @@ def is_duplicate(result: RunResult) -> bool:
     return result.signal_at is not None and time.monotonic() - result.signal_at < DUPLICATE_SIGNAL_WINDOW_S
 
 
-async def _watch_signals(signals: Any, work: anyio.CancelScope, result: RunResult, say: Callable[[str], None]) -> None:
-    async for signum in signals:
-        if result.signal is None:
-            result.signal = signum
-            result.signal_at = time.monotonic()
-            name = signal.Signals(signum).name
-            if result.started_generating:
-                say(
-                    f"\n{name} received: cancelling {result.tally.in_flight} rollouts in flight and closing their "
-                    "environments (send it again to exit without waiting)"
-                )
+#: How long a stop may take before the command says what it still waits for.
+STILL_WAITING_AFTER_S = 5.0
+
+
+async def _still_waiting(result: RunResult, cleanup_s: float, say: Callable[[str], None]) -> None:
+    """Once a stop has taken :data:`STILL_WAITING_AFTER_S`, say what it waits for and the bound."""
+    await anyio.sleep(STILL_WAITING_AFTER_S)
+    tally = result.tally
+    running, open_envs = tally.in_flight, tally.envs_opened - tally.envs_closed
+    say(
+        f"still stopping: {running} {'rollout' if running == 1 else 'rollouts'} still running, {open_envs} "
+        f"{'environment' if open_envs == 1 else 'environments'} not closed yet; a close is abandoned after "
+        f"generator.env_cleanup_timeout_s={cleanup_s:g} s (send the signal again to exit now)"
+    )
+
+
+async def _watch_signals(
+    signals: Any,
+    work: anyio.CancelScope,
+    result: RunResult,
+    cfg: RolloutConfig,
+    say: Callable[[str], None],
+    on_exit_now: Callable[[RunResult], None] | None,
+) -> None:
+    cleanup_s = cfg.generator.env_cleanup_timeout_s
+    async with anyio.create_task_group() as waits:
+        async for signum in signals:
+            if result.signal is None:
+                result.signal = signum
+                result.signal_at = time.monotonic()
+                name = signal.Signals(signum).name
+                if result.started_generating:
+                    say(
+                        f"\n{name} received: cancelling {result.tally.in_flight} rollouts in flight and closing "
+                        f"their environments, each close bounded by generator.env_cleanup_timeout_s={cleanup_s:g} s "
+                        "(send it again to exit without waiting)"
+                    )
+                    waits.start_soon(_still_waiting, result, cleanup_s, say)
+                else:
+                    say(
+                        f"\n{name} received: stopping before generation started, without waiting for the engine "
+                        "to finish loading (send it again to exit now)"
+                    )
+                work.cancel()
+            elif is_duplicate(result):
+                continue  # the same stop, delivered to the process and to its group
             else:
-                say(f"\n{name} received: stopping before generation started (send it again to exit now)")
-            work.cancel()
-        elif is_duplicate(result):
-            continue  # the same stop, delivered to the process and to its group
-        else:
-            say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(128 + signum)
+                say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
+                if on_exit_now is not None:
+                    on_exit_now(result)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(128 + signum)
 
 
 async def run_step(
@@ -166,12 +201,15 @@ async def run_step(
     say: Callable[[str], None],
     on_engine: Callable[[EngineSetup], None] | None = None,
     after_signals: Callable[[RunResult], None] | None = None,
+    on_exit_now: Callable[[RunResult], None] | None = None,
 ) -> RunResult:
     """Load the engine, run ``generate()`` once, and return how it ended; never raises ``Exception``.
 
     ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
     ``after_signals`` is called the moment the signal receiver is gone (the signals' handlers are
     the defaults again), so that the caller can keep a repeated stop from killing what follows.
+    ``on_exit_now`` is called when a second stop exits the process without waiting for cleanup
+    (to write what can be written first). The caller closes ``result.metrics``.
     """
     tally = Tally()
     result = RunResult(
@@ -185,7 +223,7 @@ async def run_step(
     work = anyio.CancelScope()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as watchers:
-            watchers.start_soon(_watch_signals, signals, work, result, say)
+            watchers.start_soon(_watch_signals, signals, work, result, cfg, say, on_exit_now)
             with work:
                 try:
                     result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
@@ -197,8 +235,6 @@ async def run_step(
                 finally:
                     if result.trajectories is not None:
                         result.trajectories.close()
-                    if result.metrics is not None:
-                        result.metrics.close()
             watchers.cancel_scope.cancel()
     if after_signals is not None:
         after_signals(result)
@@ -218,6 +254,9 @@ async def _load_and_generate(
     started = time.monotonic()
     try:
         setup = await anyio.to_thread.run_sync(load_engine, cfg, policy, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        result.load_abandoned = True
+        raise
     finally:  # also when stopped while loading: the time spent is what the report shows
         result.load_s = time.monotonic() - started
     result.engine = setup.description

@@ -18,6 +18,7 @@ from typing import Any
 
 from .._output.collector import reward_total
 from .._runtime.supervisor import describe_error
+from ..failures import StragglerCutError
 from ..types import GeneratorOutput
 from ._run import RunResult
 from ._schema import RolloutConfig
@@ -27,6 +28,7 @@ from ._truth import trainer_truth
 __all__ = ["batch_line", "counted", "environments_line", "summarize"]
 
 _FAILURE_PREFIX = "generate/failures/"
+_CUT_KEY = f"{_FAILURE_PREFIX}{StragglerCutError.__name__}"
 #: Distributions whose versions make a run reproducible (those installed are recorded).
 _PACKAGES = (
     "skyrl-structured",
@@ -143,7 +145,10 @@ def summarize(
         summary["first_env_close_error"] = tally.first_close_error
         return summary
     metrics = output.get("rollout_metrics") or {}
-    failed = int(metrics.get("generate/num_failed_rollouts", 0))
+    # A straggler cut is the policy's own doing, not a failure: counted in a row of its own.
+    cut = int(metrics.get("generate/num_cut_rollouts", 0))
+    failed = int(metrics.get("generate/num_failed_rollouts", 0)) - cut
+    lost = int(metrics.get("generate/envs_lost_with_worker", 0))
     stop_reasons = output.get("stop_reasons") or []
     finals = _final_rows(output)
     ok_finals = [i for i in finals if not stop_reasons or stop_reasons[i] != "rollout_error"]
@@ -156,12 +161,16 @@ def summarize(
     response_tokens = sum(len(output["response_ids"][i]) for i in ok_rows)
     summary.update(
         {
-            "rollouts_ok": rollouts - failed,
+            "rollouts_ok": rollouts - failed - cut,
             "rollouts_failed": failed,
+            "rollouts_cut": cut,
+            "straggler_cutoff": cfg.generator.straggler_cutoff,
             "rollouts_timed_out": int(metrics.get("generate/num_timed_out_rollouts", 0)),
             "rollout_retries": int(metrics.get("generate/num_rollout_retries", 0)),
             "failures_by_type": {
-                k.removeprefix(_FAILURE_PREFIX): int(v) for k, v in metrics.items() if k.startswith(_FAILURE_PREFIX)
+                k.removeprefix(_FAILURE_PREFIX): int(v)
+                for k, v in metrics.items()
+                if k.startswith(_FAILURE_PREFIX) and k != _CUT_KEY
             },
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "rollouts_rewarded": sum(1 for r in rewards if r > 0),
@@ -169,7 +178,12 @@ def summarize(
             "response_tokens": response_tokens,
             "response_tokens_mean": response_tokens / len(ok_rows) if ok_rows else None,
             "envs_opened": int(metrics.get("generate/num_envs_opened", 0)),
-            "envs_closed": int(metrics.get("generate/num_envs_closed", 0)),
+            # The library counts a close its dead worker could not run as settled; it did not close.
+            "envs_closed": int(metrics.get("generate/num_envs_closed", 0)) - lost,
+            "envs_lost_with_worker": lost,
+            "env_executor": cfg.environment.skyrl_gym.env_executor,
+            "env_workers_killed": int(metrics.get("generate/env_workers_killed", 0)),
+            "env_worker_crashes": int(metrics.get("generate/env_worker_crashes", 0)),
             "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
             "first_env_close_error": tally.first_close_error,
             **trainer_truth(cfg, output, result, n_samples),

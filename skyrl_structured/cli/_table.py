@@ -23,9 +23,31 @@ def _table(rows: list[tuple[str, str]]) -> list[str]:
 
 def _opened_closed(summary: dict[str, Any]) -> str:
     opened, closed = summary["envs_opened"], summary["envs_closed"]
+    lost = summary.get("envs_lost_with_worker") or 0
     if opened == closed:
         return f"{opened} opened = {closed} closed"
-    return f"{opened} opened, {closed} closed ({opened - closed} NOT CLOSED)"
+    line = f"{opened} opened, {closed} closed"
+    if lost:
+        line += f", {lost} lost with their worker (never closed)"
+    if opened - closed - lost:
+        line += f" ({opened - closed - lost} NOT CLOSED)"
+    return line
+
+
+def _workers(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``env workers  1 killed past a deadline, 1 crashed`` (process and Ray executors, or any kill)."""
+    killed, crashed = summary.get("env_workers_killed") or 0, summary.get("env_worker_crashes") or 0
+    if not (killed or crashed or summary.get("env_executor", "thread") != "thread"):
+        return []
+    return [("env workers", f"{killed} killed past a deadline, {crashed} crashed")]
+
+
+def _cut(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``rollouts cut  4 (generator.straggler_cutoff=0.9)``: the cutoff's, apart from the failures."""
+    cut, cutoff = summary.get("rollouts_cut") or 0, summary.get("straggler_cutoff")
+    if not cut and cutoff is None:
+        return []
+    return [("rollouts cut", f"{cut}" + (f" (generator.straggler_cutoff={cutoff:g})" if cutoff is not None else ""))]
 
 
 def _close_errors(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -66,6 +88,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
         rows = [
             ("rollouts ok", str(summary["rollouts_ok"])),
             ("rollouts failed", str(summary["rollouts_failed"])),
+            *_cut(summary),
             ("rollouts timed out", str(summary["rollouts_timed_out"])),
             ("rollout retries", str(summary["rollout_retries"])),
             ("failures by type", ", ".join(f"{k} {v}" for k, v in failures.items()) or "none"),
@@ -83,6 +106,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
             ("environments", _opened_closed(summary)),
             *_close_errors(summary),
+            *_workers(summary),
             *_truth_rows(summary),
         ]
     if output_dir is not None:
@@ -99,6 +123,8 @@ def _wall_time(summary: dict[str, Any]) -> str:
 
 
 def _kept_line(summary: dict[str, Any]) -> str:
+    if not summary.get("engine_loaded", True):
+        return f"none ({summary['rollouts']} never started)"
     kept, failed, cut = summary["trajectories_kept"], summary["trajectories_kept_failed"], summary["trajectories_cut"]
     failed_part = f" ({failed} of them failed rollouts)" if failed else ""
     return f"{kept} in {TRAJECTORIES_FILE}{failed_part}, {cut} cut"

@@ -214,7 +214,8 @@ def _require_skyrl_runtime() -> None:
             raise SkyRLUnavailableError(
                 f"SkyRL cannot build its configuration on Python {python}: importing skyrl.backends fails "
                 f"({_first_line(exc)}). Run SkyRL's trainer on Python 3.12 or newer, e.g. "
-                "`uv venv --python 3.12 && uv pip install 'skyrl[fsdp]' skyrl-structured`"
+                "`uv venv --python 3.12 && uv pip install 'skyrl[fsdp]' -e /path/to/skyrl-structured` "
+                "(this package installs from its checkout: it is not on PyPI yet)"
             ) from exc
         raise SkyRLUnavailableError(
             f"SkyRL cannot build its configuration on Python {python}: importing {_SKYRL_CONFIG_NEEDS} fails "
