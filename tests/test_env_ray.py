@@ -83,3 +83,27 @@ async def test_a_crashed_actor_fails_one_rollout(anyio_backend, tokenizer, tmp_p
     assert metrics(out)["generate/failures/EnvWorkerError"] == 1
     assert metrics(out)["generate/env_worker_crashes"] == 1
     assert any("died while running `step`" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(900)  # six cases of three batches, each starting actors: minutes on a loaded machine
+def test_the_kit_in_ray_mode_names_an_envs_raising_close():
+    # Issue 27 item 5, on actors: the user's close is named with its file:line (recorded in the actor),
+    # not read as the kit's crash-in-close attack failing.
+    from skyrl_structured.testing import check_structured_concurrency
+
+    prompts = [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
+    report = check_structured_concurrency(
+        register_trouble_env(),
+        env_executor="ray",
+        prompts=prompts,
+        env_extras={"on_close": "raise"},
+        raise_on_failure=False,
+    )
+    assert len(report.cases) == 6  # three attacks on each backend
+    for case in report.cases:
+        (problem,) = case.problems
+        assert problem.startswith(
+            "the environment's own close raised RuntimeError: trouble env: raising on request at "
+        )
+        assert "worker_envs.py:" in problem
+        assert problem.endswith("closes failed): a close must not raise")
