@@ -172,7 +172,11 @@ async def _attack_case(
     recipe = env_recipe(env_class)
     workers = len(prompts)
     cfg = GeneratorConfig(
-        max_turns=max_turns, skip_failed_rollouts=True, rollout_timeout_s=_DEADLINE_S, env_cleanup_timeout_s=_CLEANUP_S
+        max_turns=max_turns,
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",  # one prompt: the attacked row is the whole batch, and must come back
+        rollout_timeout_s=_DEADLINE_S,
+        env_cleanup_timeout_s=_CLEANUP_S,
     )
     gym = SkyRLGymConfig(
         max_env_workers=workers, env_executor=env_executor, env_configs={ATTACKED_ENV: env_config or {}}

@@ -41,3 +41,10 @@ def test_an_import_path_that_does_not_import_is_refused_with_one_line():
         ValueError, match=r"^environment class 'no_such_pkg.envs:Env': cannot import 'no_such_pkg.envs'"
     ):
         check_structured_concurrency("no_such_pkg.envs:Env", prompts=PROMPTS)
+
+
+def test_process_executor_checks_a_single_prompt():
+    # The attacked row is then the whole batch: its placeholder must come back, not raise the budget.
+    report = check_structured_concurrency(register_trouble_env(), env_executor="process", prompts=PROMPTS[:1])
+    assert report.ok, report.summary()
+    assert len(report.cases) == 2 * len(EXECUTOR_ATTACKS)
