@@ -6,8 +6,9 @@ own process), a step that outlives its rollout's deadline, a crash (``os._exit``
 runs one batch with the attack on the target rollout and one clean batch after it, on the same
 generator, with one worker per rollout (so an attack has no bystanders). A warm-up batch first starts
 the workers with no rollout deadline (a start is the pool's time, never a rollout's) and sets the
-deadline of the batches after it: ``_DEADLINE_S``, or three warm-up batches if longer, so only a hang
-overruns it. Each case checks:
+attacked batch's deadline: ``_DEADLINE_S``, or three warm-up batches if longer, so only a hang
+overruns it. The batch after the attack, which starts the replacement of a killed worker, runs with
+no deadline either. Each case checks:
 
 - the attacked rollout's row is a placeholder (``EnvWorkerError`` or ``TimeoutError``) or, for a crash
   in close, still real; every other row is real; the next batch is all real, with no worker killed;
@@ -199,7 +200,8 @@ async def _attack_case(
         deadline = max(_DEADLINE_S, 3 * (time.monotonic() - started))  # only a hang overruns it
         gen.resilience = dataclasses.replace(gen.resilience, rollout_timeout_s=deadline)
         out = await gen.generate(batch(True), disable_tqdm=True)
-        later = await gen.generate(batch(False), disable_tqdm=True)
+        with _no_rollout_deadline(gen):  # it starts the killed worker's replacement: the pool's time too
+            later = await gen.generate(batch(False), disable_tqdm=True)
     finally:
         await gen.aclose()
     expected = ["stop"] * len(prompts)
