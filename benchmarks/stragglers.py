@@ -20,6 +20,11 @@ At each cutoff below 1.0 the batch is run under each ``failed_rollout_policy`` a
 is applied to the output, as the trainer would. The reference is the same batch at cutoff 1.0
 (nothing cut). Reported: the mean over cut groups of the group baseline minus the uncut group's
 mean score, and the mean absolute change of the advantage of the rows that trained in both.
+
+**Quick mode** (``--quick``, the test's smoke run) is deterministic: at a cutoff below 1.0 the
+rollouts past the cutoff's threshold by latency rank never answer until cut (:class:`HeldTailEngine`),
+so each cutoff cuts exactly the tail it would cut on an idle machine, however loaded this one is
+(with real latencies alone, a starved event loop lets the tail finish before the cut).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from skyrl_structured import (
     StructuredGymGenerator,
     TrajectoryID,
 )
+from skyrl_structured._runtime.stragglers import cutoff_threshold
 from skyrl_structured.config import FAILED_ROLLOUT_POLICIES, FailedRolloutPolicy
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 
@@ -86,6 +92,33 @@ class LognormalEngine(InstantEngine):
         session_id = input_batch["session_ids"][0]
         await anyio.sleep(self.latency(session_id))
         return self.reply(session_id)
+
+
+class HeldTailEngine:
+    """``engine``, except that the sessions in ``held`` never answer: they wait until their rollout is cut.
+
+    A wait on nothing but the cut (an event, not a clock), so which rollouts are cut does not depend
+    on the machine's speed.
+    """
+
+    def __init__(self, engine: LognormalEngine, held: frozenset[Hashable]) -> None:
+        self.engine, self.held = engine, held
+
+    async def generate(self, input_batch: Mapping[str, Any], model: str | None = None) -> InferenceEngineOutput:
+        if input_batch["session_ids"][0] in self.held:
+            await anyio.sleep_forever()
+        return await self.engine.generate(input_batch, model)
+
+    async def finish_session(self, session_id: Hashable) -> None:
+        await self.engine.finish_session(session_id)
+
+
+def held_tail(engine: LognormalEngine, n: int, cutoff: float) -> frozenset[Hashable]:
+    """The sessions a cutoff cuts on an idle machine: those ranked past its threshold by latency."""
+    if cutoff >= 1.0:
+        return frozenset()
+    ranked = sorted(range(n), key=lambda i: engine.latency(session(i)))
+    return frozenset(session(i) for i in ranked[cutoff_threshold(cutoff, n) :])
 
 
 def session(i: int) -> str:
@@ -131,8 +164,18 @@ def make_generator(tokenizer: Any, engine: Any, cutoff: float, policy: FailedRol
 
 
 def run_once(
-    tokenizer: Any, engine: Any, batch: Any, *, cutoff: float, policy: FailedRolloutPolicy, backend: str
+    tokenizer: Any,
+    engine: Any,
+    batch: Any,
+    *,
+    cutoff: float,
+    policy: FailedRolloutPolicy,
+    backend: str,
+    quick: bool = False,
 ) -> dict[str, Any]:
+    """One batch at ``cutoff`` under ``policy``; ``quick``: the tail is held until cut (see the module docstring)."""
+    if quick:
+        engine = HeldTailEngine(engine, held_tail(engine, len(batch["prompts"]), cutoff))
     gen = make_generator(tokenizer, engine, cutoff, policy)
     gc.collect()
 
@@ -261,7 +304,9 @@ def run(*, quick: bool, backends: Sequence[str], repeats: int, tokenizer_name: s
         for r in range(repeats):
             order = CUTOFFS if r % 2 == 0 else tuple(reversed(CUTOFFS))
             for cutoff in order:
-                got = run_once(tokenizer, engine, batch, cutoff=cutoff, policy="placeholder", backend=backend)
+                got = run_once(
+                    tokenizer, engine, batch, cutoff=cutoff, policy="placeholder", backend=backend, quick=quick
+                )
                 times[cutoff].append(got["elapsed"])
                 last[cutoff] = got["output"]
         full = statistics.median(times[1.0])
@@ -285,10 +330,14 @@ def run(*, quick: bool, backends: Sequence[str], repeats: int, tokenizer_name: s
     grpo = skyrl_grpo()
     for scenario in SCENARIOS:
         scenario_batch = make_batch(n, rewards_for(engine, n, correlated=scenario == "slow means wrong"))
-        reference = run_once(tokenizer, engine, scenario_batch, cutoff=1.0, policy="placeholder", backend=backends[0])
+        reference = run_once(
+            tokenizer, engine, scenario_batch, cutoff=1.0, policy="placeholder", backend=backends[0], quick=quick
+        )
         for cutoff in GRPO_CUTOFFS:
             for policy in POLICIES:
-                out = run_once(tokenizer, engine, scenario_batch, cutoff=cutoff, policy=policy, backend=backends[0])
+                out = run_once(
+                    tokenizer, engine, scenario_batch, cutoff=cutoff, policy=policy, backend=backends[0], quick=quick
+                )
                 numbers = bias_row(grpo, reference["output"], out["output"], scenario_batch["trajectory_ids"])
                 row = {"scenario": scenario, "cutoff": cutoff, "policy": policy, **numbers}
                 result["grpo"].append(row)
@@ -328,7 +377,9 @@ def tables(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.stragglers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="128 rollouts, 20 ms median latency: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="128 rollouts, 20 ms median latency, the tail held until cut: a smoke run"
+    )
     parser.add_argument("--backends", default="asyncio,trio")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokenizer", choices=("auto", "qwen", "tiny"), default="tiny")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 from types import TracebackType
@@ -73,6 +74,23 @@ def make_generator(tokenizer: Any, engine: Any = None, *, workers: int = 2, **cf
     cfg.setdefault("max_input_length", 4096)
     engine = engine or ScriptedEngine(tokenizer, turn_replies("first #### 7", "second #### 8"))
     return StructuredGymGenerator(GeneratorConfig(**cfg), SkyRLGymConfig(max_env_workers=workers), engine, tokenizer)
+
+
+async def without_rollout_deadline(gen: StructuredGymGenerator, batch: GeneratorInput) -> GeneratorOutput:
+    """``gen.generate(batch)`` with no ``rollout_timeout_s`` meanwhile: its env workers start outside any deadline.
+
+    A worker's start (a process spawned, a Ray actor scheduled) is the pool's time, never a rollout's,
+    and how long it takes depends on the machine's load: a test that needs workers warm starts them
+    here (design rule 20). The batch must come back clean, so the workers are really up.
+    """
+    kept = gen.resilience
+    gen.resilience = dataclasses.replace(kept, rollout_timeout_s=None)
+    try:
+        out = await gen.generate(batch, disable_tqdm=True)
+    finally:
+        gen.resilience = kept
+    assert out["stop_reasons"] == ["stop"] * len(batch["prompts"]), out["stop_reasons"]
+    return out
 
 
 def other_tasks() -> int:

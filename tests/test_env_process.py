@@ -33,7 +33,7 @@ from skyrl_structured.config import EnvExecutorKind
 from skyrl_structured.envs import EnvCallRunner
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
-from tests.helpers import not_none, token_rewards, turn_replies
+from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
 
 pytestmark = pytest.mark.anyio
 
@@ -101,11 +101,13 @@ async def test_envs_live_in_worker_processes_and_close_once(anyio_backend, token
 
 async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path):
     # One worker per env (the placement rule with max_env_workers >= rollouts): a kill has no bystanders.
-    gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=2.0)
+    # The workers start outside any deadline (and so does the killed one's replacement); the deadline
+    # bounds warm workers' calls only, generously: only the hang overruns it on a loaded machine.
+    gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=5.0)
     try:
-        await gen.generate(batch(6, tmp_path), disable_tqdm=True)  # the workers start outside any deadline
+        await without_rollout_deadline(gen, batch(6, tmp_path))
         out = await gen.generate(batch(6, tmp_path, {2: {"on_step": {1: "hang"}}}), disable_tqdm=True)
-        later = await gen.generate(batch(6, tmp_path), disable_tqdm=True)
+        later = await without_rollout_deadline(gen, batch(6, tmp_path))
     finally:
         await gen.aclose()
     assert out["stop_reasons"] == ["stop", "stop", "rollout_error", "stop", "stop", "stop"]
@@ -119,7 +121,8 @@ async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(an
 
 
 async def test_a_hung_close_kills_its_worker_and_keeps_the_trajectory(anyio_backend, tokenizer, tmp_path):
-    gen = make_gen(tokenizer, workers=1, env_cleanup_timeout_s=1.0)
+    # The bound is generous for the next batch's closes on a loaded machine: only the hang overruns it.
+    gen = make_gen(tokenizer, workers=1, env_cleanup_timeout_s=3.0)
     try:
         out = await gen.generate(batch(1, tmp_path, {0: {"on_close": "hang"}}), disable_tqdm=True)
         later = await gen.generate(batch(3, tmp_path), disable_tqdm=True)
@@ -263,7 +266,7 @@ def test_no_worker_outlives_a_sigkilled_generator(tmp_path, backend):
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    gone_by = time.monotonic() + 3.0
+    gone_by = time.monotonic() + 30.0  # they die at once; only a worker that outlives us takes this long
     while any(alive(pid) for pid in pids) and time.monotonic() < gone_by:
         time.sleep(0.05)
     assert not [pid for pid in pids if alive(pid)]
@@ -343,7 +346,9 @@ async def test_the_batched_path_runs_process_envs(anyio_backend, tokenizer, tmp_
 async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises(
     anyio_backend, tokenizer, tmp_path, caplog
 ):
-    gen = make_gen(tokenizer, workers=2, env_cleanup_timeout_s=1.0)
+    # Each other close waits for its env's 0.3 s step first: 3 s leaves a loaded machine room, so only
+    # the hung close's worker is killed.
+    gen = make_gen(tokenizer, workers=2, env_cleanup_timeout_s=3.0)
     special: dict[int, dict[str, Any]] = {i: {"on_step": {1: "sleep:0.3"}} for i in range(4)}
     special[0]["on_close"] = "hang"
     try:
@@ -360,7 +365,7 @@ async def test_a_close_hung_after_a_cancellation_is_killed_and_generate_reraises
         kills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("killing env worker")]
         assert len(kills) == 1
         assert kills[0].endswith(
-            "`close` of env 'skyrl_structured_trouble' was still running past env_cleanup_timeout_s=1s"
+            "`close` of env 'skyrl_structured_trouble' was still running past env_cleanup_timeout_s=3s"
         )
     finally:
         await gen.aclose()

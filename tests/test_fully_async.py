@@ -92,7 +92,7 @@ async def test_merged_group_metrics_equal_the_whole_batch(tokenizer, anyio_backe
     # two, group 3 one timeout.
     faults: dict[str, Any] = dict(failing={"q1_0", "q2_1", "q2_3"}, flaky={"q0_2"}, hanging={"q3_1"})
     knobs: dict[str, Any] = dict(
-        skip_failed_rollouts=True, max_rollout_retries=1, rollout_retry_backoff_s=0.001, rollout_timeout_s=1.5
+        skip_failed_rollouts=True, max_rollout_retries=1, rollout_retry_backoff_s=0.001, rollout_timeout_s=3.0
     )
     n = 4 * GROUP
     whole_gen = make_generator(tokenizer, scripted_faults(tokenizer, **faults), **knobs)

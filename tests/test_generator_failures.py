@@ -251,10 +251,16 @@ async def test_bounded_concurrency_keeps_order_and_caps_live_envs(tokenizer, any
     ledger = EnvLedger()
     live = {"now": 0, "peak": 0}
     replies = turn_replies("first #### 7", "second #### 8")
+    full = anyio.Event()
 
     async def handler(call):
         live["now"] += 1
         live["peak"] = max(live["peak"], live["now"])
+        if live["now"] == 3:
+            full.set()
+        # The first three wait for each other (an event, not a race against their tokenizing), so the
+        # cap is reached on any machine; the short sleep gives a fourth the chance to break in.
+        await full.wait()
         await anyio.sleep(0.01)
         live["now"] -= 1
         return replies(call)

@@ -40,7 +40,7 @@ def batch(extras):
 
 def generator(**cfg):
     return StructuredGymGenerator(
-        GeneratorConfig(max_turns=2, env_cleanup_timeout_s=0.5, **cfg),
+        GeneratorConfig(max_turns=2, env_cleanup_timeout_s=2.0, **cfg),
         SkyRLGymConfig(max_env_workers=8),
         ScriptedEngine(tokenizer, lambda call: "an answer"),
         tokenizer,

@@ -199,7 +199,7 @@ async def test_render_failure_and_timeout_are_that_rollouts_failures(anyio_backe
         tokenizer,
         engine,
         skip_failed_rollouts=True,
-        rollout_timeout_s=0.5,
+        rollout_timeout_s=2.0,  # the clean rollouts' bound too: only the hang overruns it
         max_rollout_retries=1,
         rollout_retry_backoff_s=0.0,
     )

@@ -4,26 +4,34 @@
 worker rebuilds it) and, on request, attacks it there: the worker killed mid-step (``SIGKILL`` of its
 own process), a step that outlives its rollout's deadline, a crash (``os._exit``) in close. Each case
 runs one batch with the attack on the target rollout and one clean batch after it, on the same
-generator (after a warm-up batch that starts the workers), with one worker per rollout (so an attack
-has no bystanders), and checks:
+generator, with one worker per rollout (so an attack has no bystanders). A warm-up batch first starts
+the workers with no rollout deadline (a start is the pool's time, never a rollout's) and sets the
+attacked batch's deadline: ``_DEADLINE_S``, or three warm-up batches if longer, so only a hang
+overruns it. The batch after the attack, which starts the replacement of a killed worker, runs with
+no deadline either. Each case checks:
 
 - the attacked rollout's row is a placeholder (``EnvWorkerError`` or ``TimeoutError``) or, for a crash
   in close, still real; every other row is real; the next batch is all real, with no worker killed;
 - the kill or crash is counted (``generate/env_workers_killed``, ``generate/env_worker_crashes``,
   ``generate/envs_lost_with_worker``);
 - every env made was closed exactly once, except the attacked one, which died with its worker;
-- no worker process is alive after ``aclose()``.
+- no worker process is alive after ``aclose()``;
+- the env's own ``close`` raised nowhere: a close that raises is named as thread mode names it, with
+  its type, message and the file:line of the user's code that raised (recorded in the worker, where
+  the traceback is), and is not mistaken for the kit's own failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +39,7 @@ import anyio
 import skyrl_gym
 from skyrl_gym.metrics import default_aggregate_metrics
 
+from .._runtime.origin import describe_with_origin
 from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
 from ..envs._remote_executor import env_recipe
 from ..generator import StructuredGymGenerator
@@ -42,6 +51,8 @@ ATTACKED_ENV = "skyrl_structured_attacked"
 #: The attacks, by name: where each strikes.
 EXECUTOR_ATTACKS: tuple[str, ...] = ("worker_killed_in_step", "step_past_deadline", "crash_in_close")
 _DEADLINE_S = 3.0
+#: Bounds a close, and how long workers may take to exit after ``aclose()``: generous, only a hang hits it.
+_CLEANUP_S = 30.0
 
 
 class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
@@ -72,9 +83,15 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
     def close(self) -> None:
         with open(self.ledger / f"{self.key}.closed", "a") as f:
             f.write("closed\n")
-        self.inner.close()
-        if self.attack == "crash_in_close":
-            os._exit(3)
+        try:
+            self.inner.close()
+        except Exception as exc:
+            # Named here, where the traceback is: the generator's process gets the exception without it.
+            (self.ledger / f"{self.key}.close_error").write_text(describe_with_origin(exc))
+            raise
+        finally:
+            if self.attack == "crash_in_close":  # the attack strikes whatever the user's close did
+                os._exit(3)
 
     def get_metrics(self) -> Any:
         return self.inner.get_metrics()
@@ -98,6 +115,32 @@ def _ledger(root: Path) -> dict[str, tuple[int, str, int]]:
         closed = root / f"{made.stem}.closed"
         out[made.stem] = (int(pid), attack, len(closed.read_text().splitlines()) if closed.exists() else 0)
     return out
+
+
+def _close_error_problem(root: Path, ledger: Mapping[str, tuple[int, str, int]]) -> str | None:
+    """The line naming the env's own raising close (as thread mode's baseline does), or None.
+
+    Counted over the envs the kit did not attack, so the count is the same in every case.
+    """
+    closed = [key for key, (_, attack, closes) in ledger.items() if not attack and closes]
+    errors = [(root / f"{key}.close_error").read_text() for key in closed if (root / f"{key}.close_error").exists()]
+    if not errors:
+        return None
+    return (
+        f"the environment's own close raised {errors[0]} ({len(errors)} of {len(closed)} closes failed): "
+        "a close must not raise"
+    )
+
+
+@contextlib.contextmanager
+def _no_rollout_deadline(gen: StructuredGymGenerator) -> Iterator[None]:
+    """Run the generator's batches without ``rollout_timeout_s`` meanwhile (its workers' starts are not timed)."""
+    kept = gen.resilience
+    gen.resilience = dataclasses.replace(kept, rollout_timeout_s=None)
+    try:
+        yield
+    finally:
+        gen.resilience = kept
 
 
 def _alive(pid: int) -> bool:
@@ -130,7 +173,11 @@ async def _attack_case(
     recipe = env_recipe(env_class)
     workers = len(prompts)
     cfg = GeneratorConfig(
-        max_turns=max_turns, skip_failed_rollouts=True, rollout_timeout_s=_DEADLINE_S, env_cleanup_timeout_s=_DEADLINE_S
+        max_turns=max_turns,
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",  # one prompt: the attacked row is the whole batch, and must come back
+        rollout_timeout_s=_DEADLINE_S,
+        env_cleanup_timeout_s=_CLEANUP_S,
     )
     gym = SkyRLGymConfig(
         max_env_workers=workers,
@@ -149,9 +196,14 @@ async def _attack_case(
 
     problems: list[str] = []
     try:
-        await gen.generate(batch(False), disable_tqdm=True)  # the workers start outside the attack's deadline
+        with _no_rollout_deadline(gen):  # the workers start outside any deadline
+            started = time.monotonic()
+            await gen.generate(batch(False), disable_tqdm=True)
+        deadline = max(_DEADLINE_S, 3 * (time.monotonic() - started))  # only a hang overruns it
+        gen.resilience = dataclasses.replace(gen.resilience, rollout_timeout_s=deadline)
         out = await gen.generate(batch(True), disable_tqdm=True)
-        later = await gen.generate(batch(False), disable_tqdm=True)
+        with _no_rollout_deadline(gen):  # it starts the killed worker's replacement: the pool's time too
+            later = await gen.generate(batch(False), disable_tqdm=True)
     finally:
         await gen.aclose()
     expected = ["stop"] * len(prompts)
@@ -175,11 +227,13 @@ async def _attack_case(
     if killed_later:
         problems.append(f"the batch after the attack killed {killed_later} workers")
     ledger = _ledger(root)
+    if (own := _close_error_problem(root, ledger)) is not None:
+        problems.append(own)
     for _, struck, closes in ledger.values():
         want = 0 if struck in ("worker_killed_in_step", "step_past_deadline") else 1
         if closes != want:
             problems.append(f"an env ({'attacked' if struck else 'not attacked'}) was closed {closes} times")
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + _CLEANUP_S
     pids = {pid for pid, _, _ in ledger.values()}
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - other processes
         await anyio.sleep(0.05)

@@ -43,6 +43,7 @@ from typing import Any
 import skyrl_gym
 
 from ..config import GeneratorConfig
+from ..envs._registration import is_import_path, register_import_path
 from ..generator import StructuredGymGenerator
 from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup
 from ._report import CaseResult, ConcurrencyReport
@@ -126,10 +127,12 @@ def _check_arguments(
     leak_grace_s: float,
     jobs: int | None,
 ) -> list[Mapping[str, Any]]:
+    if isinstance(env_class, str) and env_class not in skyrl_gym.registry and is_import_path(env_class):
+        register_import_path(env_class)  # as the generator and the CLI do; its ValueError names the fix
     if not isinstance(env_class, str) or env_class not in skyrl_gym.registry:
         raise ValueError(
             f"`env_class` {env_class!r} is not a registered skyrl_gym environment; register it first with "
-            "skyrl_gym.register(id=..., entry_point=YourEnvClass)"
+            "skyrl_gym.register(id=..., entry_point=YourEnvClass), or name it by import path ('package.module:Class')"
         )
     if not prompts:
         raise ValueError("`prompts` must hold at least one conversation (a list of chat messages)")
@@ -236,7 +239,8 @@ def check_structured_concurrency(
     Call it from a synchronous test: it runs its own event loops (one per case, in a thread).
 
     Args:
-        env_class: a registered ``skyrl_gym`` environment id.
+        env_class: a registered ``skyrl_gym`` environment id, or an import path
+            (``"package.module:EnvClass"``), imported and registered as the generator and the CLI do.
         env_extras: every rollout's env extras (one dict, copied shallowly), or one dict per prompt.
         prompts: one rollout per conversation; the second rollout is the one faults target.
         tokenizer: a Hugging Face tokenizer with a chat template; default: the offline tiny ChatML one.

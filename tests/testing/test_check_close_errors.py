@@ -95,3 +95,20 @@ async def test_the_cli_summary_counts_close_errors_and_names_the_first(anyio_bac
     line = next(row for row in table.splitlines() if row.strip().startswith("close errors"))
     assert line.split(None, 2)[2].startswith("4 (first: OSError: sandbox teardown failed at ")
     assert line.endswith(RAISE_LINE + ")")
+
+
+def test_process_mode_names_the_environments_own_close_error_not_the_kit():
+    # Issue 27 item 5: the crash-in-close attack read "env_worker_crashes is 0, expected 1" (the user's
+    # close raised before the attack struck), and the user's error was named nowhere.
+    prompts = [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
+    report = check_structured_concurrency(ENV_ID, env_executor="process", prompts=prompts, raise_on_failure=False)
+    assert len(report.cases) == 6  # three attacks on each backend
+    for case in report.cases:
+        assert len(case.problems) == 1, (case.name, case.problems)
+        (problem,) = case.problems
+        assert problem.startswith("the environment's own close raised OSError: sandbox teardown failed at ")
+        assert RAISE_LINE in problem
+        assert problem.endswith("closes failed): a close must not raise")
+    summary = report.summary()
+    assert "env_worker_crashes" not in summary
+    assert summary.count("the environment's own close raised") == 1  # one distinct problem, every case

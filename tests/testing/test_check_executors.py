@@ -22,3 +22,29 @@ def test_process_executor_passes_every_executor_attack_on_both_backends():
 def test_an_unknown_executor_is_refused():
     with pytest.raises(ValueError, match=r"`env_executor` must be one of 'thread', 'process', 'ray'; got 'fork'"):
         check_structured_concurrency(register_trouble_env(), env_executor="fork", prompts=PROMPTS)
+
+
+def test_an_import_path_env_id_is_accepted_as_the_generator_accepts_it():
+    # Issue 27 item 5: "pkg.mod:Cls" was refused as "not a registered skyrl_gym environment".
+    env_id = "skyrl_structured.testing.worker_envs:TroubleEnv"
+    report = check_structured_concurrency(env_id, env_executor="process", prompts=PROMPTS, backends=("asyncio", "trio"))
+    assert report.ok, report.summary()
+    report = check_structured_concurrency(
+        env_id, prompts=PROMPTS, max_env_workers=(2,), stages=("step",), matrices=("fault",)
+    )
+    assert report.ok, report.summary()
+    assert {c.backend for c in report.cases} == {"asyncio", "trio"}
+
+
+def test_an_import_path_that_does_not_import_is_refused_with_one_line():
+    with pytest.raises(
+        ValueError, match=r"^environment class 'no_such_pkg.envs:Env': cannot import 'no_such_pkg.envs'"
+    ):
+        check_structured_concurrency("no_such_pkg.envs:Env", prompts=PROMPTS)
+
+
+def test_process_executor_checks_a_single_prompt():
+    # The attacked row is then the whole batch: its placeholder must come back, not raise the budget.
+    report = check_structured_concurrency(register_trouble_env(), env_executor="process", prompts=PROMPTS[:1])
+    assert report.ok, report.summary()
+    assert len(report.cases) == 2 * len(EXECUTOR_ATTACKS)
