@@ -91,11 +91,16 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
     """
     params = dict(base or {})
     params.setdefault("logprobs", 1)
+    limits = (body.get("max_tokens"), body.get("max_completion_tokens"))
+    if None not in limits and limits[0] != limits[1]:
+        raise _bad(
+            "max_completion_tokens", f"= {limits[1]!r} disagrees with `max_tokens` = {limits[0]!r}; send only one"
+        )
     for key, value in body.items():
         if key in _NOT_SAMPLING:
             continue
         if key in _NEUTRAL:
-            if value not in _NEUTRAL[key] or isinstance(value, bool) and key not in ("stream", "logprobs"):
+            if value not in _NEUTRAL[key] or (isinstance(value, bool) and key not in ("stream", "logprobs")):
                 raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
         elif key in _NUMBERS:
             if value is None:
@@ -108,9 +113,6 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
                 continue
             if type(value) is not int or value < 1:
                 raise _bad(key, f"must be an integer >= 1, got {value!r}")
-            other = body.get("max_completion_tokens" if key == "max_tokens" else "max_tokens")
-            if other is not None and other != value:
-                raise _bad(key, f"= {value} disagrees with the other token limit = {other}; send one of them")
             params["max_tokens" if "max_tokens" in params else "max_generate_length"] = value
         elif key == "top_k":
             if value is None:
@@ -177,8 +179,9 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
         converted["content"] = _content_text(message.get("content"), f"messages[{i}].content")
         calls = message.get("tool_calls")
         if calls:
-            converted["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in
-                                       enumerate(calls)]
+            converted["tool_calls"] = [
+                _template_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(calls)
+            ]
         out.append(converted)
     return out
 
@@ -352,7 +355,12 @@ class Capture:
         branch.stop_reason = stop_reason
         branch.calls += 1
         call = CallRecord(
-            prepared.branch, list(prepared.prompt_ids), list(sampled_ids), logprobs, stop_reason, text,
+            prepared.branch,
+            list(prepared.prompt_ids),
+            list(sampled_ids),
+            logprobs,
+            stop_reason,
+            text,
             prepared.extended,
         )
         self.calls.append(call)
@@ -360,8 +368,15 @@ class Capture:
 
 
 def chat_completion_body(
-    *, completion_id: str, model: str, created: int, text: str, stop_reason: str, prompt_tokens: int,
-    completion_tokens: int, parse_tools: bool,
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    stop_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    parse_tools: bool,
 ) -> dict[str, Any]:
     """OpenAI's ``chat.completion`` object for one captured call (tool calls parsed when tools were offered)."""
     content: str | None = text

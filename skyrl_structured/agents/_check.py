@@ -8,7 +8,7 @@ from typing import Any
 
 from ._capture import Capture, encode, parse_tool_calls
 
-__all__ = ["CaptureCheck", "CallCheck", "check_capture"]
+__all__ = ["CallCheck", "CaptureCheck", "check_capture"]
 
 _TOOLS = [
     {
@@ -102,9 +102,7 @@ def check_capture(tokenizer: Any, *, chat_template_kwargs: dict[str, Any] | None
             checks.append(CallCheck(k, prepared.extended))
         else:
             at = _common_prefix(previous, prepared.rendered)
-            checks.append(
-                CallCheck(k, False, at, previous[at : at + 40], prepared.rendered[at : at + 40])
-            )
+            checks.append(CallCheck(k, False, at, previous[at : at + 40], prepared.rendered[at : at + 40]))
         sampled = encode(tokenizer, reply) + ([eos] if eos is not None else [])
         capture.record(prepared, sampled, None, "stop", reply)
         content, tool_calls = parse_tool_calls(reply, id_prefix=f"call_{k}")

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -266,7 +266,7 @@ class StructuredAgentGenerator:
         return {
             "prompt_token_ids": [r.prompt_ids for r in rows],
             "response_ids": [r.response_ids for r in rows],
-            "rewards": [r.reward for r in rows],
+            "rewards": cast(list[list[float]], [r.reward for r in rows]),  # every row is per-token
             "loss_masks": [r.loss_mask for r in rows],
             "stop_reasons": [r.stop_reason for r in rows],
             "rollout_metrics": metrics,

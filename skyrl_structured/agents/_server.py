@@ -25,7 +25,7 @@ from anyio.abc import SocketAttribute
 
 from .._episode.replies import read_reply
 from ..types import InferenceClient
-from ._capture import APIError, Capture, CallRecord, chat_completion_body, engine_sampling_params
+from ._capture import APIError, CallRecord, Capture, chat_completion_body, engine_sampling_params
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -370,13 +370,18 @@ async def serve_capture(
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     server.port = int(listener.extra(SocketAttribute.local_port))
     server.url = f"http://{host}:{server.port}"
+    failure: Exception | None = None
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(listener.serve, server._handle_connection, group)
             try:
                 yield server
+            except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
+                failure = exc
             finally:
                 group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
     finally:
         with anyio.CancelScope(shield=True):
             await listener.aclose()
