@@ -160,7 +160,7 @@ async def test_sampling_fields_are_mapped_onto_the_engines_params(tokenizer, any
     ("request_fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"logprobs": True}, "logprobs"),
@@ -177,15 +177,7 @@ async def test_a_field_that_cannot_be_honoured_is_refused_with_a_400_naming_it(
 ):
     engine = ScriptedEngine.from_replies(tokenizer, "ok")
     async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
-        if request_fields.get("stream"):
-
-            def work() -> Any:
-                with client(session.base_url) as c:
-                    return c.chat.completions.create(model="m", messages=USER, stream=True)  # type: ignore[arg-type]
-
-            answer = await in_thread(work)
-        else:
-            answer = await chat(session.base_url, messages=USER, **request_fields)
+        answer = await chat(session.base_url, messages=USER, **request_fields)
     error = error_of(answer)
     assert answer.status_code == 400
     assert error["param"] == param
@@ -284,3 +276,33 @@ async def test_a_client_that_disconnects_cancels_its_engine_request(tokenizer, a
         await stream.aclose()
         await cancelled.wait()
         assert session.calls == []  # nothing recorded for an abandoned request
+
+
+async def test_streaming_sends_the_same_reply_as_chunks_and_captures_the_same_ids(tokenizer, anyio_backend):
+    hermes = with_template(tokenizer, hermes_template(strip_think=False))
+    call_text = 'On it.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    engine = ScriptedEngine.from_replies(hermes, "hello world", call_text)
+    async with serve_capture(engine, hermes) as server, server.session("t0_0") as session:
+
+        def agent() -> list[list[Any]]:
+            with client(session.base_url) as c:
+                plain = c.chat.completions.create(  # type: ignore[call-overload]
+                    model="m", messages=USER, stream=True, stream_options={"include_usage": True}
+                )
+                first = list(plain)
+                tools = c.chat.completions.create(model="m", messages=USER, tools=ADD_TOOL, stream=True)  # type: ignore[arg-type]
+                return [first, list(tools)]
+
+        plain, tools = await in_thread(agent)
+    assert "".join(c.choices[0].delta.content or "" for c in plain if c.choices) == "hello world"
+    assert [c.choices[0].finish_reason for c in plain if c.choices][-1] == "stop"
+    assert plain[-1].usage.completion_tokens == len(session.calls[0].sampled_ids)
+    assert session.calls[0].sampled_ids == [
+        *hermes.encode("hello world", add_special_tokens=False),
+        hermes.eos_token_id,
+    ]
+    assert "".join(c.choices[0].delta.content or "" for c in tools) == "On it."
+    (call,) = [t for c in tools for t in c.choices[0].delta.tool_calls or []]
+    assert (call.index, call.function.name, json.loads(call.function.arguments)) == (0, "add", {"a": 1, "b": 2})
+    assert tools[-1].choices[0].finish_reason == "tool_calls"
+    assert tools[-1].usage is None

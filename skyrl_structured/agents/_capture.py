@@ -18,6 +18,8 @@ __all__ = [
     "CallRecord",
     "Capture",
     "Prepared",
+    "chat_completion_body",
+    "chat_completion_stream",
     "engine_sampling_params",
     "parse_tool_calls",
     "render_text",
@@ -64,8 +66,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "stream": (None, False),
-    "stream_options": (None,),
+    "stream": (None, False, True),
     "tool_choice": (None, "auto"),
     "n": (None, 1),
 }
@@ -82,11 +83,12 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
     them); ``logprobs`` defaults to 1 so that every sampled token's logprob is recorded. Mapped:
     ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (onto ``max_tokens`` or
     ``max_generate_length``, whichever ``base`` uses), ``stop``, ``seed`` and vLLM's ``top_k``,
-    ``min_p``, ``repetition_penalty``.
+    ``min_p``, ``repetition_penalty``. ``stream`` and ``stream_options.include_usage`` shape the
+    answer, not the sampling.
 
     Raises:
         APIError: 400 naming the first field that cannot be honoured (a non-neutral penalty,
-            ``n > 1``, ``stream=true``, ``logprobs=true``, a forced ``tool_choice``, a
+            ``n > 1``, ``logprobs=true``, a forced ``tool_choice``, a
             ``response_format`` other than text, a ``logit_bias``, an unknown field) or has a bad value.
     """
     params = dict(base or {})
@@ -101,6 +103,7 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
             continue
         if key in _NEUTRAL:
             if value not in _NEUTRAL[key] or (isinstance(value, bool) and key not in ("stream", "logprobs")):
+                # (True == 1 and False == 0 in Python: a boolean `n` or penalty is refused explicitly)
                 raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
         elif key in _NUMBERS:
             if value is None:
@@ -133,6 +136,13 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise _bad(key, f"must be a string or a list of strings, got {value!r}")
             params[key] = list(stops)
+        elif key == "stream_options":
+            if value is None:
+                continue
+            if not body.get("stream"):
+                raise _bad(key, "is only allowed with `stream=true`")
+            if not isinstance(value, dict) or set(value) - {"include_usage"}:
+                raise _bad(key, f"= {value!r}: only `include_usage` is supported")
         elif key == "logit_bias":
             if value:
                 raise _bad(key, "cannot be honoured by this capture endpoint; leave it unset")
@@ -401,3 +411,31 @@ def chat_completion_body(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def chat_completion_stream(completion: dict[str, Any], *, include_usage: bool) -> bytes:
+    """The SSE body of ``stream=true`` for a finished ``chat.completion``: OpenAI's ``chat.completion.chunk`` events.
+
+    The engine's reply is whole when it arrives (the ``InferenceClient`` does not stream), so it is sent
+    as one role chunk, one content chunk, one chunk of tool calls (each with its index), a finish chunk,
+    the usage chunk when asked, and ``[DONE]``. The token ids were captured before the first byte.
+    """
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def event(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        chunk = head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    events = [event({"role": "assistant", "content": ""})]
+    if message["content"]:
+        events.append(event({"content": message["content"]}))
+    if message.get("tool_calls"):
+        events.append(event({"tool_calls": [{"index": k} | call for k, call in enumerate(message["tool_calls"])]}))
+    events.append(event({}, choice["finish_reason"]))
+    if include_usage:
+        usage = head | {"choices": [], "usage": completion["usage"]}
+        events.append(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return b"".join(events)

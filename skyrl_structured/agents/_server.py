@@ -25,7 +25,14 @@ from anyio.abc import SocketAttribute
 
 from .._episode.replies import read_reply
 from ..types import InferenceClient
-from ._capture import APIError, CallRecord, Capture, chat_completion_body, engine_sampling_params
+from ._capture import (
+    APIError,
+    CallRecord,
+    Capture,
+    chat_completion_body,
+    chat_completion_stream,
+    engine_sampling_params,
+)
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -276,20 +283,20 @@ class CaptureServer:
                 session._inflight.discard(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
                 session.capture.record(prepared, sampled, logprobs, stop_reason, text)
-                completion_id = f"chatcmpl-{session.id}-{len(session.calls) - 1}"
-                return _Response.json(
-                    200,
-                    chat_completion_body(
-                        completion_id=completion_id,
-                        model=str(body.get("model") or self.model),
-                        created=int(time.time()),
-                        text=text,
-                        stop_reason=stop_reason,
-                        prompt_tokens=len(prepared.prompt_ids),
-                        completion_tokens=len(sampled),
-                        parse_tools=bool(body.get("tools")),
-                    ),
+                completion = chat_completion_body(
+                    completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
+                    model=str(body.get("model") or self.model),
+                    created=int(time.time()),
+                    text=text,
+                    stop_reason=stop_reason,
+                    prompt_tokens=len(prepared.prompt_ids),
+                    completion_tokens=len(sampled),
+                    parse_tools=bool(body.get("tools")),
                 )
+                if body.get("stream"):
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
+                return _Response.json(200, completion)
         raise APIError(
             499,
             f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
