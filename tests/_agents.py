@@ -64,7 +64,7 @@ ADD_TOOL: list[dict[str, Any]] = [
 
 
 def client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300.0)
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120.0)
 
 
 async def in_thread(work: Callable[[], Any]) -> Any:
