@@ -17,9 +17,12 @@ from skyrl_structured.testing import EngineCall, LeakTracker, ScriptedEngine
 from skyrl_structured.types import GeneratorInput
 from skyrl_structured.validate import validate_generator_output
 from tests._agents import ADD_TOOL, chat, client, error_of, hermes_template, with_template
+from tests._upstream import load_upstream_validator
 from tests.helpers import token_rewards
 
 pytestmark = pytest.mark.anyio
+
+skyrl_validate_generator_output = load_upstream_validator()
 
 
 def batch(n: int) -> GeneratorInput:
@@ -68,6 +71,7 @@ async def test_an_openai_agent_trains_token_exact(tokenizer, anyio_backend):
     async with tracker:
         out = await generator.generate(batch(2))
     validate_generator_output(2, out)
+    skyrl_validate_generator_output(2, out)  # SkyRL's trainer's own check
     assert [r[-1] for r in token_rewards(out)] == [0.0, 0.0]  # "6" is neither 0 + 3 nor 1 + 3
     assert out["stop_reasons"] == ["stop", "stop"]
     calls_by_session: dict[Any, list[EngineCall]] = {}
@@ -159,6 +163,7 @@ async def test_a_failed_rollout_is_a_placeholder_or_fails_the_step(tokenizer, an
     skipping = StructuredAgentGenerator(engine, tokenizer, agent, skip_failed_rollouts=True)
     out = await skipping.generate(batch(2))
     validate_generator_output(2, out)
+    skyrl_validate_generator_output(2, out)
     assert out["stop_reasons"] == ["stop", "rollout_error"]
     assert out["loss_masks"][1] == [0]
     assert out["rewards"][1] == [0.0]
