@@ -53,7 +53,9 @@ not the tokenizer's canonical one still extends its branch.
 **The generator** (:class:`StructuredAgentGenerator`, SkyRL's ``generate(input_batch) ->
 GeneratorOutput``): per prompt, a capture session and the user's ``async agent(ctx)`` (``ctx``:
 :class:`AgentContext` with base URL, API key, prompt, env extras); the reward is the returned number
-or ``result["reward"]``. One task group per ``generate()``; each rollout catches ``Exception``
+or ``result["reward"]``. :func:`command_agent` makes such an agent of a command line: run per rollout
+in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its reward the last line of
+its stdout, the whole group killed when it exits or its rollout ends. One task group per ``generate()``; each rollout catches ``Exception``
 (``skip_failed_rollouts``: a placeholder row, else the step fails with that error and the other
 rollouts are cancelled) and lets cancellation through; ``rollout_timeout_s`` is each rollout's
 deadline. The row of a rollout is its **last branch**: prompt ids = the branch's first prompt;
@@ -65,13 +67,17 @@ the branch's last call. Earlier branches are counted, not trained on: ``generate
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
 
-Not yet (issue 28): streaming, command agents (subprocesses), step-wise output of every branch, retries,
+Streaming: a ``stream=true`` request gets the same answer as ``chat.completion.chunk`` events once the
+engine's reply is complete (the ``InferenceClient`` returns whole replies).
+
+Not yet (issue 28): step-wise output of every branch, retries,
 straggler cuts, pauses and observers for agent rollouts, the SkyRL/CLI wiring, the real-vLLM lane and
 the benchmark; see docs/agents.md.
 """
 
 from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
 from ._check import CallCheck, CaptureCheck, check_capture
+from ._command import command_agent
 from ._generator import AgentContext, AgentError, AgentFn, StructuredAgentGenerator
 from ._server import CaptureServer, CaptureSession, serve_capture
 
@@ -89,6 +95,7 @@ __all__ = [
     "CaptureSession",
     "StructuredAgentGenerator",
     "check_capture",
+    "command_agent",
     "parse_tool_calls",
     "serve_capture",
 ]
