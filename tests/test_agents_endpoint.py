@@ -306,3 +306,41 @@ async def test_streaming_sends_the_same_reply_as_chunks_and_captures_the_same_id
     assert (call.index, call.function.name, json.loads(call.function.arguments)) == (0, "add", {"a": 1, "b": 2})
     assert tools[-1].choices[0].finish_reason == "tool_calls"
     assert tools[-1].usage is None
+
+
+async def test_concurrent_calls_of_one_session_never_splice_ids_the_engine_did_not_see(tokenizer, anyio_backend):
+    both_in = anyio.Event()
+    release = anyio.Event()
+    waiting: list[EngineCall] = []
+    seen: list[EngineCall] = []
+
+    async def handler(call: EngineCall) -> str:
+        seen.append(call)
+        if len(seen) == 1:
+            return "a"  # the first call: answered at once
+        waiting.append(call)
+        if len(waiting) == 2:
+            both_in.set()
+        await release.wait()
+        return f"reply {len(call.prompt_token_ids)}"
+
+    engine = ScriptedEngine(tokenizer, handler)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        await chat(session.base_url, messages=USER)
+        history = [*USER, {"role": "assistant", "content": "a"}]
+        async with anyio.create_task_group() as group:
+            for follow_up in ("x", "a longer follow-up"):
+                messages = [*history, {"role": "user", "content": follow_up}]
+                group.start_soon(lambda m=messages: chat(session.base_url, messages=m))
+            await both_in.wait()
+            release.set()
+    # Both calls were prepared as extensions of branch 0; the one recorded second became its own branch.
+    assert len(session.calls) == 3
+    assert [c.extended for c in session.calls].count(True) == 1
+    assert len(session.capture.branches) == 2
+    for branch in session.capture.branches:
+        last = [c for c in session.calls if c.branch == session.capture.branches.index(branch)][-1]
+        assert branch.prompt_ids + branch.response_ids == last.prompt_ids + last.sampled_ids
+    assert sorted(map(tuple, (c.prompt_ids for c in session.calls))) == sorted(
+        map(tuple, (c.prompt_token_ids for c in engine.calls))
+    )

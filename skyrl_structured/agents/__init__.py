@@ -44,7 +44,9 @@ from the whole render. The engine gets the branch's token ids through the ``Infe
 (``generate({"prompt_token_ids": [ids], "sampling_params": ..., "session_ids": [id]})``); its sampled
 ids and logprobs are recorded exactly as returned, and the client is answered with the engine's text.
 The comparison is made on text rather than on a re-tokenized render, so a sampled tokenization that is
-not the tokenizer's canonical one still extends its branch.
+not the tokenizer's canonical one still extends its branch. Two requests of one session in flight at
+once that both extend the same branch cannot both stay on it: the one recorded second becomes a new
+branch from the prompt it was sent with.
 
 **Tool calls**: when the request offers ``tools``, Hermes-style ``<tool_call>{"name", "arguments"}
 </tool_call>`` blocks of the reply (Qwen2.5 / Qwen3) are returned as OpenAI ``tool_calls`` (ids
@@ -55,14 +57,14 @@ GeneratorOutput``): per prompt, a capture session and the user's ``async agent(c
 :class:`AgentContext` with base URL, API key, prompt, env extras); the reward is the returned number
 or ``result["reward"]``. :func:`command_agent` makes such an agent of a command line: run per rollout
 in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its reward the last line of
-its stdout, the whole group killed when it exits or its rollout ends. One task group per ``generate()``; each rollout catches ``Exception``
-(``skip_failed_rollouts``: a placeholder row, else the step fails with that error and the other
-rollouts are cancelled) and lets cancellation through; ``rollout_timeout_s`` is each rollout's
-deadline. The row of a rollout is its **last branch**: prompt ids = the branch's first prompt;
-response ids = sampled ids (loss mask 1, logprobs as sampled) with the rendered tails between calls
-(loss mask 0, logprob 0.0); per-token rewards with the reward on the last token; the stop reason of
-the branch's last call. Earlier branches are counted, not trained on: ``generate/agent_branches``,
-``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in ``rollout_metrics``.
+its stdout, the whole group killed when it exits or its rollout ends. One task group per
+``generate()``; each rollout catches ``Exception`` (``skip_failed_rollouts``: a placeholder row, else
+the step fails with that error and the other rollouts are cancelled) and lets cancellation through;
+``rollout_timeout_s`` is each rollout's deadline. The row of a rollout is its **last branch**: prompt
+ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with
+the rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the
+last token; the stop reason of the branch's last call. Earlier branches are counted, not trained on:
+``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in ``rollout_metrics``.
 
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.

@@ -309,6 +309,8 @@ class Prepared:
     tail_ids: list[int]
     rendered: str
     extended: bool
+    #: The branch's length (prompt + response ids) when this call was prepared from it.
+    base_length: int = 0
 
 
 class Capture:
@@ -342,21 +344,30 @@ class Capture:
             branch = self.branches[index]
             if rendered.startswith(branch.text):
                 tail = encode(self.tokenizer, rendered[len(branch.text) :])
-                return Prepared(index, branch.prompt_ids + branch.response_ids + tail, tail, rendered, True)
+                base = branch.prompt_ids + branch.response_ids
+                return Prepared(index, base + tail, tail, rendered, True, len(base))
         return Prepared(len(self.branches), encode(self.tokenizer, rendered), [], rendered, False)
 
     def record(
         self, prepared: Prepared, sampled_ids: list[int], logprobs: list[float] | None, stop_reason: str, text: str
     ) -> CallRecord:
-        """Keep the engine's sampled ids and logprobs on the prepared call's branch, exactly as returned."""
-        if prepared.extended:
-            branch = self.branches[prepared.branch]
+        """Keep the engine's sampled ids and logprobs on the prepared call's branch, exactly as returned.
+
+        A call prepared to extend a branch that another call of the session extended meanwhile
+        (concurrent requests) no longer extends it: it is recorded as a new branch from the prompt
+        it was actually sent with, so no branch ever holds ids the engine did not see in that order.
+        """
+        index = prepared.branch
+        branch = self.branches[index] if prepared.extended else None
+        if branch is not None and len(branch.prompt_ids) + len(branch.response_ids) == prepared.base_length:
             branch.response_ids += prepared.tail_ids
             branch.loss_mask += [0] * len(prepared.tail_ids)
             branch.logprobs += [0.0] * len(prepared.tail_ids)
         else:
             branch = Branch(prompt_ids=list(prepared.prompt_ids))
+            index = len(self.branches)
             self.branches.append(branch)
+            prepared = Prepared(index, prepared.prompt_ids, [], prepared.rendered, False)
         branch.response_ids += sampled_ids
         branch.loss_mask += [1] * len(sampled_ids)
         branch.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled_ids)
