@@ -328,10 +328,13 @@ async def test_concurrent_calls_of_one_session_never_splice_ids_the_engine_did_n
     async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
         await chat(session.base_url, messages=USER)
         history = [*USER, {"role": "assistant", "content": "a"}]
+
+        async def follow(text: str) -> None:
+            await chat(session.base_url, messages=[*history, {"role": "user", "content": text}])
+
         async with anyio.create_task_group() as group:
             for follow_up in ("x", "a longer follow-up"):
-                messages = [*history, {"role": "user", "content": follow_up}]
-                group.start_soon(lambda m=messages: chat(session.base_url, messages=m))
+                group.start_soon(follow, follow_up)
             await both_in.wait()
             release.set()
     # Both calls were prepared as extensions of branch 0; the one recorded second became its own branch.

@@ -64,7 +64,8 @@ the step fails with that error and the other rollouts are cancelled) and lets ca
 ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with
 the rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the
 last token; the stop reason of the branch's last call. Earlier branches are counted, not trained on:
-``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in ``rollout_metrics``.
+``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in
+``rollout_metrics``.
 
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
