@@ -212,8 +212,8 @@ async def test_cancelling_a_step_answers_499_aborts_the_engine_call_and_leaves_n
         seen.append(await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt))
         return 1.0
 
-    generator = StructuredAgentGenerator(engine, tokenizer, agent)
     tracker = LeakTracker()
+    generator = StructuredAgentGenerator(tracker.track_engine(engine), tokenizer, agent)
     async with tracker, generator.serving():
         async with anyio.create_task_group() as group:
             group.start_soon(generator.generate, batch(1))
@@ -229,6 +229,7 @@ async def test_cancelling_a_step_answers_499_aborts_the_engine_call_and_leaves_n
         assert late.status_code == 410
         assert "q0_0" in error_of(late)["message"]
     assert len(engine.calls) == 1
+    assert engine.finished_sessions == [session.id]  # its engine session too, though no call was answered
 
 
 async def test_a_rollout_past_its_deadline_gets_499_and_fails_with_timeout(tokenizer, anyio_backend):
@@ -245,3 +246,25 @@ async def test_a_rollout_past_its_deadline_gets_499_and_fails_with_timeout(token
         await generator.generate(batch(1))
     assert cancelled.is_set()
     assert seen[0].status_code == 499
+
+
+async def test_an_agent_interleaving_two_conversations_trains_on_the_one_it_ended_with(tokenizer, anyio_backend):
+    engine = ScriptedEngine.from_replies(tokenizer, "main 1", "side", "main 2")
+
+    async def agent(ctx: AgentContext) -> float:
+        main = list(ctx.prompt)
+        first = await chat(ctx.base_url, ctx.api_key, messages=main)
+        await chat(ctx.base_url, ctx.api_key, messages=[{"role": "user", "content": "A side question."}])
+        main += [{"role": "assistant", "content": first.choices[0].message.content}]
+        await chat(ctx.base_url, ctx.api_key, messages=[*main, {"role": "user", "content": "Go on."}])
+        return 1.0
+
+    out = await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(1))
+    validate_generator_output(1, out)
+    main_prompt, _, last = (c.prompt_token_ids for c in engine.calls)
+    assert out["prompt_token_ids"] == [main_prompt]
+    sampled_last = [*tokenizer.encode("main 2", add_special_tokens=False), tokenizer.eos_token_id]
+    assert main_prompt + out["response_ids"][0] == last + sampled_last
+    assert out["loss_masks"][0].count(1) == 2 * len(sampled_last)  # "main 1" and "main 2" have as many tokens
+    metrics = out["rollout_metrics"] or {}
+    assert (metrics["generate/agent_branches"], metrics["generate/agent_multi_branch_rollouts"]) == (2, 1)

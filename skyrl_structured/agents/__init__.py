@@ -34,9 +34,9 @@ returns and the cancellation completes.
 
 **Token-in, token-out** (:class:`Capture`). Each request's messages are rendered with the tokenizer's
 chat template (``tools`` passed to it; assistant ``tool_calls`` arguments parsed from their JSON
-string) as text. A session keeps *branches*: append-only token sequences. A call *extends* the current
-branch when its render starts with the branch's text, that is the previous call's rendered prompt
-followed by the decoded ids the engine sampled (special tokens kept): then the branch's ids are
+string) as text. A session keeps *branches*: append-only token sequences. A call *extends* a branch
+(the latest first) when its render starts with the branch's text, that is the branch's last rendered
+prompt followed by the decoded ids the engine sampled (special tokens kept): then the branch's ids are
 reused exactly as they are, never re-tokenized, and only the rest of the render (the messages added
 since, the generation prompt) is tokenized (loss mask 0). Otherwise (history rewritten, ``<think>``
 blocks stripped by the template, a summary, a re-serialised tool call) the call starts a new branch
@@ -60,10 +60,10 @@ in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its 
 its stdout, the whole group killed when it exits or its rollout ends. One task group per
 ``generate()``; each rollout catches ``Exception`` (``skip_failed_rollouts``: a placeholder row, else
 the step fails with that error and the other rollouts are cancelled) and lets cancellation through;
-``rollout_timeout_s`` is each rollout's deadline. The row of a rollout is its **last branch**: prompt
+``rollout_timeout_s`` is each rollout's deadline. The row of a rollout is the **branch of its last call**: prompt
 ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with
 the rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the
-last token; the stop reason of the branch's last call. Earlier branches are counted, not trained on:
+last token; the stop reason of the branch's last call. Other branches are counted, not trained on:
 ``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in
 ``rollout_metrics``.
 

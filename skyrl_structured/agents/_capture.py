@@ -316,10 +316,11 @@ class Prepared:
 class Capture:
     """The branches and calls of one session; the extend-or-branch rule lives here.
 
-    A call extends the current (last) branch when its rendered text starts with the branch's text
-    (the previous prompt's render followed by the decoded sampled ids): the branch's ids are reused
-    as they are and only the rest of the render (the new messages, the generation prompt) is
-    tokenized, loss mask 0. Otherwise the call starts a new branch from the whole render.
+    A call extends a branch when its rendered text starts with the branch's text (its last prompt's
+    render followed by the decoded sampled ids; the latest branch is tried first): the branch's ids
+    are reused as they are and only the rest of the render (the new messages, the generation prompt)
+    is tokenized, loss mask 0. Otherwise the call starts a new branch from the whole render. An agent
+    that interleaves two conversations in one session keeps two branches, each extended in turn.
     """
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
@@ -339,8 +340,7 @@ class Capture:
             raise _bad("tools", "must be a list of tool definitions")
         messages = _template_messages(body.get("messages"))
         rendered = render_text(self.tokenizer, messages, tools, **self.chat_template_kwargs)
-        if self.branches:
-            index = len(self.branches) - 1
+        for index in range(len(self.branches) - 1, -1, -1):  # the latest first: usually the one extended
             branch = self.branches[index]
             if rendered.startswith(branch.text):
                 tail = encode(self.tokenizer, rendered[len(branch.text) :])

@@ -278,13 +278,13 @@ class StructuredAgentGenerator:
 
 
 def _trajectory(session: CaptureSession, reward: float, elapsed: float) -> TrajectoryOutput:
-    """The rollout's training row: its last branch (earlier branches are counted, not trained on)."""
-    if not session.capture.branches:
+    """The rollout's training row: the branch of its last call (other branches are counted, not trained on)."""
+    if not session.capture.calls:
         raise AgentError(
             f"rollout {session.rollout}: the agent made no chat completion request to its base URL "
             f"{session.base_url}; point its OpenAI client there (base_url=ctx.base_url, api_key=ctx.api_key)"
         )
-    branch = session.capture.branches[-1]
+    branch = session.capture.branches[session.capture.calls[-1].branch]
     rewards = [0.0] * len(branch.response_ids)
     rewards[-1] = reward
     return TrajectoryOutput(

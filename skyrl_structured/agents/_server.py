@@ -60,6 +60,8 @@ class CaptureSession:
     close_reason: str | None = None
     #: How many times the session was closed: 1 after its scope exits, whatever the path.
     closes: int = 0
+    #: Engine requests sent for this session (answered or not): the engine session is finished if any.
+    engine_requests: int = 0
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
 
     @property
@@ -129,7 +131,8 @@ class CaptureServer:
     ) -> AsyncIterator[CaptureSession]:
         """A capture session for one rollout, open for the block and closed exactly once when it exits.
 
-        The engine session of the same id is finished on exit when any call was made.
+        The engine session of the same id is finished on exit (shielded) when any request reached the engine,
+        answered or cancelled.
         """
         session_id = f"{self._nonce}-{next(self._counter)}"
         session = CaptureSession(
@@ -152,7 +155,7 @@ class CaptureServer:
             self._ended[session_id] = rollout
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
-            if session.calls:
+            if session.engine_requests:
                 with anyio.CancelScope(shield=True):
                     try:
                         await self.client.finish_session(session_id)
@@ -267,6 +270,7 @@ class CaptureServer:
         prepared = session.capture.prepare(body)
         with anyio.CancelScope() as scope:
             session._inflight.add(scope)
+            session.engine_requests += 1
             try:
                 reply = await self.client.generate(
                     {
