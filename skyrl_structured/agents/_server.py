@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 _MAX_BODY = 32 * 1024 * 1024
 #: Ended sessions remembered for a 410 (older ones answer 404): a bound, not a timer.
 _TOMBSTONES = 65536
+#: How long a closing session waits for the engine's ``finish_session`` (shielded): a hung engine
+#: cannot keep a rollout from ending.
+_FINISH_SESSION_BOUND_S = 30.0
 
 
 @dataclass(eq=False)
@@ -131,8 +134,8 @@ class CaptureServer:
     ) -> AsyncIterator[CaptureSession]:
         """A capture session for one rollout, open for the block and closed exactly once when it exits.
 
-        The engine session of the same id is finished on exit (shielded) when any request reached the engine,
-        answered or cancelled.
+        The engine session of the same id is finished on exit (shielded, bounded) when any request
+        reached the engine, answered or cancelled.
         """
         session_id = f"{self._nonce}-{next(self._counter)}"
         session = CaptureSession(
@@ -156,11 +159,18 @@ class CaptureServer:
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
             if session.engine_requests:
-                with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(_FINISH_SESSION_BOUND_S, shield=True) as bound:
                     try:
                         await self.client.finish_session(session_id)
                     except Exception:
                         logger.warning("finish_session(%r) failed for rollout %s", session_id, rollout, exc_info=True)
+                if bound.cancelled_caught:
+                    logger.warning(
+                        "finish_session(%r) for rollout %s did not return within %g s; left to the engine",
+                        session_id,
+                        rollout,
+                        _FINISH_SESSION_BOUND_S,
+                    )
 
     # ------------------------------------------------------------------ HTTP plumbing (h11)
 
