@@ -347,3 +347,50 @@ async def test_concurrent_calls_of_one_session_never_splice_ids_the_engine_did_n
     assert sorted(map(tuple, (c.prompt_ids for c in session.calls))) == sorted(
         map(tuple, (c.prompt_token_ids for c in engine.calls))
     )
+
+
+async def _raw(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """One HTTP/1.1 request on a fresh connection; the status and the JSON body."""
+    head = f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(head.encode() + body)
+        data = b""
+        while True:
+            try:
+                data += await stream.receive()
+            except anyio.EndOfStream:
+                break
+    header, _, payload = data.partition(b"\r\n\r\n")
+    return int(header.split()[1]), json.loads(payload)
+
+
+async def test_malformed_requests_get_openai_error_bodies(tokenizer, anyio_backend):
+    engine = ScriptedEngine.from_replies(tokenizer, "ok")
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        base = f"/sessions/{session.id}/v1"
+        answers = {
+            "not json": await _raw(server.port, "POST", f"{base}/chat/completions", b"{nope"),
+            "not an object": await _raw(server.port, "POST", f"{base}/chat/completions", b"[1]"),
+            "no messages": await _raw(server.port, "POST", f"{base}/chat/completions", b"{}"),
+            "bad part": await _raw(
+                server.port,
+                "POST",
+                f"{base}/chat/completions",
+                json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+            ),
+            "GET completions": await _raw(server.port, "GET", f"{base}/chat/completions"),
+            "unknown route": await _raw(server.port, "POST", f"{base}/completions", b"{}"),
+        }
+    assert {what: status for what, (status, _) in answers.items()} == {
+        "not json": 400,
+        "not an object": 400,
+        "no messages": 400,
+        "bad part": 400,
+        "GET completions": 405,
+        "unknown route": 404,
+    }
+    for _, body in answers.values():
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert answers["no messages"][1]["error"]["param"] == "messages"
+    assert answers["bad part"][1]["error"]["param"] == "messages[0].content"
+    assert engine.calls == []
