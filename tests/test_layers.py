@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     # the generators SkyRL sees
     "generator": 4,
     "vlm_generator": 4,
+    "agents": 4,
     # what users run and import
     "cli": 5,
     "integrations": 5,

@@ -1,0 +1,104 @@
+"""Agents that speak the OpenAI chat API, trained token-exact (issue 28; design rule 19).
+
+Design
+======
+
+**The capture endpoint** (:func:`serve_capture`, :class:`CaptureServer`). One OpenAI-compatible HTTP
+server on 127.0.0.1 per generator (per ``generate()`` call, or one across calls inside
+``StructuredAgentGenerator.serving()``), running in the caller's event loop on anyio + h11, so it
+works under asyncio and trio alike and adds no server dependency. It serves, under a session's base
+URL ``http://127.0.0.1:PORT/sessions/<id>/v1``:
+
+- ``POST /chat/completions``, non-streaming. ``n`` must be 1; ``temperature``, ``top_p``,
+  ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed`` (and vLLM's ``top_k``, ``min_p``,
+  ``repetition_penalty``) are laid over the generator's sampling parameters; every other field that
+  would change sampling or the answer (``stream=true``, ``logprobs=true``, penalties, ``logit_bias``,
+  a forced ``tool_choice``, a non-text ``response_format``, an unknown field) is refused with a 400
+  naming it, never silently dropped. The request's ``model`` is not checked (agents hard-code names).
+- ``GET /models``: the served model name.
+
+The same routes answer under ``/v1`` with ``Authorization: Bearer <id>``: a session's API key is its
+id, for agents that cannot change their base URL's path. Errors are OpenAI error bodies
+``{"error": {"message", "type", "param", "code"}}``: no session named or an id never opened → 404;
+a session whose rollout has ended → 410 naming the rollout (ended sessions are remembered, by id and
+rollout name only, up to a fixed count; older ones answer 404); a request in flight when its rollout
+ends or is cancelled → 499 naming the rollout, and the engine request's task is cancelled. A client
+that disconnects mid-request cancels its engine request too.
+
+**The session is a scope** (:meth:`CaptureServer.session`, an async context manager): opened when the
+rollout starts, closed exactly once when its block exits, on every path (return, error, deadline,
+cancellation). Closing cancels the session's in-flight requests (499) and drops its state; nothing
+outlives it and no timer collects it. When a rollout is cancelled while its agent is blocked in a
+worker thread on an HTTP call, the session is closed first, which answers that call, so the thread
+returns and the cancellation completes.
+
+**Token-in, token-out** (:class:`Capture`). Each request's messages are rendered with the tokenizer's
+chat template (``tools`` passed to it; assistant ``tool_calls`` arguments parsed from their JSON
+string) as text. A session keeps *branches*: append-only token sequences. A call *extends* a branch
+(the latest first) when its render starts with the branch's text, that is the branch's last rendered
+prompt followed by the decoded ids the engine sampled (special tokens kept): then the branch's ids are
+reused exactly as they are, never re-tokenized, and only the rest of the render (the messages added
+since, the generation prompt) is tokenized (loss mask 0). Otherwise (history rewritten, ``<think>``
+blocks stripped by the template, a summary, a re-serialised tool call) the call starts a new branch
+from the whole render. The engine gets the branch's token ids through the ``InferenceClient``
+(``generate({"prompt_token_ids": [ids], "sampling_params": ..., "session_ids": [id]})``); its sampled
+ids and logprobs are recorded exactly as returned, and the client is answered with the engine's text.
+The comparison is made on text rather than on a re-tokenized render, so a sampled tokenization that is
+not the tokenizer's canonical one still extends its branch. Two requests of one session in flight at
+once that both extend the same branch cannot both stay on it: the one recorded second becomes a new
+branch from the prompt it was sent with.
+
+**Tool calls**: when the request offers ``tools``, Hermes-style ``<tool_call>{"name", "arguments"}
+</tool_call>`` blocks of the reply (Qwen2.5 / Qwen3) are returned as OpenAI ``tool_calls`` (ids
+``call_<completion id>_<k>``), the text outside them as ``content`` and ``finish_reason="tool_calls"``.
+
+**The generator** (:class:`StructuredAgentGenerator`, SkyRL's ``generate(input_batch) ->
+GeneratorOutput``): per prompt, a capture session and the user's ``async agent(ctx)`` (``ctx``:
+:class:`AgentContext` with base URL, API key, prompt, env extras); the reward is the returned number
+or ``result["reward"]``. :func:`command_agent` makes such an agent of a command line: run per rollout
+in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its reward the last line of
+its stdout, the whole group killed when it exits or its rollout ends. One task group per
+``generate()``; each rollout catches ``Exception`` (``skip_failed_rollouts``: a placeholder row, else
+the step fails with that error and the other rollouts are cancelled) and lets cancellation through;
+``rollout_timeout_s`` is each rollout's deadline. The row of a rollout is the **branch of its last call**: prompt
+ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with
+the rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the
+last token; the stop reason of the branch's last call. Other branches are counted, not trained on:
+``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in
+``rollout_metrics``.
+
+**The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
+call and says which calls extend the previous prompt + reply and which would branch, and where.
+
+Streaming: a ``stream=true`` request gets the same answer as ``chat.completion.chunk`` events once the
+engine's reply is complete (the ``InferenceClient`` returns whole replies).
+
+Not yet (issue 28): step-wise output of every branch, retries,
+straggler cuts, pauses and observers for agent rollouts, the SkyRL/CLI wiring, the real-vLLM lane and
+the benchmark; see docs/agents.md.
+"""
+
+from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
+from ._check import CallCheck, CaptureCheck, check_capture
+from ._command import command_agent
+from ._generator import AgentContext, AgentError, AgentFn, StructuredAgentGenerator
+from ._server import CaptureServer, CaptureSession, serve_capture
+
+__all__ = [
+    "APIError",
+    "AgentContext",
+    "AgentError",
+    "AgentFn",
+    "Branch",
+    "CallCheck",
+    "CallRecord",
+    "Capture",
+    "CaptureCheck",
+    "CaptureServer",
+    "CaptureSession",
+    "StructuredAgentGenerator",
+    "check_capture",
+    "command_agent",
+    "parse_tool_calls",
+    "serve_capture",
+]

@@ -1,0 +1,452 @@
+"""The token bookkeeping of one capture session: requests in, engine token ids recorded, branches kept.
+
+Nothing here does I/O: :mod:`._server` parses HTTP and calls :meth:`Capture.prepare` (render the
+request, decide extend-or-branch, build the engine's token prompt) and :meth:`Capture.record` (keep
+the engine's sampled ids and logprobs), then answers with :func:`chat_completion_body`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "APIError",
+    "Branch",
+    "CallRecord",
+    "Capture",
+    "Prepared",
+    "chat_completion_body",
+    "chat_completion_stream",
+    "engine_sampling_params",
+    "parse_tool_calls",
+    "render_text",
+]
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    410: "rollout_ended",
+    499: "rollout_cancelled",
+    500: "server_error",
+}
+
+
+def _bad(param: str, problem: str) -> APIError:
+    return APIError(400, f"`{param}` {problem}", param=param)
+
+
+# ----------------------------------------------------------------------------- sampling parameters
+
+#: Request fields read elsewhere (messages, tools) or with no effect on sampling: accepted as they are.
+_NOT_SAMPLING = frozenset({"model", "messages", "tools", "user", "metadata", "store", "parallel_tool_calls"})
+#: OpenAI (and vLLM extension) fields mapped onto SkyRL's sampling parameters of the same name.
+_NUMBERS = {"temperature": 0.0, "top_p": 0.0, "min_p": 0.0, "repetition_penalty": 0.0}
+#: Fields accepted only at their neutral value: anything else cannot be honoured and is refused.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "stream": (None, False, True),
+    "tool_choice": (None, "auto"),
+    "n": (None, 1),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine's ``sampling_params`` for one chat request: ``base`` overlaid with the request's fields.
+
+    ``base`` is the generator's sampling parameters (SkyRL's vocabulary, as the gym generator sends
+    them); ``logprobs`` defaults to 1 so that every sampled token's logprob is recorded. Mapped:
+    ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (onto ``max_tokens`` or
+    ``max_generate_length``, whichever ``base`` uses), ``stop``, ``seed`` and vLLM's ``top_k``,
+    ``min_p``, ``repetition_penalty``. ``stream`` and ``stream_options.include_usage`` shape the
+    answer, not the sampling.
+
+    Raises:
+        APIError: 400 naming the first field that cannot be honoured (a non-neutral penalty,
+            ``n > 1``, ``logprobs=true``, a forced ``tool_choice``, a
+            ``response_format`` other than text, a ``logit_bias``, an unknown field) or has a bad value.
+    """
+    params = dict(base or {})
+    params.setdefault("logprobs", 1)
+    limits = (body.get("max_tokens"), body.get("max_completion_tokens"))
+    if None not in limits and limits[0] != limits[1]:
+        raise _bad(
+            "max_completion_tokens", f"= {limits[1]!r} disagrees with `max_tokens` = {limits[0]!r}; send only one"
+        )
+    for key, value in body.items():
+        if key in _NOT_SAMPLING:
+            continue
+        if key in _NEUTRAL:
+            if value not in _NEUTRAL[key] or (isinstance(value, bool) and key not in ("stream", "logprobs")):
+                # (True == 1 and False == 0 in Python: a boolean `n` or penalty is refused explicitly)
+                raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+        elif key in _NUMBERS:
+            if value is None:
+                continue
+            if not _is_number(value) or value < _NUMBERS[key]:
+                raise _bad(key, f"must be a number >= {_NUMBERS[key]:g}, got {value!r}")
+            params[key] = value
+        elif key in ("max_tokens", "max_completion_tokens"):
+            if value is None:
+                continue
+            if type(value) is not int or value < 1:
+                raise _bad(key, f"must be an integer >= 1, got {value!r}")
+            params["max_tokens" if "max_tokens" in params else "max_generate_length"] = value
+        elif key == "top_k":
+            if value is None:
+                continue
+            if type(value) is not int:
+                raise _bad(key, f"must be an integer (-1 or 0 disables it), got {value!r}")
+            params[key] = value
+        elif key == "seed":
+            if value is None:
+                continue
+            if type(value) is not int:
+                raise _bad(key, f"must be an integer, got {value!r}")
+            params[key] = value
+        elif key == "stop":
+            stops = [value] if isinstance(value, str) else value
+            if stops is None:
+                continue
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise _bad(key, f"must be a string or a list of strings, got {value!r}")
+            params[key] = list(stops)
+        elif key == "stream_options":
+            if value is None:
+                continue
+            if not body.get("stream"):
+                raise _bad(key, "is only allowed with `stream=true`")
+            if not isinstance(value, dict) or set(value) - {"include_usage"}:
+                raise _bad(key, f"= {value!r}: only `include_usage` is supported")
+        elif key == "logit_bias":
+            if value:
+                raise _bad(key, "cannot be honoured by this capture endpoint; leave it unset")
+        elif key == "response_format":
+            if value is not None and value != {"type": "text"}:
+                raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+        else:
+            raise _bad(key, "is not supported by this capture endpoint; remove it from the request")
+    return params
+
+
+# ----------------------------------------------------------------------------- messages and rendering
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, ``None`` (empty) or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(where, "holds a content part that is not text; only text parts can be captured")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(where, f"must be a string, null or a list of text parts, got {type(content).__name__}")
+
+
+def _template_messages(messages: Any) -> list[dict[str, Any]]:
+    """The request's messages as a chat template expects them.
+
+    Content becomes text; an assistant's ``tool_calls[*].function.arguments`` (a JSON string on the
+    wire) becomes the dict Hugging Face chat templates serialise.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of chat messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad(f"messages[{i}]", "must be an object with a string `role`")
+        converted = dict(message)
+        converted["content"] = _content_text(message.get("content"), f"messages[{i}].content")
+        calls = message.get("tool_calls")
+        if calls:
+            converted["tool_calls"] = [
+                _template_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(calls)
+            ]
+        out.append(converted)
+    return out
+
+
+def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise _bad(where, "must be an object with `function.name`")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise _bad(f"{where}.function.arguments", f"is not valid JSON ({exc.msg})") from None
+    converted = dict(call)
+    converted["function"] = {"name": function["name"], "arguments": arguments}
+    return converted
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, **kwargs: Any) -> str:
+    """The chat template's text for ``messages`` (with the generation prompt), ``tools`` passed to it."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"the tokenizer's apply_chat_template(tokenize=False) returned {type(text).__name__}")
+    return text
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str, *, id_prefix: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks as OpenAI ``tool_calls``.
+
+    Returns ``(content, tool_calls)``: the text outside the blocks (stripped; None when empty and
+    there are calls) and one call per block, ids ``{id_prefix}_{k}``. A block that is not JSON with
+    a string ``name`` leaves the whole reply as plain content, with no calls.
+    """
+    blocks = _TOOL_CALL.findall(text)
+    if not blocks:
+        return text, []
+    calls: list[dict[str, Any]] = []
+    for k, block in enumerate(blocks):
+        try:
+            parsed = json.loads(block)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return text, []
+        arguments = parsed.get("arguments", {})
+        calls.append(
+            {
+                "id": f"{id_prefix}_{k}",
+                "type": "function",
+                "function": {
+                    "name": parsed["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+    content = _TOOL_CALL.sub("", text).strip()
+    return content or None, calls
+
+
+# ----------------------------------------------------------------------------- branches
+
+
+@dataclass
+class Branch:
+    """One append-only token sequence: a prompt, then sampled tokens (mask 1) and rendered tails (mask 0)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    #: Whether every sampled token came with a logprob (False once a reply lacked them).
+    has_logprobs: bool = True
+    #: The text these ids stand for: what a later render must start with to extend this branch.
+    text: str = ""
+    stop_reason: str = "stop"
+    calls: int = 0
+
+
+@dataclass
+class CallRecord:
+    """One captured chat completion: what the engine got and what it sampled, exactly."""
+
+    branch: int
+    prompt_ids: list[int]
+    sampled_ids: list[int]
+    logprobs: list[float] | None
+    stop_reason: str
+    text: str
+    #: Whether this call extended its branch (False: it started the branch).
+    extended: bool
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: its branch, the full token prompt, the tail rendered for it."""
+
+    branch: int
+    prompt_ids: list[int]
+    tail_ids: list[int]
+    rendered: str
+    extended: bool
+    #: The branch's length (prompt + response ids) when this call was prepared from it.
+    base_length: int = 0
+
+
+class Capture:
+    """The branches and calls of one session; the extend-or-branch rule lives here.
+
+    A call extends a branch when its rendered text starts with the branch's text (its last prompt's
+    render followed by the decoded sampled ids; the latest branch is tried first): the branch's ids
+    are reused as they are and only the rest of the render (the new messages, the generation prompt)
+    is tokenized, loss mask 0. Otherwise the call starts a new branch from the whole render. An agent
+    that interleaves two conversations in one session keeps two branches, each extended in turn.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.branches: list[Branch] = []
+        self.calls: list[CallRecord] = []
+
+    def prepare(self, body: dict[str, Any]) -> Prepared:
+        """Render the request and decide which branch it belongs to; nothing is recorded yet.
+
+        Raises:
+            APIError: 400 for malformed ``messages`` or ``tools``.
+        """
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _bad("tools", "must be a list of tool definitions")
+        messages = _template_messages(body.get("messages"))
+        rendered = render_text(self.tokenizer, messages, tools, **self.chat_template_kwargs)
+        for index in range(len(self.branches) - 1, -1, -1):  # the latest first: usually the one extended
+            branch = self.branches[index]
+            if rendered.startswith(branch.text):
+                tail = encode(self.tokenizer, rendered[len(branch.text) :])
+                base = branch.prompt_ids + branch.response_ids
+                return Prepared(index, base + tail, tail, rendered, True, len(base))
+        return Prepared(len(self.branches), encode(self.tokenizer, rendered), [], rendered, False)
+
+    def record(
+        self, prepared: Prepared, sampled_ids: list[int], logprobs: list[float] | None, stop_reason: str, text: str
+    ) -> CallRecord:
+        """Keep the engine's sampled ids and logprobs on the prepared call's branch, exactly as returned.
+
+        A call prepared to extend a branch that another call of the session extended meanwhile
+        (concurrent requests) no longer extends it: it is recorded as a new branch from the prompt
+        it was actually sent with, so no branch ever holds ids the engine did not see in that order.
+        """
+        index = prepared.branch
+        branch = self.branches[index] if prepared.extended else None
+        if branch is not None and len(branch.prompt_ids) + len(branch.response_ids) == prepared.base_length:
+            branch.response_ids += prepared.tail_ids
+            branch.loss_mask += [0] * len(prepared.tail_ids)
+            branch.logprobs += [0.0] * len(prepared.tail_ids)
+        else:
+            branch = Branch(prompt_ids=list(prepared.prompt_ids))
+            index = len(self.branches)
+            self.branches.append(branch)
+            prepared = Prepared(index, prepared.prompt_ids, [], prepared.rendered, False)
+        branch.response_ids += sampled_ids
+        branch.loss_mask += [1] * len(sampled_ids)
+        branch.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled_ids)
+        branch.has_logprobs = branch.has_logprobs and logprobs is not None
+        branch.text = prepared.rendered + decode(self.tokenizer, sampled_ids)
+        branch.stop_reason = stop_reason
+        branch.calls += 1
+        call = CallRecord(
+            prepared.branch,
+            list(prepared.prompt_ids),
+            list(sampled_ids),
+            logprobs,
+            stop_reason,
+            text,
+            prepared.extended,
+        )
+        self.calls.append(call)
+        return call
+
+
+def chat_completion_body(
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    text: str,
+    stop_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    parse_tools: bool,
+) -> dict[str, Any]:
+    """OpenAI's ``chat.completion`` object for one captured call (tool calls parsed when tools were offered)."""
+    content: str | None = text
+    tool_calls: list[dict[str, Any]] = []
+    if parse_tools:
+        content, tool_calls = parse_tool_calls(text, id_prefix=f"call_{completion_id}")
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish_reason = "tool_calls"
+    else:
+        finish_reason = "length" if stop_reason == "length" else "stop"
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def chat_completion_stream(completion: dict[str, Any], *, include_usage: bool) -> bytes:
+    """The SSE body of ``stream=true`` for a finished ``chat.completion``: OpenAI's ``chat.completion.chunk`` events.
+
+    The engine's reply is whole when it arrives (the ``InferenceClient`` does not stream), so it is sent
+    as one role chunk, one content chunk, one chunk of tool calls (each with its index), a finish chunk,
+    the usage chunk when asked, and ``[DONE]``. The token ids were captured before the first byte.
+    """
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def event(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        chunk = head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    events = [event({"role": "assistant", "content": ""})]
+    if message["content"]:
+        events.append(event({"content": message["content"]}))
+    if message.get("tool_calls"):
+        events.append(event({"tool_calls": [{"index": k} | call for k, call in enumerate(message["tool_calls"])]}))
+    events.append(event({}, choice["finish_reason"]))
+    if include_usage:
+        usage = head | {"choices": [], "usage": completion["usage"]}
+        events.append(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return b"".join(events)

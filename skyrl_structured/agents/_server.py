@@ -1,0 +1,408 @@
+"""The capture endpoint: an OpenAI-compatible HTTP server on 127.0.0.1, in the caller's event loop (anyio + h11).
+
+Routes, under a session's base URL ``http://127.0.0.1:PORT/sessions/<id>/v1`` (or under ``/v1`` with
+``Authorization: Bearer <id>``): ``POST /chat/completions`` and ``GET /models``. Sessions are opened
+and closed by :meth:`CaptureServer.session`; a closed session keeps no state but a bounded
+tombstone (its rollout's name) so that a late request hears 410 rather than 404.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+
+from .._episode.replies import read_reply
+from ..types import InferenceClient
+from ._capture import (
+    APIError,
+    CallRecord,
+    Capture,
+    chat_completion_body,
+    chat_completion_stream,
+    engine_sampling_params,
+)
+
+__all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_BODY = 32 * 1024 * 1024
+#: Ended sessions remembered for a 410 (older ones answer 404): a bound, not a timer.
+_TOMBSTONES = 65536
+#: How long a closing session waits for the engine's ``finish_session`` (shielded): a hung engine
+#: cannot keep a rollout from ending.
+_FINISH_SESSION_BOUND_S = 30.0
+
+
+@dataclass(eq=False)
+class CaptureSession:
+    """One rollout's view of the endpoint: its base URL, API key, and the calls captured so far.
+
+    ``closed`` is set once, by the scope that opened it; ``close_reason`` says why (``"ended"``,
+    ``"cancelled"``, ``"failed"``).
+    """
+
+    id: str
+    rollout: str
+    base_url: str
+    capture: Capture
+    sampling_params: dict[str, Any] | None
+    closed: bool = False
+    close_reason: str | None = None
+    #: How many times the session was closed: 1 after its scope exits, whatever the path.
+    closes: int = 0
+    #: Engine requests sent for this session (answered or not): the engine session is finished if any.
+    engine_requests: int = 0
+    _inflight: set[anyio.CancelScope] = field(default_factory=set)
+
+    @property
+    def api_key(self) -> str:
+        """The API key an agent sends (any key works on the session's own base URL)."""
+        return self.id
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return self.capture.calls
+
+    def close(self, reason: str) -> None:
+        """End the session now (idempotent): in-flight requests are cancelled and answer 499."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        self.closes += 1
+        for scope in list(self._inflight):
+            scope.cancel()
+
+
+@dataclass
+class _Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    @classmethod
+    def json(cls, status: int, payload: Any) -> _Response:
+        return cls(status, json.dumps(payload).encode())
+
+    @classmethod
+    def error(cls, error: APIError) -> _Response:
+        return cls.json(error.status, error.body())
+
+
+class CaptureServer:
+    """Serves every session of one generator; create it with :func:`serve_capture`."""
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: Any,
+        *,
+        model: str,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model = model
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.url = ""
+        self.port = 0
+        self._sessions: dict[str, CaptureSession] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._counter = itertools.count()
+        self._nonce = secrets.token_hex(4)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    @asynccontextmanager
+    async def session(
+        self, rollout: str, *, sampling_params: dict[str, Any] | None = None
+    ) -> AsyncIterator[CaptureSession]:
+        """A capture session for one rollout, open for the block and closed exactly once when it exits.
+
+        The engine session of the same id is finished on exit (shielded, bounded) when any request
+        reached the engine, answered or cancelled.
+        """
+        session_id = f"{self._nonce}-{next(self._counter)}"
+        session = CaptureSession(
+            id=session_id,
+            rollout=rollout,
+            base_url=f"{self.url}/sessions/{session_id}/v1",
+            capture=Capture(self.tokenizer, self.chat_template_kwargs),
+            sampling_params=sampling_params,
+        )
+        self._sessions[session_id] = session
+        reason = "ended"
+        try:
+            yield session
+        except BaseException as exc:
+            reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else "failed"
+            raise
+        finally:
+            session.close(reason)
+            del self._sessions[session_id]
+            self._ended[session_id] = rollout
+            while len(self._ended) > _TOMBSTONES:
+                self._ended.popitem(last=False)
+            if session.engine_requests:
+                with anyio.move_on_after(_FINISH_SESSION_BOUND_S, shield=True) as bound:
+                    try:
+                        await self.client.finish_session(session_id)
+                    except Exception:
+                        logger.warning("finish_session(%r) failed for rollout %s", session_id, rollout, exc_info=True)
+                if bound.cancelled_caught:
+                    logger.warning(
+                        "finish_session(%r) for rollout %s did not return within %g s; left to the engine",
+                        session_id,
+                        rollout,
+                        _FINISH_SESSION_BOUND_S,
+                    )
+
+    # ------------------------------------------------------------------ HTTP plumbing (h11)
+
+    async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
+        try:
+            await self._serve_connection(stream)
+        except Exception:  # one bad connection must not take the endpoint down
+            logger.exception("capture endpoint: a connection handler failed")
+
+    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
+        import h11
+
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                try:
+                    incoming = await _read_request(conn, stream)
+                except h11.RemoteProtocolError:
+                    return
+                if incoming is None:
+                    return
+                request, raw_body = incoming
+                response = await self._answer_watching(conn, stream, request, raw_body)
+                if response is None:
+                    return
+                try:
+                    await _send(conn, stream, response)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, h11.LocalProtocolError):
+                    return
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    return
+                try:
+                    conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    return
+
+    async def _answer_watching(
+        self, conn: Any, stream: anyio.abc.ByteStream, request: Any, raw_body: bytes
+    ) -> _Response | None:
+        """Answer while watching the connection: a client that goes away cancels the engine request."""
+        response: _Response | None = None
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            try:
+                data = await stream.receive(65536)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                data = b""
+            if not data:
+                scope.cancel()
+                return
+            conn.receive_data(data)  # a pipelined next request: kept for the next cycle
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch, group.cancel_scope)
+            response = await self._route(request, raw_body)
+            group.cancel_scope.cancel()
+        return response
+
+    # ------------------------------------------------------------------ routes
+
+    async def _route(self, request: Any, raw_body: bytes) -> _Response:
+        method = request.method.decode("latin-1")
+        path = request.target.decode("latin-1").split("?", 1)[0]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        try:
+            session_id, route = _split_path(path, headers)
+            if route == "/models":
+                if method != "GET":
+                    raise APIError(405, f"`{method} {path}`: use GET")
+                return _Response.json(200, self._models())
+            if route != "/chat/completions":
+                raise APIError(404, f"no route `{path}`; the endpoint serves <base_url>/chat/completions and /models")
+            if method != "POST":
+                raise APIError(405, f"`{method} {path}`: use POST")
+            session = self._lookup(session_id)
+            try:
+                body = json.loads(raw_body)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise APIError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "the request body must be a JSON object")
+            return await self._chat(session, body)
+        except APIError as error:
+            return _Response.error(error)
+
+    def _models(self) -> dict[str, Any]:
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "skyrl-structured"}
+        return {"object": "list", "data": [card]}
+
+    def _lookup(self, session_id: str | None) -> CaptureSession:
+        if session_id is None:
+            raise APIError(
+                404,
+                "no capture session named: use the session's base URL (<endpoint>/sessions/<id>/v1) or send its "
+                "API key as `Authorization: Bearer <id>`",
+            )
+        session = self._sessions.get(session_id)
+        if session is not None and not session.closed:
+            return session
+        rollout = session.rollout if session is not None else self._ended.get(session_id)
+        if rollout is not None:
+            raise APIError(410, f"capture session `{session_id}` is closed: its rollout {rollout} has ended")
+        raise APIError(404, f"capture session `{session_id}` is unknown or closed")
+
+    async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+        params = engine_sampling_params(body, session.sampling_params)
+        prepared = session.capture.prepare(body)
+        with anyio.CancelScope() as scope:
+            session._inflight.add(scope)
+            session.engine_requests += 1
+            try:
+                reply = await self.client.generate(
+                    {
+                        "prompt_token_ids": [prepared.prompt_ids],
+                        "sampling_params": params,
+                        "session_ids": [session.id],
+                    }
+                )
+                text, sampled, stop_reason, logprobs, _ = read_reply(reply)
+            except Exception as exc:
+                logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
+                raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}") from None
+            finally:
+                session._inflight.discard(scope)
+            if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
+                session.capture.record(prepared, sampled, logprobs, stop_reason, text)
+                completion = chat_completion_body(
+                    completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
+                    model=str(body.get("model") or self.model),
+                    created=int(time.time()),
+                    text=text,
+                    stop_reason=stop_reason,
+                    prompt_tokens=len(prepared.prompt_ids),
+                    completion_tokens=len(sampled),
+                    parse_tools=bool(body.get("tools")),
+                )
+                if body.get("stream"):
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
+                return _Response.json(200, completion)
+        raise APIError(
+            499,
+            f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
+            "the engine request was cancelled",
+        )
+
+
+def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str]:
+    """``(session id or None, route after /v1)`` from ``/sessions/<id>/v1/...`` or ``/v1/...`` + bearer key."""
+    parts = path.rstrip("/").split("/")
+    if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
+        return parts[2], "/" + "/".join(parts[4:])
+    if len(parts) >= 2 and parts[1] == "v1":
+        auth = headers.get("authorization", "")
+        key = auth[len("bearer ") :].strip() if auth.lower().startswith("bearer ") else None
+        return key or None, "/" + "/".join(parts[2:])
+    return None, path
+
+
+async def _receive(conn: Any, stream: anyio.abc.ByteStream) -> None:
+    try:
+        data = await stream.receive(65536)
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        data = b""
+    conn.receive_data(data)
+
+
+async def _read_request(conn: Any, stream: anyio.abc.ByteStream) -> tuple[Any, bytes] | None:
+    import h11
+
+    request = None
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            await _receive(conn, stream)
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > _MAX_BODY:
+                return None
+        elif isinstance(event, h11.EndOfMessage):
+            return request, bytes(body)
+        elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+            return None
+
+
+async def _send(conn: Any, stream: anyio.abc.ByteStream, response: _Response) -> None:
+    import h11
+
+    headers = [("content-type", response.content_type), ("content-length", str(len(response.body)))]
+    data = conn.send(h11.Response(status_code=response.status, headers=headers))
+    data += conn.send(h11.Data(data=response.body))
+    data += conn.send(h11.EndOfMessage())
+    await stream.send(data)
+
+
+@asynccontextmanager
+async def serve_capture(
+    client: InferenceClient,
+    tokenizer: Any,
+    *,
+    model: str = "skyrl-agent",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> AsyncIterator[CaptureServer]:
+    """Serve a capture endpoint in front of ``client`` until the block exits (port 0: a free one).
+
+    Raises:
+        ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
+    """
+    from ..engines._optional import import_optional
+
+    import_optional("h11", "http", needed_by="serve_capture")
+    server = CaptureServer(client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs)
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    server.port = int(listener.extra(SocketAttribute.local_port))
+    server.url = f"http://{host}:{server.port}"
+    failure: Exception | None = None
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(listener.serve, server._handle_connection, group)
+            try:
+                yield server
+            except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
+                failure = exc
+            finally:
+                group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+    finally:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()

@@ -1,0 +1,100 @@
+"""Shared pieces of the agent tests: Hermes-style chat templates for the offline tokenizer, and an OpenAI client
+run in a worker thread (an agent in its own thread, as on trio the async client cannot run)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+import openai
+
+
+def hermes_template(*, strip_think: bool) -> str:
+    """A ChatML template with Hermes tool calls (as Qwen2.5/Qwen3 write them); ``strip_think`` drops earlier
+    assistant turns' ``<think>...</think>`` blocks, as Qwen3's template does."""
+    strip = (
+        "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+        if strip_think
+        else ""
+    )
+    return (
+        "{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] ~ '\\n\\n' -}}{%- endif -%}"
+        "{{- '# Tools\\n<tools>\\n' -}}{%- for tool in tools -%}{{- tool | tojson ~ '\\n' -}}{%- endfor -%}"
+        "{{- '</tools><|im_end|>\\n' -}}"
+        "{%- elif messages[0]['role'] == 'system' -%}"
+        "{{- '<|im_start|>system\\n' ~ messages[0]['content'] ~ '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'system' and loop.first -%}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{%- set content = message['content'] or '' -%}" + strip + "{{- '<|im_start|>assistant\\n' ~ content -}}"
+        "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+        "{%- for call in message['tool_calls'] -%}"
+        "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+        "{{- '<tool_call>\\n{\"name\": \"' ~ call['function']['name'] ~ '\", \"arguments\": ' ~ "
+        "(call['function']['arguments'] | tojson) ~ '}\\n</tool_call>' -}}"
+        "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\\n' -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{{- '<|im_start|>user\\n<tool_response>\\n' ~ message['content'] ~ '\\n</tool_response><|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ message['content'] ~ '<|im_end|>\\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+def with_template(tokenizer: Any, template: str) -> Any:
+    """A copy of ``tokenizer`` with ``template`` as its chat template (the session fixture stays untouched)."""
+    copied = copy.deepcopy(tokenizer)
+    copied.chat_template = template
+    return copied
+
+
+ADD_TOOL: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120.0)
+
+
+async def in_thread(work: Callable[[], Any]) -> Any:
+    """Run ``work`` (blocking OpenAI client calls) in a worker thread; an OpenAI API error is returned, not raised."""
+
+    def run() -> Any:
+        try:
+            return work()
+        except openai.APIStatusError as exc:
+            return exc
+
+    return await anyio.to_thread.run_sync(run)
+
+
+async def chat(base_url: str, api_key: str = "unused", **request: Any) -> Any:
+    """One chat completion from a fresh client in a worker thread: the response, or the ``APIStatusError``."""
+
+    def work() -> Any:
+        with client(base_url, api_key) as c:
+            return c.chat.completions.create(**{"model": "any", **request})
+
+    return await in_thread(work)
+
+
+def error_of(exc: Any) -> dict[str, Any]:
+    """The OpenAI error body of an ``APIStatusError``: ``{"message", "type", "param", "code"}``."""
+    assert isinstance(exc, openai.APIStatusError), f"expected an API error, got {exc!r}"
+    body = exc.response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == exc.status_code
+    return dict(error)
