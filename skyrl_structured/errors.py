@@ -11,6 +11,7 @@
      |    +-- PromptTooLongError       (also ValueError) the first prompt exceeds max_input_length
      |    +-- MalformedEngineReplyError (also ValueError) the engine's reply breaks its contract
      |    +-- VisionFeatureError       (also ValueError) a render's image features cannot be read back
+     |    +-- AgentError               (also RuntimeError) an agent rollout that cannot become a trajectory
      +-- GeneratorOutputError          (a ValueError) a whole GeneratorOutput breaks SkyRL's contract
 
 Each rollout error keeps the standard-library base it had before the tree existed, so code that
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AgentError",
     "EnvBoundaryError",
     "EnvWorkerError",
     "GeneratorOutputError",
@@ -112,6 +114,10 @@ class MalformedEngineReplyError(RolloutError, ValueError):
 
 class VisionFeatureError(RolloutError, ValueError):
     """A render's ``features`` cannot be read back into image tensors (that rollout's failure)."""
+
+
+class AgentError(RolloutError, RuntimeError):
+    """An agent rollout that cannot become a trajectory: no chat call captured, or a result without a reward."""
 
 
 class GeneratorOutputError(ValueError):

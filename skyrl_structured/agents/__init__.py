@@ -78,10 +78,11 @@ straggler cuts, pauses and observers for agent rollouts, the SkyRL/CLI wiring, t
 the benchmark; see docs/agents.md.
 """
 
+from ..errors import AgentError
 from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
 from ._check import CallCheck, CaptureCheck, check_capture
 from ._command import command_agent
-from ._generator import AgentContext, AgentError, AgentFn, StructuredAgentGenerator
+from ._generator import AgentContext, AgentFn, StructuredAgentGenerator
 from ._server import CaptureServer, CaptureSession, serve_capture
 
 __all__ = [

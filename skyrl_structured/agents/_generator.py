@@ -14,6 +14,7 @@ import anyio
 
 from .._output.collector import check_failure_budget, substitute_placeholders
 from .._output.metrics import rollout_metrics
+from ..errors import AgentError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, TrajectoryOutput
 from ._server import CaptureServer, CaptureSession, serve_capture
@@ -21,10 +22,6 @@ from ._server import CaptureServer, CaptureSession, serve_capture
 __all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator"]
 
 logger = logging.getLogger(__name__)
-
-
-class AgentError(RuntimeError):
-    """An agent rollout that cannot become a trajectory: no chat call captured, or a result without a reward."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +184,12 @@ class StructuredAgentGenerator:
                 except Exception as exc:
                     timed_out = isinstance(exc, TimeoutError)
                     results[i] = FailedRollout(
-                        i, exc, time.monotonic() - started, 1, timed_out=timed_out, trajectory_id=names[i]
+                        i,
+                        exc,
+                        time.monotonic() - started,
+                        1,
+                        timed_out=timed_out,
+                        trajectory_id=trajectory_ids[i] if trajectory_ids else None,
                     )
                     logger.warning("agent rollout %s failed: %s: %s", names[i], type(exc).__name__, exc)
                     if not self.skip_failed_rollouts:
