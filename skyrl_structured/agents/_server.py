@@ -24,6 +24,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 
 from .._episode.replies import read_reply
+from ..engines._h11_server import serve_connection
 from ..types import InferenceClient
 from ._capture import (
     APIError,
@@ -172,62 +173,11 @@ class CaptureServer:
                         _FINISH_SESSION_BOUND_S,
                     )
 
-    # ------------------------------------------------------------------ HTTP plumbing (h11)
+    # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
 
     async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
-        try:
-            await self._serve_connection(stream)
-        except Exception:  # one bad connection must not take the endpoint down
-            logger.exception("capture endpoint: a connection handler failed")
-
-    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
-        import h11
-
-        conn = h11.Connection(h11.SERVER)
-        async with stream:
-            while True:
-                try:
-                    incoming = await _read_request(conn, stream)
-                except h11.RemoteProtocolError:
-                    return
-                if incoming is None:
-                    return
-                request, raw_body = incoming
-                response = await self._answer_watching(conn, stream, request, raw_body)
-                if response is None:
-                    return
-                try:
-                    await _send(conn, stream, response)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, h11.LocalProtocolError):
-                    return
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                    return
-                try:
-                    conn.start_next_cycle()
-                except h11.LocalProtocolError:
-                    return
-
-    async def _answer_watching(
-        self, conn: Any, stream: anyio.abc.ByteStream, request: Any, raw_body: bytes
-    ) -> _Response | None:
-        """Answer while watching the connection: a client that goes away cancels the engine request."""
-        response: _Response | None = None
-
-        async def watch(scope: anyio.CancelScope) -> None:
-            try:
-                data = await stream.receive(65536)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                data = b""
-            if not data:
-                scope.cancel()
-                return
-            conn.receive_data(data)  # a pipelined next request: kept for the next cycle
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(watch, group.cancel_scope)
-            response = await self._route(request, raw_body)
-            group.cancel_scope.cancel()
-        return response
+        # A client that goes away cancels _route, and with it the engine request.
+        await serve_connection(stream, self._route, max_body=_MAX_BODY, what="capture endpoint")
 
     # ------------------------------------------------------------------ routes
 
@@ -328,45 +278,6 @@ def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str]:
         key = auth[len("bearer ") :].strip() if auth.lower().startswith("bearer ") else None
         return key or None, "/" + "/".join(parts[2:])
     return None, path
-
-
-async def _receive(conn: Any, stream: anyio.abc.ByteStream) -> None:
-    try:
-        data = await stream.receive(65536)
-    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-        data = b""
-    conn.receive_data(data)
-
-
-async def _read_request(conn: Any, stream: anyio.abc.ByteStream) -> tuple[Any, bytes] | None:
-    import h11
-
-    request = None
-    body = bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            await _receive(conn, stream)
-        elif isinstance(event, h11.Request):
-            request = event
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > _MAX_BODY:
-                return None
-        elif isinstance(event, h11.EndOfMessage):
-            return request, bytes(body)
-        elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
-            return None
-
-
-async def _send(conn: Any, stream: anyio.abc.ByteStream, response: _Response) -> None:
-    import h11
-
-    headers = [("content-type", response.content_type), ("content-length", str(len(response.body)))]
-    data = conn.send(h11.Response(status_code=response.status, headers=headers))
-    data += conn.send(h11.Data(data=response.body))
-    data += conn.send(h11.EndOfMessage())
-    await stream.send(data)
 
 
 @asynccontextmanager

@@ -37,6 +37,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
+from ..engines._h11_server import serve_connection
 from ._vllm_shapes import (
     completion_payload,
     generate_payload,
@@ -119,73 +120,13 @@ class VLLMServer:
         """The ``POST /v1/completions`` requests received so far."""
         return [r for r in self.requests if r.path == "/v1/completions"]
 
-    # ------------------------------------------------------------------ HTTP plumbing
+    # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
 
     async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
-        try:
-            await self._serve_connection(stream)
-        except Exception:  # one bad connection must not take the server down
-            logger.exception("test vLLM server: connection handler failed")
+        await serve_connection(stream, self._respond, max_body=_MAX_BODY, what="test vLLM server")
 
-    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
-        import h11
-
-        conn = h11.Connection(h11.SERVER)
-        async with stream:
-            while True:
-                try:
-                    incoming = await self._read_request(conn, stream)
-                except h11.RemoteProtocolError:
-                    return
-                if incoming is None:
-                    return
-                request, raw_body = incoming
-                answer = await self._answer_watching(conn, stream, request, raw_body)
-                if answer is None:
-                    return
-                try:
-                    await self._send(conn, stream, answer)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, h11.LocalProtocolError):
-                    return
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                    return
-                try:
-                    conn.start_next_cycle()
-                except h11.LocalProtocolError:
-                    return
-
-    @staticmethod
-    async def _receive(conn: Any, stream: anyio.abc.ByteStream) -> None:
-        try:
-            data = await stream.receive(65536)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            data = b""
-        conn.receive_data(data)
-
-    async def _read_request(self, conn: Any, stream: anyio.abc.ByteStream) -> tuple[Any, bytes] | None:
-        import h11
-
-        request = None
-        body = bytearray()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                await self._receive(conn, stream)
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > _MAX_BODY:
-                    return None
-            elif isinstance(event, h11.EndOfMessage):
-                return request, bytes(body)
-            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
-                return None
-
-    async def _answer_watching(
-        self, conn: Any, stream: anyio.abc.ByteStream, request: Any, raw_body: bytes
-    ) -> RawResponse | None:
-        """Answer the request while watching the connection: a disconnect cancels the work (as vLLM does)."""
+    async def _respond(self, request: Any, raw_body: bytes) -> RawResponse | None:
+        """Record the request and answer it; a client that disconnects first cancels the work (as vLLM does)."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         record = ServedRequest(
             method=request.method.decode(),
@@ -195,36 +136,12 @@ class VLLMServer:
         )
         self.requests.append(record)
         answer: RawResponse | None = None
-
-        async def watch_disconnect(scope: anyio.CancelScope) -> None:
-            try:
-                data = await stream.receive(65536)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                data = b""
-            if not data:
-                record._decide("client_disconnected")
-                scope.cancel()
-                return
-            conn.receive_data(data)  # a pipelined next request: keep it for the next cycle
-
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(watch_disconnect, group.cancel_scope)
-                answer = await self._answer(record)
-                group.cancel_scope.cancel()
+            answer = await self._answer(record)
         finally:
-            if answer is None:
+            if answer is None:  # cancelled by the client's disconnect (a dropped answer is decided already)
                 record._decide("client_disconnected")
         return answer
-
-    @staticmethod
-    async def _send(conn: Any, stream: anyio.abc.ByteStream, answer: RawResponse) -> None:
-        import h11
-
-        headers = [("content-type", answer.content_type), ("content-length", str(len(answer.body)))]
-        for event in (h11.Response(status_code=answer.status, headers=headers), h11.Data(data=answer.body)):
-            await stream.send(conn.send(event))
-        await stream.send(conn.send(h11.EndOfMessage()))
 
     # ------------------------------------------------------------------ routes
 
