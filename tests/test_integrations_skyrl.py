@@ -12,11 +12,13 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -39,6 +41,8 @@ from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, reg
 
 from ._upstream import load_upstream_validator
 from .helpers import token_rewards
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 skyrl_config = pytest.importorskip("skyrl.train.config")
 integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
@@ -243,6 +247,24 @@ def test_skyrls_parser_reads_the_env_executor_knobs_of_the_gym_section(skyrl_cli
     }
     with pytest.raises(ValueError, match=r"`environment.skyrl_gym.env_executor` must be one of 'thread', 'process'"):
         integration.parse_config(["environment.skyrl_gym.env_executor=procss"])
+
+
+def test_every_gym_key_the_docs_show_passes_skyrls_parser(skyrl_cli_parser):
+    """Each ``environment.skyrl_gym.*`` key of docs/ and README, set on the command line, reaches the config."""
+    docs = [Path(__file__).resolve().parent.parent / "README.md", *DOCS.glob("*.md")]
+    shown = sorted({m for path in docs for m in re.findall(r"environment\.skyrl_gym\.(\w+)", path.read_text())})
+    assert set(ENV_KNOBS) <= set(shown)  # every knob of ours is documented
+    values = {
+        "env_executor": "process",
+        "env_workers_warm": 2,
+        "env_worker_start_timeout_s": 60.0,
+        "env_worker_max_rss_mb": 2048.0,
+        "env_worker_num_cpus": 0.5,
+        "max_env_workers": 4,
+    }
+    assert set(shown) <= set(values), f"give the new documented key a test value: {set(shown) - set(values)}"
+    cfg = integration.parse_config([f"environment.skyrl_gym.{key}={values[key]}" for key in shown])
+    assert {key: getattr(cfg.environment.skyrl_gym, key) for key in shown} == {key: values[key] for key in shown}
 
 
 @pytest.mark.anyio
