@@ -14,6 +14,7 @@ import anyio
 
 from .._output.collector import check_failure_budget, substitute_placeholders
 from .._output.metrics import rollout_metrics
+from ..config import resolve_resilience
 from ..errors import AgentError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, TrajectoryOutput
@@ -118,19 +119,24 @@ class StructuredAgentGenerator:
         max_concurrent_rollouts: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if rollout_timeout_s is not None and not rollout_timeout_s > 0:
-            raise ValueError(f"`rollout_timeout_s` must be > 0 or None, got {rollout_timeout_s!r}")
-        if max_concurrent_rollouts is not None and max_concurrent_rollouts < 1:
-            raise ValueError(f"`max_concurrent_rollouts` must be >= 1 or None, got {max_concurrent_rollouts!r}")
+        # The gym generator's knobs, checked by the same rules and worded the same way.
+        settings = resolve_resilience(
+            {
+                "rollout_timeout_s": rollout_timeout_s,
+                "skip_failed_rollouts": skip_failed_rollouts,
+                "max_failed_rollout_fraction": max_failed_rollout_fraction,
+                "max_concurrent_rollouts": max_concurrent_rollouts,
+            }
+        )
         self.inference_engine_client = inference_engine_client
         self.tokenizer = tokenizer
         self.agent = agent
         self.model = model
         self.sampling_params = sampling_params
-        self.rollout_timeout_s = rollout_timeout_s
-        self.skip_failed_rollouts = skip_failed_rollouts
-        self.max_failed_rollout_fraction = max_failed_rollout_fraction
-        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.rollout_timeout_s = settings.rollout_timeout_s
+        self.skip_failed_rollouts = settings.skip_failed_rollouts
+        self.max_failed_rollout_fraction = settings.max_failed_rollout_fraction
+        self.max_concurrent_rollouts = settings.max_concurrent_rollouts
         self.chat_template_kwargs = chat_template_kwargs
         self._server: CaptureServer | None = None
 
