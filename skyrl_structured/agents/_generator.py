@@ -14,7 +14,8 @@ import anyio
 
 from .._output.collector import check_failure_budget, substitute_placeholders
 from .._output.metrics import rollout_metrics
-from ..config import resolve_resilience
+from .._runtime.contexts import sampling_params_dict
+from ..config import read_knob, resolve_resilience
 from ..errors import AgentError
 from ..failures import FailedRollout, failure_budget_exceeded
 from ..types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, TrajectoryOutput
@@ -139,6 +140,38 @@ class StructuredAgentGenerator:
         self.max_concurrent_rollouts = settings.max_concurrent_rollouts
         self.chat_template_kwargs = chat_template_kwargs
         self._server: CaptureServer | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        generator_cfg: Any,
+        inference_engine_client: InferenceClient,
+        tokenizer: Any,
+        agent: AgentFn,
+        *,
+        model: str = "skyrl-agent",
+    ) -> StructuredAgentGenerator:
+        """Build from SkyRL's ``generator`` section: its sampling parameters, chat-template kwargs and our knobs.
+
+        Every knob is read through :func:`~skyrl_structured.config.read_knob` and checked by the gym
+        generator's rules (:func:`~skyrl_structured.config.resolve_resilience`), so a ``MagicMock``
+        config or SkyRL's own dataclass works as it does for :class:`~skyrl_structured.StructuredGymGenerator`.
+        """
+        settings = resolve_resilience(generator_cfg)
+        params = read_knob(generator_cfg, "sampling_params", None)
+        kwargs = read_knob(generator_cfg, "chat_template_kwargs", None)
+        return cls(
+            inference_engine_client,
+            tokenizer,
+            agent,
+            model=model,
+            sampling_params=sampling_params_dict(params) if params is not None else None,
+            rollout_timeout_s=settings.rollout_timeout_s,
+            skip_failed_rollouts=settings.skip_failed_rollouts,
+            max_failed_rollout_fraction=settings.max_failed_rollout_fraction,
+            max_concurrent_rollouts=settings.max_concurrent_rollouts,
+            chat_template_kwargs=dict(kwargs) if kwargs else None,
+        )
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[CaptureServer]:
