@@ -18,6 +18,8 @@ from .types import SkyRLConfig, TrajectoryID
 
 __all__ = [
     "GeneratorOutputError",
+    "check_batch_input",
+    "check_failure_knobs",
     "check_generator_config",
     "check_generator_input",
     "missing_env_extras",
@@ -81,24 +83,7 @@ def check_generator_config(
                 "`generator.inference_engine.enable_return_routed_experts=true`: a placeholder has no routed "
                 "expert indices to stand in for a failed rollout's. Disable one of them."
             )
-        _check_straggler_budget(settings)
-    elif settings.straggler_cutoff is not None:
-        raise ValueError(
-            f"`generator.straggler_cutoff={settings.straggler_cutoff:g}` needs `generator.skip_failed_rollouts=true`: "
-            "a cut rollout becomes a placeholder. Enable it or set straggler_cutoff to null."
-        )
-    elif settings.failed_rollout_policy != "placeholder":
-        raise ValueError(
-            f"`generator.failed_rollout_policy={settings.failed_rollout_policy}` only acts on failed rollouts, "
-            "which exist only with `generator.skip_failed_rollouts=true`; enable it or leave the policy at "
-            "'placeholder'."
-        )
-    elif settings.failure_budget_action != "raise":
-        raise ValueError(
-            f"`generator.failure_budget_action={settings.failure_budget_action}` only acts on failed rollouts, "
-            "which exist only with `generator.skip_failed_rollouts=true`; without it the first failure fails "
-            "the step. Enable it or leave the action at 'raise'."
-        )
+    check_failure_knobs(settings)
     check_number(
         "environment.skyrl_gym.max_env_workers",
         getattr(skyrl_gym_cfg, "max_env_workers", 0),
@@ -154,6 +139,35 @@ def _env_registered(env_class: str) -> bool:
     return env_class in skyrl_gym.registry
 
 
+def check_failure_knobs(settings: ResilienceSettings) -> None:
+    """Reject the failure knobs that act only with ``skip_failed_rollouts`` when it is off, and a cutoff over budget.
+
+    The rules every generator shares (the gym generator's :func:`check_generator_config`, the agent generator).
+
+    Raises:
+        ValueError: naming the knobs that conflict and how to resolve it.
+    """
+    if settings.skip_failed_rollouts:
+        _check_straggler_budget(settings)
+    elif settings.straggler_cutoff is not None:
+        raise ValueError(
+            f"`generator.straggler_cutoff={settings.straggler_cutoff:g}` needs `generator.skip_failed_rollouts=true`: "
+            "a cut rollout becomes a placeholder. Enable it or set straggler_cutoff to null."
+        )
+    elif settings.failed_rollout_policy != "placeholder":
+        raise ValueError(
+            f"`generator.failed_rollout_policy={settings.failed_rollout_policy}` only acts on failed rollouts, "
+            "which exist only with `generator.skip_failed_rollouts=true`; enable it or leave the policy at "
+            "'placeholder'."
+        )
+    elif settings.failure_budget_action != "raise":
+        raise ValueError(
+            f"`generator.failure_budget_action={settings.failure_budget_action}` only acts on failed rollouts, "
+            "which exist only with `generator.skip_failed_rollouts=true`; without it the first failure fails "
+            "the step. Enable it or leave the action at 'raise'."
+        )
+
+
 def _check_straggler_budget(settings: ResilienceSettings) -> None:
     """Refuse a cutoff whose cuts alone would blow a failure budget that raises."""
     cutoff = settings.straggler_cutoff
@@ -169,12 +183,29 @@ def _check_straggler_budget(settings: ResilienceSettings) -> None:
 
 
 def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str, straggler_groups: bool = False) -> None:
-    """Reject a malformed batch before any rollout starts.
+    """Reject a malformed batch before any rollout starts: its shape (:func:`check_batch_input`), then its env classes.
 
     Raises:
         ValueError: naming the field, what is wrong with it, and the fix.
     """
-    for key in ("prompts", "env_classes"):
+    check_batch_input(input_batch, step_wise=step_wise, policy=policy, straggler_groups=straggler_groups)
+    _check_env_classes(input_batch)
+
+
+def check_batch_input(
+    input_batch: Any,
+    *,
+    step_wise: bool,
+    policy: str,
+    straggler_groups: bool = False,
+    required: tuple[str, ...] = ("prompts", "env_classes"),
+) -> None:
+    """Reject a batch whose fields do not fit together (``required`` present, one entry per prompt, ids where needed).
+
+    Raises:
+        ValueError: naming the field, what is wrong with it, and the fix.
+    """
+    for key in required:
         if key not in input_batch or input_batch[key] is None:
             raise ValueError(f"`input_batch['{key}']` is required: one entry per rollout")
     n = len(input_batch["prompts"])
@@ -213,6 +244,10 @@ def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str, str
             "`input_batch['trajectory_ids'][i].instance_id`, but the batch has no trajectory_ids; pass them "
             "or use straggler_cutoff_scope='batch'"
         )
+
+
+def _check_env_classes(input_batch: Any) -> None:
+    """Every env class of the batch names an environment skyrl_gym can make."""
     # When skyrl_gym.make has been replaced (tests often patch it), the replacement owns the names.
     if getattr(skyrl_gym.make, "__module__", None) == "skyrl_gym.envs.registration":
         for env_class in sorted({str(c) for c in input_batch["env_classes"] if is_import_path(str(c))}):

@@ -410,7 +410,8 @@ def _metrics(
     """Reward and length metrics over the successful rollouts: placeholders are counted, not averaged in."""
     failed_index = {f.index for f in failures}
     ok_rows = [flat.rows[r] for r, i in enumerate(flat.rollout) if i not in failed_index]
-    ok_classes = [env_classes[i] for i in flat.rollout if i not in failed_index]
+    # A batch without env classes (agent rollouts) has no per-environment metrics.
+    ok_classes = [env_classes[i] for i in flat.rollout if i not in failed_index] if env_classes else None
     ok_rollouts = [i for i in range(len(outputs)) if i not in failed_index]
     return rollout_metrics(
         [r.response_ids for r in ok_rows],

@@ -1,29 +1,69 @@
-"""``StructuredAgentGenerator``: SkyRL's ``generate(input_batch)`` for agents that speak the OpenAI chat API."""
+"""``StructuredAgentGenerator``: SkyRL's ``generate(input_batch)`` for agents that speak the OpenAI chat API.
+
+It runs on the gym generator's machinery: the supervisor
+(:func:`~skyrl_structured._runtime.supervisor.run_rollouts`: slots, deadlines that stop while paused,
+retries from scratch, the straggler cutoff, observers) and the collector
+(:func:`~skyrl_structured._output.collector.collect`: placeholders, group policies, the failure
+budget). One attempt of one rollout is one capture session and one run of the agent.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import anyio
 
-from .._output.collector import check_failure_budget, substitute_placeholders
-from .._output.metrics import rollout_metrics
-from .._runtime.contexts import sampling_params_dict
-from ..config import read_knob, resolve_resilience
+from .._output.collector import OutputSpec, collect
+from .._runtime.contexts import (
+    BatchContext,
+    BatchRequest,
+    BatchShape,
+    current_rollout,
+    sampling_params_dict,
+    seed_scope,
+)
+from .._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
+from .._runtime.pauses import PauseClock, PausedBlock
+from .._runtime.slots import RolloutSlots
+from .._runtime.supervisor import run_rollouts
+from ..config import ResilienceSettings, invalid_value, read_knob, resolve_resilience
+from ..engines.bridge import bridged_client
 from ..errors import AgentError
-from ..failures import FailedRollout, failure_budget_exceeded
-from ..types import ConversationType, GeneratorInput, GeneratorOutput, InferenceClient, TrajectoryOutput
+from ..failures import FailedRollout
+from ..observe import Observers, RolloutObserver
+from ..progress import Progress
+from ..types import (
+    ConversationType,
+    GeneratorInput,
+    GeneratorOutput,
+    InferenceClient,
+    StepWiseOutput,
+    TrajectoryOutput,
+)
+from ..validate import check_batch_input, check_failure_knobs
+from ._capture import Branch, Capture
 from ._server import CaptureServer, CaptureSession, serve_capture
 
 __all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator"]
 
 logger = logging.getLogger(__name__)
+
+#: The env class of a row whose batch names none (``env_classes`` is optional for agents).
+_ENV_CLASS = "agent"
+#: The ``generator`` fields (SkyRL's names) that shape and filter the rows, with their defaults.
+_OUTPUT_KNOBS: dict[str, bool] = {
+    "step_wise_trajectories": False,
+    "zero_reward_on_non_stop": False,
+    "apply_overlong_filtering": False,
+}
+_RESILIENCE_KNOBS = frozenset(f.name for f in dataclasses.fields(ResilienceSettings))
 
 
 @dataclass(frozen=True)
@@ -46,6 +86,15 @@ class AgentContext:
 
 #: An agent: an async callable returning its reward, or a dict holding it under ``"reward"``.
 AgentFn = Callable[[AgentContext], Awaitable[float | dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class AgentOutputConfig:
+    """The ``generator`` fields the collector reads, in SkyRL's names: how rows are shaped and filtered."""
+
+    step_wise_trajectories: bool = False
+    zero_reward_on_non_stop: bool = False
+    apply_overlong_filtering: bool = False
 
 
 def _reward(result: Any) -> float:
@@ -87,8 +136,25 @@ async def _run_agent(session: CaptureSession, agent: AgentFn, ctx: AgentContext)
     return outcome[0]
 
 
+def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputConfig]:
+    """The generator knobs given as keywords, checked by the gym generator's rules and wording."""
+    unknown = sorted(set(knobs) - _RESILIENCE_KNOBS - set(_OUTPUT_KNOBS))
+    if unknown:
+        known = ", ".join(sorted(_RESILIENCE_KNOBS | set(_OUTPUT_KNOBS)))
+        raise TypeError(f"StructuredAgentGenerator got unknown knob(s) {unknown}; the generator knobs are: {known}")
+    settings = resolve_resilience(knobs)
+    check_failure_knobs(settings)
+    flags: dict[str, bool] = {}
+    for name, default in _OUTPUT_KNOBS.items():
+        value = knobs.get(name, default)
+        if not isinstance(value, bool):
+            raise invalid_value(f"generator.{name}", value, "true or false", with_type=True)
+        flags[name] = value
+    return settings, AgentOutputConfig(**flags)
+
+
 class StructuredAgentGenerator:
-    """SkyRL's ``GeneratorInterface`` for OpenAI-API agents: one capture session per rollout, token-exact output.
+    """SkyRL's ``GeneratorInterface`` for OpenAI-API agents: one capture session per attempt, token-exact output.
 
     Args:
         inference_engine_client: the engine every captured call goes to, as token ids.
@@ -97,13 +163,26 @@ class StructuredAgentGenerator:
         model: the model name the endpoint serves on ``/v1/models``.
         sampling_params: the engine sampling parameters each request's fields are laid over
             (SkyRL's ``generator.sampling_params``); ``input_batch["sampling_params"]`` wins when given.
-        rollout_timeout_s: a rollout's deadline; past it the rollout fails with ``TimeoutError``.
-        skip_failed_rollouts: a failed rollout becomes a zero-reward, zero-loss placeholder row
-            instead of failing the step.
-        max_failed_rollout_fraction: with ``skip_failed_rollouts``, the step still fails when more
-            than this fraction (or all) of its rollouts failed.
-        max_concurrent_rollouts: how many agents run at once (None: all).
         chat_template_kwargs: passed to ``apply_chat_template`` on every render.
+        **knobs: the ``generator`` knobs, by their names: every field of
+            :class:`~skyrl_structured.ResilienceSettings` (``rollout_timeout_s``,
+            ``max_rollout_retries``, ``skip_failed_rollouts``, ``failed_rollout_policy``,
+            ``straggler_cutoff``, ``max_concurrent_rollouts``, ...), checked as the gym generator
+            checks them, and ``step_wise_trajectories``, ``zero_reward_on_non_stop``,
+            ``apply_overlong_filtering``. :meth:`from_config` reads them all from SkyRL's section.
+
+    Attributes:
+        observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
+            (attempts, retries, one ``engine_call_*`` pair per captured call, the session's
+            ``finish_session`` cleanup); append yours.
+        pauses: the pause clock (:meth:`pause`, :meth:`resume`): rollout deadlines and the
+            straggler grace stop while it is paused.
+        event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
+            (``generate/event_loop_lag_mean`` and ``_max``); 0 turns it off.
+
+    Raises:
+        TypeError: an unknown knob.
+        ValueError: a knob out of range, or knobs that conflict (the message names them).
     """
 
     def __init__(
@@ -114,31 +193,20 @@ class StructuredAgentGenerator:
         *,
         model: str = "skyrl-agent",
         sampling_params: dict[str, Any] | None = None,
-        rollout_timeout_s: float | None = None,
-        skip_failed_rollouts: bool = False,
-        max_failed_rollout_fraction: float = 1.0,
-        max_concurrent_rollouts: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        **knobs: Any,
     ) -> None:
-        # The gym generator's knobs, checked by the same rules and worded the same way.
-        settings = resolve_resilience(
-            {
-                "rollout_timeout_s": rollout_timeout_s,
-                "skip_failed_rollouts": skip_failed_rollouts,
-                "max_failed_rollout_fraction": max_failed_rollout_fraction,
-                "max_concurrent_rollouts": max_concurrent_rollouts,
-            }
-        )
+        self.resilience, self.generator_cfg = _knobs(knobs)
         self.inference_engine_client = inference_engine_client
         self.tokenizer = tokenizer
         self.agent = agent
         self.model = model
         self.sampling_params = sampling_params
-        self.rollout_timeout_s = settings.rollout_timeout_s
-        self.skip_failed_rollouts = settings.skip_failed_rollouts
-        self.max_failed_rollout_fraction = settings.max_failed_rollout_fraction
-        self.max_concurrent_rollouts = settings.max_concurrent_rollouts
         self.chat_template_kwargs = chat_template_kwargs
+        self.observers: list[RolloutObserver] = []
+        self.pauses = PauseClock()
+        self.event_loop_lag_interval_s: float = INTERVAL_S
+        self._rollout_slots = RolloutSlots(self)
         self._server: CaptureServer | None = None
 
     @classmethod
@@ -151,13 +219,15 @@ class StructuredAgentGenerator:
         *,
         model: str = "skyrl-agent",
     ) -> StructuredAgentGenerator:
-        """Build from SkyRL's ``generator`` section: its sampling parameters, chat-template kwargs and our knobs.
+        """Build from SkyRL's ``generator`` section: its sampling parameters, chat-template kwargs and every knob.
 
         Every knob is read through :func:`~skyrl_structured.config.read_knob` and checked by the gym
         generator's rules (:func:`~skyrl_structured.config.resolve_resilience`), so a ``MagicMock``
         config or SkyRL's own dataclass works as it does for :class:`~skyrl_structured.StructuredGymGenerator`.
         """
         settings = resolve_resilience(generator_cfg)
+        knobs: dict[str, Any] = dataclasses.asdict(settings)
+        knobs.update({name: bool(read_knob(generator_cfg, name, default)) for name, default in _OUTPUT_KNOBS.items()})
         params = read_knob(generator_cfg, "sampling_params", None)
         kwargs = read_knob(generator_cfg, "chat_template_kwargs", None)
         return cls(
@@ -166,12 +236,29 @@ class StructuredAgentGenerator:
             agent,
             model=model,
             sampling_params=sampling_params_dict(params) if params is not None else None,
-            rollout_timeout_s=settings.rollout_timeout_s,
-            skip_failed_rollouts=settings.skip_failed_rollouts,
-            max_failed_rollout_fraction=settings.max_failed_rollout_fraction,
-            max_concurrent_rollouts=settings.max_concurrent_rollouts,
             chat_template_kwargs=dict(kwargs) if kwargs else None,
+            **knobs,
         )
+
+    # ------------------------------------------------------------------ pauses (weight sync)
+
+    def pause(self) -> None:
+        """Stop the clocks of ``rollout_timeout_s``, the straggler grace and ``HTTPEngine``'s request timeout.
+
+        The agents and their engine calls go on; only the deadlines stop. Pauses nest, as on
+        :meth:`StructuredGymGenerator.pause <skyrl_structured.StructuredGymGenerator.pause>`.
+        """
+        self.pauses.pause()
+
+    def resume(self) -> None:
+        """Release one :meth:`pause` (``RuntimeError`` when not paused)."""
+        self.pauses.resume()
+
+    def paused(self) -> PausedBlock:
+        """``async with generator.paused():`` holds one pause for the block."""
+        return PausedBlock(self.pauses)
+
+    # ------------------------------------------------------------------ a batch
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[CaptureServer]:
@@ -189,152 +276,183 @@ class StructuredAgentGenerator:
                 self._server = None
 
     async def generate(self, input_batch: GeneratorInput, disable_tqdm: bool = False) -> GeneratorOutput:
-        """Run the agent once per prompt and return the captured trajectories as SkyRL's ``GeneratorOutput``.
+        """Run the agent once per prompt (again from scratch per retry) and return SkyRL's ``GeneratorOutput``.
 
         Raises:
-            Exception: a rollout's error when ``skip_failed_rollouts`` is off (the others are cancelled).
-            RuntimeError: over the failure budget with ``skip_failed_rollouts`` on.
+            ValueError: a malformed batch, before any rollout starts.
+            Exception: without ``skip_failed_rollouts``, the first failing rollout's own exception,
+                raised after every other rollout has been cancelled and its session closed.
+            RuntimeError: with ``skip_failed_rollouts``, over the failure budget (unless
+                ``failure_budget_action="warn"``).
         """
+        settings = self.resilience
+        check_batch_input(
+            input_batch,
+            step_wise=self.generator_cfg.step_wise_trajectories,
+            policy=settings.failed_rollout_policy,
+            straggler_groups=settings.straggler_groups,
+            required=("prompts",),
+        )
         prompts = input_batch["prompts"]
-        if not prompts:
-            raise ValueError("`input_batch['prompts']` is empty: pass at least one prompt")
+        env_classes = input_batch.get("env_classes")
+        env_extras = input_batch.get("env_extras")
+        request = BatchRequest(
+            prompts,
+            list(env_classes) if env_classes is not None else [_ENV_CLASS] * len(prompts),
+            [dict(e or {}) for e in env_extras] if env_extras is not None else [{} for _ in prompts],
+            input_batch.get("sampling_params") or self.sampling_params,
+            trajectory_ids=input_batch.get("trajectory_ids"),
+        )
         if self._server is not None:
-            return await self._generate(self._server, input_batch)
+            return await self._generate(self._server, request, input_batch, disable_tqdm)
         async with self.serving() as server:
-            return await self._generate(server, input_batch)
+            return await self._generate(server, request, input_batch, disable_tqdm)
 
-    async def _generate(self, server: CaptureServer, input_batch: GeneratorInput) -> GeneratorOutput:
-        prompts = input_batch["prompts"]
-        extras = input_batch.get("env_extras") or [{} for _ in prompts]
-        trajectory_ids = input_batch.get("trajectory_ids")
-        params = input_batch.get("sampling_params") or self.sampling_params
-        names = [t.to_string() if hasattr(t, "to_string") else str(t) for t in trajectory_ids or []] or [
-            f"#{i}" for i in range(len(prompts))
+    async def _generate(
+        self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput, disable_tqdm: bool
+    ) -> GeneratorOutput:
+        async with bridged_client(self.inference_engine_client) as client:
+            progress = Progress(len(request.prompts), disable=disable_tqdm)
+            batch = BatchContext(
+                generator=self,
+                client=client,
+                default_params=dict(request.sampling_params or {}),
+                observers=Observers([progress, *self.observers]),
+                sampling_seed=self.resilience.sampling_seed,
+                seed_scope=seed_scope(input_batch.get("batch_metadata")),
+                slots=self._rollout_slots.current(self.resilience.max_concurrent_rollouts),
+                pauses=self.pauses,
+            )
+            try:
+                return await self._run(server, batch, request)
+            finally:
+                progress.close()
+
+    async def _run(self, server: CaptureServer, batch: BatchContext, request: BatchRequest) -> GeneratorOutput:
+        step_wise = self.generator_cfg.step_wise_trajectories
+        ids = request.trajectory_ids
+        names = [t.to_string() if hasattr(t, "to_string") else str(t) for t in ids or []] or [
+            f"#{i}" for i in range(len(request.prompts))
         ]
-        results: list[Any] = [None] * len(prompts)
-        sessions: list[CaptureSession | None] = [None] * len(prompts)
-        limiter = anyio.CapacityLimiter(self.max_concurrent_rollouts or len(prompts))
+        #: The session of each rollout's successful attempt (for the agent metrics).
+        captured: list[Capture | None] = [None] * len(request.prompts)
 
-        async def one(i: int, group: anyio.abc.TaskGroup) -> None:
-            async with limiter:
-                started = time.monotonic()
-                try:
-                    results[i] = await self._rollout(server, prompts[i], extras[i] or {}, names[i], params, sessions, i)
-                except Exception as exc:
-                    timed_out = isinstance(exc, TimeoutError)
-                    results[i] = FailedRollout(
-                        i,
-                        exc,
-                        time.monotonic() - started,
-                        1,
-                        timed_out=timed_out,
-                        trajectory_id=trajectory_ids[i] if trajectory_ids else None,
-                    )
-                    logger.warning("agent rollout %s failed: %s: %s", names[i], type(exc).__name__, exc)
-                    if not self.skip_failed_rollouts:
-                        group.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as group:
-            for i in range(len(prompts)):
-                group.start_soon(one, i, group)
-        failures = [r for r in results if isinstance(r, FailedRollout)]
-        if failures and not self.skip_failed_rollouts:
-            first = min(failures, key=lambda f: f.index)
-            raise first.exception
-        return self._output(results, failures, [s for s in sessions if s is not None])
-
-    async def _rollout(
-        self,
-        server: CaptureServer,
-        prompt: ConversationType,
-        extras: dict[str, Any],
-        name: str,
-        params: dict[str, Any] | None,
-        sessions: list[CaptureSession | None],
-        index: int,
-    ) -> TrajectoryOutput:
-        started = time.monotonic()
-        deadline = anyio.fail_after(self.rollout_timeout_s) if self.rollout_timeout_s is not None else nullcontext()
-        with deadline:
-            async with server.session(name, sampling_params=params) as session:
-                sessions[index] = session
+        async def rollout(i: int) -> TrajectoryOutput | StepWiseOutput:
+            context = current_rollout(self, ids[i] if ids is not None else None)
+            started = time.monotonic()
+            async with server.session(
+                names[i],
+                sampling_params=request.sampling_params,
+                context=context,
+                cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
+            ) as session:
                 ctx = AgentContext(
                     base_url=session.base_url,
                     api_key=session.api_key,
                     model=server.model,
-                    prompt=prompt,
-                    env_extras=extras,
-                    rollout=name,
+                    prompt=request.prompts[i],
+                    env_extras=request.env_extras[i],
+                    rollout=names[i],
                     session=session,
                 )
                 result = await _run_agent(session, self.agent, ctx)
-        return _trajectory(session, _reward(result), time.monotonic() - started)
+            reward = _reward(result)
+            output = _step_wise(session, reward) if step_wise else _trajectory(session, reward)
+            output.e2e_time = time.monotonic() - started
+            output.time_splits = context.time_splits
+            captured[i] = session.capture
+            return output
 
-    def _output(
-        self, results: list[Any], failures: list[FailedRollout], sessions: list[CaptureSession]
-    ) -> GeneratorOutput:
-        total = len(results)
-        if failures:
-            check_failure_budget(
-                failures,
-                total,
-                self.max_failed_rollout_fraction,
-                exceeded=failure_budget_exceeded(len(failures), total, self.max_failed_rollout_fraction),
-            )
-        ok = [r for r in results if not isinstance(r, FailedRollout)]
-        with_logprobs = all(r.rollout_logprobs is not None for r in ok)
+        # No env classes: an agent's row is no skyrl_gym environment's (no per-environment metrics).
+        shape = BatchShape(len(request.prompts), ids, step_wise=step_wise)
+        lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
+        result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
+        output = collect(result, shape, self._output_spec(result.results))
+        metrics = dict(output["rollout_metrics"] or {})
+        metrics.update(_capture_metrics([c for c in captured if c is not None]))
+        if lag is not None:
+            metrics.update(lag.metrics())
+        output["rollout_metrics"] = metrics
+        return output
+
+    def _output_spec(self, results: list[Any]) -> OutputSpec:
+        """How this batch's output is shaped: rows carry logprobs when every captured row has them."""
         pad = self.tokenizer.pad_token_id
-        rows: list[TrajectoryOutput] = substitute_placeholders(
-            results,
-            token_id=pad if pad is not None else int(self.tokenizer.eos_token_id),
-            default_token_level_rewards=True,
-            with_logprobs=with_logprobs,
-            step_wise=False,
+        rows = [
+            row
+            for r in results
+            if not isinstance(r, FailedRollout)
+            for row in (r.step_outputs if isinstance(r, StepWiseOutput) else [r])
+        ]
+        return OutputSpec(
+            generator_cfg=self.generator_cfg,
+            resilience=self.resilience,
+            placeholder_token_id=pad if pad is not None else int(self.tokenizer.eos_token_id),
+            float_rewards=False,
+            routed_experts=False,
+            get_logprobs=bool(rows) and all(row.rollout_logprobs is not None for row in rows),
         )
-        metrics = rollout_metrics(
-            [r.response_ids for r in ok],
-            [r.reward for r in ok],
-            loss_masks=[r.loss_mask for r in ok],
-        )
-        metrics.update(
-            {
-                "generate/num_failed_rollouts": len(failures),
-                "generate/agent_calls": sum(len(s.calls) for s in sessions),
-                "generate/agent_branches": sum(len(s.capture.branches) for s in sessions),
-                "generate/agent_multi_branch_rollouts": sum(len(s.capture.branches) > 1 for s in sessions),
-            }
-        )
-        return {
-            "prompt_token_ids": [r.prompt_ids for r in rows],
-            "response_ids": [r.response_ids for r in rows],
-            "rewards": cast(list[list[float]], [r.reward for r in rows]),  # every row is per-token
-            "loss_masks": [r.loss_mask for r in rows],
-            "stop_reasons": [r.stop_reason for r in rows],
-            "rollout_metrics": metrics,
-            "rollout_logprobs": [r.rollout_logprobs or [] for r in rows] if with_logprobs else None,
-            "rollout_expert_indices": None,
-            "trajectory_generation_times": None,
-            "env_metrics": [r.env_metrics for r in rows],
-        }
 
 
-def _trajectory(session: CaptureSession, reward: float, elapsed: float) -> TrajectoryOutput:
-    """The rollout's training row: the branch of its last call (other branches are counted, not trained on)."""
+def _capture_metrics(captures: list[Capture]) -> dict[str, int]:
+    """What the successful rollouts' sessions captured: calls, branches, rollouts with several branches."""
+    return {
+        "generate/agent_calls": sum(len(c.calls) for c in captures),
+        "generate/agent_branches": sum(len(c.branches) for c in captures),
+        "generate/agent_multi_branch_rollouts": sum(len(c.branches) > 1 for c in captures),
+    }
+
+
+def _last_branch(session: CaptureSession) -> int:
+    """The branch of the session's last call (the rollout's row); an agent that made no call fails by name."""
     if not session.capture.calls:
         raise AgentError(
             f"rollout {session.rollout}: the agent made no chat completion request to its base URL "
             f"{session.base_url}; point its OpenAI client there (base_url=ctx.base_url, api_key=ctx.api_key)"
         )
-    branch = session.capture.branches[session.capture.calls[-1].branch]
-    rewards = [0.0] * len(branch.response_ids)
-    rewards[-1] = reward
+    return session.capture.calls[-1].branch
+
+
+def _row(branch: Branch, prompt_ids: list[int], span: slice, reward: float | None, stop: str) -> TrajectoryOutput:
+    """A training row: ``prompt_ids``, then ``branch``'s response tokens in ``span``; ``reward`` on the last token."""
+    response = branch.response_ids[span]
+    rewards = [0.0] * len(response)
+    if reward is not None:
+        rewards[-1] = reward
     return TrajectoryOutput(
-        response_ids=list(branch.response_ids),
+        response_ids=list(response),
         reward=rewards,
-        stop_reason=branch.stop_reason,
-        loss_mask=list(branch.loss_mask),
-        prompt_ids=list(branch.prompt_ids),
-        rollout_logprobs=list(branch.logprobs) if branch.has_logprobs else None,
+        stop_reason=stop,
+        loss_mask=list(branch.loss_mask[span]),
+        prompt_ids=list(prompt_ids),
+        rollout_logprobs=list(branch.logprobs[span]) if branch.has_logprobs else None,
         env_metrics={},
-        e2e_time=elapsed,
     )
+
+
+def _trajectory(session: CaptureSession, reward: float) -> TrajectoryOutput:
+    """The rollout's row outside step-wise mode: the branch of its last call (other branches are counted only)."""
+    branch = session.capture.branches[_last_branch(session)]
+    return _row(branch, branch.prompt_ids, slice(None), reward, branch.stop_reason)
+
+
+def _step_wise(session: CaptureSession, reward: float) -> StepWiseOutput:
+    """Every branch as steps, one per call: no captured token is left out.
+
+    A call's step is its engine prompt, then what it sampled (loss mask 1) and the tokens rendered
+    after it on its branch up to the next call (loss mask 0), so a branch's steps, concatenated,
+    are the branch. The branches come in order, the branch of the last call last: its last step
+    ends the rollout and carries the reward (SkyRL broadcasts the last step's advantage to the others).
+    """
+    capture = session.capture
+    last = _last_branch(session)
+    steps: list[TrajectoryOutput] = []
+    for index in [*(b for b in range(len(capture.branches)) if b != last), last]:
+        branch = capture.branches[index]
+        calls = [call for call in capture.calls if call.branch == index]
+        starts = [len(call.prompt_ids) - len(branch.prompt_ids) for call in calls] + [len(branch.response_ids)]
+        for k, call in enumerate(calls):
+            final = index == last and k == len(calls) - 1
+            span = slice(starts[k], starts[k + 1])
+            steps.append(_row(branch, call.prompt_ids, span, reward if final else None, call.stop_reason))
+    return StepWiseOutput(step_outputs=steps)

@@ -8,6 +8,7 @@ tombstone (its rollout's name) so that a late request hears 410 rather than 404.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,9 +24,15 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-from .._episode.replies import read_reply
+from .._episode.calls import engine_call
+from .._runtime.cleanup import run_cleanups
+from .._runtime.contexts import BatchContext, RolloutContext
+from .._runtime.pauses import use_clock
+from .._runtime.sessions import SessionEnd
+from ..config import ResilienceSettings
 from ..engines._h11_server import serve_connection
-from ..types import InferenceClient
+from ..observe import RolloutRef
+from ..types import InferenceClient, InferenceEngineInput
 from ._capture import (
     APIError,
     CallRecord,
@@ -42,9 +49,10 @@ logger = logging.getLogger(__name__)
 _MAX_BODY = 32 * 1024 * 1024
 #: Ended sessions remembered for a 410 (older ones answer 404): a bound, not a timer.
 _TOMBSTONES = 65536
-#: How long a closing session waits for the engine's ``finish_session`` (shielded): a hung engine
-#: cannot keep a rollout from ending.
-_FINISH_SESSION_BOUND_S = 30.0
+#: How long a closing session waits, by default, for its cancelled requests to end and for the engine's
+#: ``finish_session`` (each shielded): a hung engine cannot keep a rollout from ending. The generator
+#: passes its ``env_cleanup_timeout_s``; this is that knob's default.
+_CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
 
 
 @dataclass(eq=False)
@@ -52,7 +60,9 @@ class CaptureSession:
     """One rollout's view of the endpoint: its base URL, API key, and the calls captured so far.
 
     ``closed`` is set once, by the scope that opened it; ``close_reason`` says why (``"ended"``,
-    ``"cancelled"``, ``"failed"``).
+    ``"cancelled"``, ``"failed"``). ``context`` is the rollout attempt the session belongs to: its
+    requests run in the server's tasks, not the rollout's, so they reach the attempt's observers
+    (``engine_call_*``), time splits, sampling seed, pause clock and engine client through it.
     """
 
     id: str
@@ -60,6 +70,7 @@ class CaptureSession:
     base_url: str
     capture: Capture
     sampling_params: dict[str, Any] | None
+    context: RolloutContext
     closed: bool = False
     close_reason: str | None = None
     #: How many times the session was closed: 1 after its scope exits, whatever the path.
@@ -67,6 +78,8 @@ class CaptureSession:
     #: Engine requests sent for this session (answered or not): the engine session is finished if any.
     engine_requests: int = 0
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
+    #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
+    _drained: anyio.Event | None = None
 
     @property
     def api_key(self) -> str:
@@ -86,6 +99,30 @@ class CaptureSession:
         self.closes += 1
         for scope in list(self._inflight):
             scope.cancel()
+
+    def _request_ended(self, scope: anyio.CancelScope) -> None:
+        self._inflight.discard(scope)
+        if not self._inflight and self._drained is not None:
+            self._drained.set()
+
+    async def _drain(self, limit_s: float) -> None:
+        """Wait (shielded, at most ``limit_s``) until the requests the close cancelled have ended.
+
+        So nothing of the session outlives its scope: each request's ``engine_call_finished`` is
+        told, and its engine task cancelled, before the rollout's attempt ends.
+        """
+        if not self._inflight:
+            return
+        self._drained = anyio.Event()
+        with anyio.move_on_after(limit_s, shield=True) as bound:
+            await self._drained.wait()
+        if bound.cancelled_caught:
+            logger.warning(
+                "%d request(s) of rollout %s's capture session did not end within %g s of its close; left running",
+                len(self._inflight),
+                self.rollout,
+                limit_s,
+            )
 
 
 @dataclass
@@ -131,47 +168,55 @@ class CaptureServer:
 
     @asynccontextmanager
     async def session(
-        self, rollout: str, *, sampling_params: dict[str, Any] | None = None
+        self,
+        rollout: str,
+        *,
+        sampling_params: dict[str, Any] | None = None,
+        context: RolloutContext | None = None,
+        cleanup_timeout_s: float = _CLEANUP_BOUND_S,
     ) -> AsyncIterator[CaptureSession]:
         """A capture session for one rollout, open for the block and closed exactly once when it exits.
 
-        The engine session of the same id is finished on exit (shielded, bounded) when any request
-        reached the engine, answered or cancelled.
+        ``context`` is the rollout attempt (the generator's supervisor made it); its ``ref`` gets the
+        session's id. Without one the session has a context of its own, heard by no observer, and
+        calls this server's client. On exit the requests still in flight are cancelled (499) and
+        waited for, then the engine session of the same id is finished when any request reached
+        the engine, answered or cancelled: a ``finish_session`` cleanup step
+        (:class:`~skyrl_structured._runtime.sessions.SessionEnd`), each wait shielded and bounded by
+        ``cleanup_timeout_s``.
         """
         session_id = f"{self._nonce}-{next(self._counter)}"
+        if context is None:
+            context = RolloutContext(
+                BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
+            )
+        context.ref = dataclasses.replace(context.ref, session_id=session_id)
         session = CaptureSession(
             id=session_id,
             rollout=rollout,
             base_url=f"{self.url}/sessions/{session_id}/v1",
             capture=Capture(self.tokenizer, self.chat_template_kwargs),
             sampling_params=sampling_params,
+            context=context,
         )
         self._sessions[session_id] = session
         reason = "ended"
+        error: BaseException | None = None
         try:
             yield session
         except BaseException as exc:
             reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else "failed"
+            error = exc
             raise
         finally:
             session.close(reason)
+            await session._drain(cleanup_timeout_s)
             del self._sessions[session_id]
             self._ended[session_id] = rollout
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
             if session.engine_requests:
-                with anyio.move_on_after(_FINISH_SESSION_BOUND_S, shield=True) as bound:
-                    try:
-                        await self.client.finish_session(session_id)
-                    except Exception:
-                        logger.warning("finish_session(%r) failed for rollout %s", session_id, rollout, exc_info=True)
-                if bound.cancelled_caught:
-                    logger.warning(
-                        "finish_session(%r) for rollout %s did not return within %g s; left to the engine",
-                        session_id,
-                        rollout,
-                        _FINISH_SESSION_BOUND_S,
-                    )
+                await run_cleanups([SessionEnd(context, session_id)], limit_s=cleanup_timeout_s, error=error)
 
     # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
 
@@ -228,23 +273,27 @@ class CaptureServer:
     async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
         params = engine_sampling_params(body, session.sampling_params)
         prepared = session.capture.prepare(body)
+        context = session.context
+        turn = session.engine_requests
+        request: InferenceEngineInput = {
+            "prompt_token_ids": [prepared.prompt_ids],
+            "sampling_params": context.request_params(params, turn),  # seeded with generator.sampling_seed
+            "session_ids": [session.id],
+        }
         with anyio.CancelScope() as scope:
             session._inflight.add(scope)
             session.engine_requests += 1
             try:
-                reply = await self.client.generate(
-                    {
-                        "prompt_token_ids": [prepared.prompt_ids],
-                        "sampling_params": params,
-                        "session_ids": [session.id],
-                    }
-                )
-                text, sampled, stop_reason, logprobs, _ = read_reply(reply)
+                # The rollout's pause clock is the current one here too (HTTPEngine's request timeout stops).
+                with use_clock(context.batch.pauses):
+                    text, sampled, stop_reason, logprobs, _ = await engine_call(
+                        context, turn, len(prepared.prompt_ids), lambda: context.client.generate(request)
+                    )
             except Exception as exc:
                 logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
                 raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}") from None
             finally:
-                session._inflight.discard(scope)
+                session._request_ended(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
                 session.capture.record(prepared, sampled, logprobs, stop_reason, text)
                 completion = chat_completion_body(
