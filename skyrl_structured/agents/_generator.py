@@ -346,6 +346,7 @@ class StructuredAgentGenerator:
                 context=context,
                 cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             ) as session:
+                context.emit(RolloutObserver.env_opened)  # an agent's environment is its capture session
                 ctx = AgentContext(
                     base_url=session.base_url,
                     api_key=session.api_key,
