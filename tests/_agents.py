@@ -4,9 +4,10 @@ run in a worker thread (an agent in its own thread, as on trio the async client 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import openai
 
@@ -98,3 +99,40 @@ def error_of(exc: Any) -> dict[str, Any]:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert error["code"] == exc.status_code
     return dict(error)
+
+
+def one_call_agent(
+    rewards: Mapping[str, float] | None = None, *, fails: str | None = None
+) -> Callable[[Any], Awaitable[float]]:
+    """An agent making one chat call with its prompt: rollout ``fails`` then raises, the others return their
+    reward from ``rewards`` (1.0 when not given)."""
+
+    async def agent(ctx: Any) -> float:
+        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
+        if ctx.rollout == fails:
+            raise ValueError("the agent's own bug")
+        return (rewards or {}).get(ctx.rollout, 1.0)
+
+    return agent
+
+
+async def timeout_once_in_the_engine(generator: Any, input_batch: Any, entered: Callable[[], Awaitable[Any]]) -> str:
+    """``generator.generate(input_batch)`` with its clock paused until ``entered()`` returns (the agent's request is
+    in the engine), so its deadline can only fire with that request in flight however slow the machine; returns
+    the ``TimeoutError`` message it raised."""
+    failures: list[TimeoutError] = []
+
+    async def run() -> None:
+        try:
+            await generator.generate(input_batch)
+        except TimeoutError as exc:
+            failures.append(exc)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            generator.pause()
+            group.start_soon(run)
+            await entered()
+            generator.resume()
+    (error,) = failures
+    return str(error)

@@ -16,7 +16,16 @@ from skyrl_structured.agents import AgentContext, AgentError, CaptureSession, St
 from skyrl_structured.testing import EngineCall, LeakTracker, ScriptedEngine
 from skyrl_structured.types import GeneratorInput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import ADD_TOOL, chat, client, error_of, hermes_template, with_template
+from tests._agents import (
+    ADD_TOOL,
+    chat,
+    client,
+    error_of,
+    hermes_template,
+    one_call_agent,
+    timeout_once_in_the_engine,
+    with_template,
+)
 from tests._upstream import load_upstream_validator
 from tests.helpers import token_rewards
 
@@ -153,13 +162,7 @@ async def test_a_think_stripping_template_trains_on_the_last_branch_and_counts_t
 
 async def test_a_failed_rollout_is_a_placeholder_or_fails_the_step(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "fine")
-
-    async def agent(ctx: AgentContext) -> float:
-        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
-        if ctx.rollout == "q1_0":
-            raise ValueError("the agent's own bug")
-        return 1.0
-
+    agent = one_call_agent(fails="q1_0")
     skipping = StructuredAgentGenerator(engine, tokenizer, agent, skip_failed_rollouts=True)
     out = await skipping.generate(batch(2))
     validate_generator_output(2, out)
@@ -242,8 +245,8 @@ async def test_a_rollout_past_its_deadline_gets_499_and_fails_with_timeout(token
         return 1.0
 
     generator = StructuredAgentGenerator(engine, tokenizer, agent, rollout_timeout_s=0.2)
-    with pytest.raises(TimeoutError):
-        await generator.generate(batch(1))
+    error = await timeout_once_in_the_engine(generator, batch(1), entered.wait)
+    assert "rollout_timeout_s=0.2" in error
     assert cancelled.is_set()
     assert seen[0].status_code == 499
 

@@ -24,7 +24,16 @@ from skyrl_structured.observe import TraceRecorder
 from skyrl_structured.testing import EngineCall, LeakTracker, ScriptedEngine
 from skyrl_structured.types import GeneratorInput, GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import ADD_TOOL, chat, client, error_of, hermes_template, with_template
+from tests._agents import (
+    ADD_TOOL,
+    chat,
+    client,
+    error_of,
+    hermes_template,
+    one_call_agent,
+    timeout_once_in_the_engine,
+    with_template,
+)
 from tests._upstream import load_upstream_validator
 from tests.test_agents_command import SCRIPT, _dead
 from tests.test_agents_generator import CALL_TEXT, batch, tool_agent
@@ -351,22 +360,8 @@ async def test_a_command_agent_past_its_deadline_gets_499_and_its_process_group_
         return await command(ctx)
 
     generator = StructuredAgentGenerator(engine, tokenizer, agent, rollout_timeout_s=DEADLINE)
-    failure: list[BaseException] = []
-
-    async def run() -> None:
-        try:
-            await generator.generate(batch(1))
-        except TimeoutError as exc:
-            failure.append(exc)
-
-    with anyio.fail_after(60):
-        async with generator.serving(), anyio.create_task_group() as group:
-            generator.pause()
-            group.start_soon(run)
-            await blocker.all_entered()  # the command's request is in the engine
-            generator.resume()
-    (error,) = failure
-    assert "rollout_timeout_s" in str(error)
+    error = await timeout_once_in_the_engine(generator, batch(1), blocker.all_entered)
+    assert f"rollout_timeout_s={DEADLINE:g}" in error
     assert blocker.cancelled[0].is_set()
     (session,) = sessions
     assert_ended(session, "cancelled")
@@ -446,14 +441,7 @@ def grouped_batch() -> GeneratorInput:
 @pytest.mark.parametrize("policy", ["placeholder", "mask_group", "fill_group_mean"])
 async def test_group_policies_act_on_agent_rollouts_as_on_gym_rollouts(tokenizer, anyio_backend, policy):
     engine = ScriptedEngine.from_replies(tokenizer, "3")
-    rewards = {"q0_0": 0.25, "q0_1": 0.75, "q1_0": 0.5}
-
-    async def agent(ctx: AgentContext) -> float:
-        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
-        if ctx.rollout == "q1_1":
-            raise RuntimeError("the agent's own bug")
-        return rewards[ctx.rollout]
-
+    agent = one_call_agent({"q0_0": 0.25, "q0_1": 0.75, "q1_0": 0.5}, fails="q1_1")
     generator = StructuredAgentGenerator(
         engine, tokenizer, agent, skip_failed_rollouts=True, failed_rollout_policy=policy
     )
@@ -482,7 +470,7 @@ async def test_group_policies_act_on_agent_rollouts_as_on_gym_rollouts(tokenizer
     assert out["prompt_token_ids"][3] == failed["prompt"]
     assert out["stop_reasons"] == ["stop", "stop", "stop", "rollout_error"]
     assert (out["rollout_logprobs"] or [])[3] == [0.0]
-    assert (out["rollout_metrics"] or {})["generate/failures/RuntimeError"] == 1
+    assert (out["rollout_metrics"] or {})["generate/failures/ValueError"] == 1
 
 
 # ------------------------------------------------------------------ step-wise rows of every branch
@@ -573,15 +561,8 @@ async def test_step_wise_output_holds_every_branch_token_for_token(tokenizer, an
 
 async def test_step_wise_placeholders_and_the_single_row_default(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "3")
-
-    async def agent(ctx: AgentContext) -> float:
-        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
-        if ctx.rollout == "q1_0":
-            raise ValueError("boom")
-        return 1.0
-
     step_wise = StructuredAgentGenerator(
-        engine, tokenizer, agent, step_wise_trajectories=True, skip_failed_rollouts=True
+        engine, tokenizer, one_call_agent(fails="q1_0"), step_wise_trajectories=True, skip_failed_rollouts=True
     )
     out = await step_wise.generate(batch(2))
     validate_generator_output(2, out, step_wise=True)

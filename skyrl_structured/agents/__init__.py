@@ -57,15 +57,29 @@ GeneratorOutput``): per prompt, a capture session and the user's ``async agent(c
 :class:`AgentContext` with base URL, API key, prompt, env extras); the reward is the returned number
 or ``result["reward"]``. :func:`command_agent` makes such an agent of a command line: run per rollout
 in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its reward the last line of
-its stdout, the whole group killed when it exits or its rollout ends. One task group per
-``generate()``; each rollout catches ``Exception`` (``skip_failed_rollouts``: a placeholder row, else
-the step fails with that error and the other rollouts are cancelled) and lets cancellation through;
-``rollout_timeout_s`` is each rollout's deadline. The row of a rollout is the **branch of its last call**: prompt
-ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with
-the rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the
-last token; the stop reason of the branch's last call. Other branches are counted, not trained on:
-``generate/agent_branches``, ``generate/agent_multi_branch_rollouts`` and ``generate/agent_calls`` in
-``rollout_metrics``.
+its stdout, the whole group killed when it exits or its rollout ends. The rollouts run on the gym
+generator's supervisor (``_runtime.supervisor.run_rollouts``) and are collected by its collector, so
+every guarantee holds for them: each *attempt* is one session and one run of the agent (a retry,
+``max_rollout_retries``, starts from scratch in a fresh session; the old one answers 410);
+``rollout_timeout_s`` stops while the generator is paused (:meth:`~StructuredAgentGenerator.pause`);
+a deadline, a straggler cut (``straggler_cutoff``) or the caller's cancel closes the session, which
+answers the agent's in-flight request with 499 and cancels its engine request, and kills a command
+agent's process group; failures become placeholders under ``failed_rollout_policy`` and the failure
+budget; ``max_concurrent_rollouts`` is one set of slots for all concurrent ``generate()`` calls.
+Observers (``generator.observers``) hear the attempt events, ``env_opened`` when the session opens, one
+``engine_call_*`` pair per captured call (the session carries its attempt's ``RolloutContext``: its
+requests run in the server's tasks, not the rollout's) and the session's ``finish_session`` cleanup.
+
+Rows: without ``step_wise_trajectories``, a rollout's row is the **branch of its last call**: prompt
+ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with the
+rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the last
+token; the stop reason of the branch's last call; other branches are counted, not trained on. With
+``step_wise_trajectories``, **every branch** is returned as steps, one per captured call: the call's
+engine prompt, then what it sampled (mask 1) and the tail rendered before the branch's next call (mask
+0), so a branch's steps concatenate back to the branch token for token; branches come in order, the
+branch of the last call last, whose last step carries the reward (``is_last_step``). Counted either way
+in ``rollout_metrics``: ``generate/agent_calls``, ``generate/agent_branches``,
+``generate/agent_multi_branch_rollouts`` (over the rollouts that succeeded).
 
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
@@ -73,9 +87,10 @@ call and says which calls extend the previous prompt + reply and which would bra
 Streaming: a ``stream=true`` request gets the same answer as ``chat.completion.chunk`` events once the
 engine's reply is complete (the ``InferenceClient`` returns whole replies).
 
-Not yet (issue 28): step-wise output of every branch, retries,
-straggler cuts, pauses and observers for agent rollouts, the SkyRL/CLI wiring, the real-vLLM lane and
-the benchmark; see docs/agents.md.
+Not yet (issue 28, other slices): the SkyRL trainer and CLI wiring (``generator.agent=...``,
+``skyrl-structured rollout agent=...``, built through :meth:`StructuredAgentGenerator.from_config`), the
+real-vLLM lane and ``benchmarks/agents.py``; token-by-token streaming (the reply is streamed once whole);
+see docs/agents.md.
 """
 
 from ..errors import AgentError
