@@ -227,7 +227,7 @@ class StructuredAgentGenerator:
         """
         settings = resolve_resilience(generator_cfg)
         knobs: dict[str, Any] = dataclasses.asdict(settings)
-        knobs.update({name: bool(read_knob(generator_cfg, name, default)) for name, default in _OUTPUT_KNOBS.items()})
+        knobs.update({name: read_knob(generator_cfg, name, default) for name, default in _OUTPUT_KNOBS.items()})
         params = read_knob(generator_cfg, "sampling_params", None)
         kwargs = read_knob(generator_cfg, "chat_template_kwargs", None)
         return cls(
