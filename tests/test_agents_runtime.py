@@ -360,10 +360,12 @@ async def test_a_command_agent_past_its_deadline_gets_499_and_its_process_group_
         return await command(ctx)
 
     generator = StructuredAgentGenerator(engine, tokenizer, agent, rollout_timeout_s=DEADLINE)
-    error = await timeout_once_in_the_engine(generator, batch(1), blocker.all_entered)
+    async with generator.serving():
+        error = await timeout_once_in_the_engine(generator, batch(1), blocker.all_entered)
+        (session,) = sessions
+        await assert_gone(session)
     assert f"rollout_timeout_s={DEADLINE:g}" in error
     assert blocker.cancelled[0].is_set()
-    (session,) = sessions
     assert_ended(session, "cancelled")
     assert engine.finished_sessions == [session.id]
     await assert_group_gone(pidfile)

@@ -308,6 +308,10 @@ class StructuredAgentGenerator:
         async with self.serving() as server:
             return await self._generate(server, request, input_batch, disable_tqdm)
 
+    async def aclose(self) -> None:
+        """Nothing to release (the endpoint lives inside ``generate()`` or :meth:`serving`): the gym generator's
+        interface, for callers that close whichever generator they built."""
+
     async def _generate(
         self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput, disable_tqdm: bool
     ) -> GeneratorOutput:
