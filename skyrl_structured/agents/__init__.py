@@ -27,8 +27,9 @@ that disconnects mid-request cancels its engine request too.
 
 **The session is a scope** (:meth:`CaptureServer.session`, an async context manager): opened when the
 rollout starts, closed exactly once when its block exits, on every path (return, error, deadline,
-cancellation). Closing cancels the session's in-flight requests (499) and drops its state; nothing
-outlives it and no timer collects it. When a rollout is cancelled while its agent is blocked in a
+cancellation). Closing cancels the session's in-flight requests (499), waits for them to end (bounded
+by ``env_cleanup_timeout_s``), finishes the engine session and drops its state; nothing outlives it
+and no timer collects it. When a rollout is cancelled while its agent is blocked in a
 worker thread on an HTTP call, the session is closed first, which answers that call, so the thread
 returns and the cancellation completes.
 
