@@ -111,7 +111,7 @@ def test_entrypoint_help_lists_the_settings_it_adds():
     assert text.startswith("usage: python -m skyrl_structured.integrations.skyrl [KEY=VALUE ...]\n")
     assert "trainer.override_entrypoint=skyrl_structured.integrations.skyrl" in text
     defaults = integration.StructuredGeneratorConfig()
-    for name in integration.STRUCTURED_KNOBS:
+    for name in (*integration.STRUCTURED_KNOBS, *integration.AGENT_KNOBS):
         value = getattr(defaults, name)
         shown = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
         assert f"\n  generator.{name}={shown}\n" in text, name
@@ -165,7 +165,8 @@ def test_knobs_match_skyrl_structured_generator_config():
     ours = _added_fields(GeneratorConfig, skyrl_generator)
     added = _added_fields(integration.StructuredGeneratorConfig, skyrl_generator)
     knobs = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
-    assert tuple(ours) == tuple(added) == integration.STRUCTURED_KNOBS == knobs
+    assert tuple(ours) == integration.STRUCTURED_KNOBS == knobs
+    assert tuple(added) == (*knobs, *integration.AGENT_KNOBS)  # the agent is the integration's choice of generator
     library = GeneratorConfig()
     subclassed = integration.StructuredGeneratorConfig()
     our_types = typing.get_type_hints(GeneratorConfig)
