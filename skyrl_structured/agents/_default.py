@@ -12,15 +12,18 @@ import json
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AgentError
 from ._generator import AgentContext
 
+if TYPE_CHECKING:  # openai is imported when the agent runs: the package does not require it
+    from openai.types.chat import ChatCompletionFunctionToolParam
+
 __all__ = ["CALCULATOR_TOOL", "FINAL_ANSWER_PROMPT", "MAX_TOOL_ROUNDS", "calculate", "default_agent"]
 
 #: The one tool the default agent offers, as OpenAI's ``tools`` entry.
-CALCULATOR_TOOL: dict[str, Any] = {
+CALCULATOR_TOOL: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "calculator",
@@ -123,7 +126,8 @@ async def default_agent(ctx: AgentContext) -> dict[str, Any]:
         for round_ in range(MAX_TOOL_ROUNDS):
             reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR_TOOL])
             message = reply.choices[0].message
-            calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            functions = [c for c in message.tool_calls or [] if c.type == "function"]
+            calls = [(c.id, c.function.name, c.function.arguments) for c in functions]
             model_tool_calls += len(calls)
             if not calls and round_ == 0:
                 arguments = json.dumps({"expression": _task_expression(ctx.prompt)})

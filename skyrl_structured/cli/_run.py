@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -118,7 +117,7 @@ class AgentCounts:
     dict with more numbers gets them counted the same way.
     """
 
-    totals: Counter[str] = field(default_factory=Counter)
+    totals: dict[str, int | float] = field(default_factory=dict)
 
     def counting(self, agent: AgentFn) -> AgentFn:
         """``agent``, with the numbers of each result it returns added to :attr:`totals`."""
@@ -128,7 +127,7 @@ class AgentCounts:
             if isinstance(result, dict):
                 for key, value in result.items():
                     if key != "reward" and isinstance(value, int | float) and not isinstance(value, bool):
-                        self.totals[key] += value
+                        self.totals[key] = self.totals.get(key, 0) + value
             return result
 
         return counted
