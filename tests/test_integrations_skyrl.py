@@ -268,18 +268,9 @@ def test_every_gym_key_the_docs_show_passes_skyrls_parser(skyrl_cli_parser):
     assert {key: getattr(cfg.environment.skyrl_gym, key) for key in shown} == {key: values[key] for key in shown}
 
 
-@pytest.mark.anyio
-async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_processes(
-    anyio_backend, skyrl_cli_parser, tokenizer, tmp_path, monkeypatch
-):
-    """SkyRL's main_base hands ``sys.argv`` untouched to ``import_module(override).main()``."""
-    argv = [
-        "trainer.override_entrypoint=skyrl_structured.integrations.skyrl",
-        "environment.skyrl_gym.env_executor=process",
-        "environment.skyrl_gym.max_env_workers=2",
-        "generator.max_turns=2",
-        "generator.max_input_length=4096",
-    ]
+def _through_override_entrypoint(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> Any:
+    """The config SkyRL's main_base route parses: it hands ``sys.argv`` as is to ``import_module(override).main()``."""
+    argv = ["trainer.override_entrypoint=skyrl_structured.integrations.skyrl", *overrides]
     parsed: list[Any] = []
     experiment = types.ModuleType("skyrl_structured.integrations._skyrl_experiment")
     experiment.run = parsed.append  # type: ignore[attr-defined]  # Ray's launch is all this stands in for
@@ -287,6 +278,20 @@ async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_
     monkeypatch.setattr(sys, "argv", ["main_base.py", *argv])
     importlib.import_module(argv[0].split("=", 1)[1]).main()
     (cfg,) = parsed
+    return cfg
+
+
+@pytest.mark.anyio
+async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_processes(
+    anyio_backend, skyrl_cli_parser, tokenizer, tmp_path, monkeypatch
+):
+    cfg = _through_override_entrypoint(
+        monkeypatch,
+        "environment.skyrl_gym.env_executor=process",
+        "environment.skyrl_gym.max_env_workers=2",
+        "generator.max_turns=2",
+        "generator.max_input_length=4096",
+    )
     assert cfg.environment.skyrl_gym.env_executor == "process"
 
     register_trouble_env()
@@ -676,19 +681,9 @@ async def test_generator_agent_goes_from_the_override_entrypoint_to_a_validated_
     """``generator.agent=default`` through SkyRL's main_base route: the agent generator, SkyRL's validation."""
     from skyrl_structured.agents import StructuredAgentGenerator
 
-    argv = [
-        "trainer.override_entrypoint=skyrl_structured.integrations.skyrl",
-        "generator.agent=default",
-        "generator.skip_failed_rollouts=true",
-        "generator.rollout_timeout_s=120",
-    ]
-    parsed: list[Any] = []
-    experiment = types.ModuleType("skyrl_structured.integrations._skyrl_experiment")
-    experiment.run = parsed.append  # type: ignore[attr-defined]  # Ray's launch is all this stands in for
-    monkeypatch.setitem(sys.modules, experiment.__name__, experiment)
-    monkeypatch.setattr(sys, "argv", ["main_base.py", *argv])
-    importlib.import_module(argv[0].split("=", 1)[1]).main()
-    (cfg,) = parsed
+    cfg = _through_override_entrypoint(
+        monkeypatch, "generator.agent=default", "generator.skip_failed_rollouts=true", "generator.rollout_timeout_s=120"
+    )
     assert cfg.generator.agent == "default"
 
     def answer(call):
