@@ -109,7 +109,7 @@ async def default_agent(ctx: AgentContext) -> dict[str, Any]:
        makes no tool call, the agent makes one itself (the task's first two numbers, added) and
        sends that call and its result in the conversation: the tiny random model of the offline
        default run practically never writes a ``<tool_call>``, and this way every rollout still
-       goes through a tool turn. A real model makes its own calls and this never happens.
+       goes through a tool turn. A model that makes its own calls never meets this.
     3. Ask for the final answer (:data:`FINAL_ANSWER_PROMPT`) and score it with skyrl_gym's gsm8k
        check (``#### N`` against ``reward_spec.ground_truth``).
 
