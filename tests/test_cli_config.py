@@ -24,6 +24,7 @@ from skyrl_structured.cli._schema import (
     CLI_PRESET,
     ENV_SECTIONS,
     SECTIONS,
+    TOP_KEYS,
     CLISkyRLGymConfig,
     key_specs,
 )
@@ -263,7 +264,8 @@ def test_print_config_shows_the_resolved_configuration(capsys):
     assert printed["generator"]["max_turns"] == 2
     assert printed["generator"]["n_samples_per_prompt"] == 4
     assert printed["run"]["backend"] == "trio"
-    assert set(printed) == set(SECTIONS)
+    assert set(printed) == {*SECTIONS, *TOP_KEYS}
+    assert printed["agent"] is None
 
 
 def test_refusal_is_one_line_and_exit_status_2(capsys, tmp_path):

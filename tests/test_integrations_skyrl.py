@@ -111,7 +111,7 @@ def test_entrypoint_help_lists_the_settings_it_adds():
     assert text.startswith("usage: python -m skyrl_structured.integrations.skyrl [KEY=VALUE ...]\n")
     assert "trainer.override_entrypoint=skyrl_structured.integrations.skyrl" in text
     defaults = integration.StructuredGeneratorConfig()
-    for name in integration.STRUCTURED_KNOBS:
+    for name in (*integration.STRUCTURED_KNOBS, *integration.AGENT_KNOBS):
         value = getattr(defaults, name)
         shown = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
         assert f"\n  generator.{name}={shown}\n" in text, name
@@ -165,7 +165,8 @@ def test_knobs_match_skyrl_structured_generator_config():
     ours = _added_fields(GeneratorConfig, skyrl_generator)
     added = _added_fields(integration.StructuredGeneratorConfig, skyrl_generator)
     knobs = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
-    assert tuple(ours) == tuple(added) == integration.STRUCTURED_KNOBS == knobs
+    assert tuple(ours) == integration.STRUCTURED_KNOBS == knobs
+    assert tuple(added) == (*knobs, *integration.AGENT_KNOBS)  # the agent is the integration's choice of generator
     library = GeneratorConfig()
     subclassed = integration.StructuredGeneratorConfig()
     our_types = typing.get_type_hints(GeneratorConfig)
@@ -267,18 +268,9 @@ def test_every_gym_key_the_docs_show_passes_skyrls_parser(skyrl_cli_parser):
     assert {key: getattr(cfg.environment.skyrl_gym, key) for key in shown} == {key: values[key] for key in shown}
 
 
-@pytest.mark.anyio
-async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_processes(
-    anyio_backend, skyrl_cli_parser, tokenizer, tmp_path, monkeypatch
-):
-    """SkyRL's main_base hands ``sys.argv`` untouched to ``import_module(override).main()``."""
-    argv = [
-        "trainer.override_entrypoint=skyrl_structured.integrations.skyrl",
-        "environment.skyrl_gym.env_executor=process",
-        "environment.skyrl_gym.max_env_workers=2",
-        "generator.max_turns=2",
-        "generator.max_input_length=4096",
-    ]
+def _through_override_entrypoint(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> Any:
+    """The config SkyRL's main_base route parses: it hands ``sys.argv`` as is to ``import_module(override).main()``."""
+    argv = ["trainer.override_entrypoint=skyrl_structured.integrations.skyrl", *overrides]
     parsed: list[Any] = []
     experiment = types.ModuleType("skyrl_structured.integrations._skyrl_experiment")
     experiment.run = parsed.append  # type: ignore[attr-defined]  # Ray's launch is all this stands in for
@@ -286,6 +278,20 @@ async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_
     monkeypatch.setattr(sys, "argv", ["main_base.py", *argv])
     importlib.import_module(argv[0].split("=", 1)[1]).main()
     (cfg,) = parsed
+    return cfg
+
+
+@pytest.mark.anyio
+async def test_env_executor_process_goes_from_the_override_entrypoint_to_worker_processes(
+    anyio_backend, skyrl_cli_parser, tokenizer, tmp_path, monkeypatch
+):
+    cfg = _through_override_entrypoint(
+        monkeypatch,
+        "environment.skyrl_gym.env_executor=process",
+        "environment.skyrl_gym.max_env_workers=2",
+        "generator.max_turns=2",
+        "generator.max_input_length=4096",
+    )
     assert cfg.environment.skyrl_gym.env_executor == "process"
 
     register_trouble_env()
@@ -654,3 +660,83 @@ def test_experiment_picks_the_vision_language_generator(skyrl_cli_parser, tokeni
     engine = ScriptedVLMEngine(tokenizer, lambda call: "ok")
     generator = integration.StructuredPPOExp.get_generator(None, cfg, tokenizer, engine)
     assert type(generator) is StructuredVLMGymGenerator
+
+
+# ------------------------------------------------------------------ generator.agent: OpenAI-API agents
+
+
+def _arithmetic_batch(*truths: int) -> GeneratorInput:
+    return {
+        "prompts": [[{"role": "user", "content": f"Add {t - 5} and 5."}] for t in truths],
+        "env_classes": ["gsm8k"] * len(truths),
+        "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": str(t)}} for t in truths],
+        "trajectory_ids": [TrajectoryID(f"q{i}", 0) for i in range(len(truths))],
+    }
+
+
+@pytest.mark.anyio
+async def test_generator_agent_goes_from_the_override_entrypoint_to_a_validated_agent_output(
+    anyio_backend, skyrl_cli_parser, tokenizer, monkeypatch
+):
+    """``generator.agent=default`` through SkyRL's main_base route: the agent generator, SkyRL's validation."""
+    from skyrl_structured.agents import StructuredAgentGenerator
+
+    cfg = _through_override_entrypoint(
+        monkeypatch, "generator.agent=default", "generator.skip_failed_rollouts=true", "generator.rollout_timeout_s=120"
+    )
+    assert cfg.generator.agent == "default"
+
+    def answer(call):
+        if "Add 2 and 5." in tokenizer.decode(call.prompt_token_ids):
+            raise ConnectionError("replica lost")  # skip_failed_rollouts, read from SkyRL's section
+        return "#### 8"
+
+    engine = ScriptedEngine(tokenizer, answer)
+    generator = integration.structured_generator(cfg, tokenizer, engine, "policy")
+    assert type(generator) is StructuredAgentGenerator
+    assert generator.model == "policy"
+    assert (generator.skip_failed_rollouts, generator.rollout_timeout_s) == (True, 120)
+    output = await generator.generate(_arithmetic_batch(8, 7, 9))
+    load_upstream_validator()(3, output)  # SkyRL's trainer's own check
+    assert output["stop_reasons"] == ["stop", "rollout_error", "stop"]
+    assert [r[-1] for r in token_rewards(output)] == [1.0, 0.0, 0.0]  # "#### 8" against 8, (failed), 9
+    metrics = output["rollout_metrics"] or {}
+    assert metrics["generate/agent_calls"] == 6  # three for each rollout that did not fail
+    assert metrics["generate/num_failed_rollouts"] == 1
+    assert len(engine.calls) == 7  # and the failed rollout's first call
+    assert len({c.session_id for c in engine.calls}) == 3  # one capture session per rollout
+
+
+def test_generator_agent_is_refused_before_ray_starts(skyrl_cli_parser, capsys):
+    with pytest.raises(ValueError, match=r"^`generator.agent`='solver' is not an agent: give `default`"):
+        integration.parse_config(["generator.agent=solver"])
+    with pytest.raises(ValueError, match=r"^`generator.agent=no_such_agents_mod:run`: cannot import module"):
+        integration.parse_config(["generator.agent=no_such_agents_mod:run"])
+    with pytest.raises(ValueError, match=r"^`generator.agent` and `generator.vision_language_generator=true` both"):
+        integration.parse_config(["generator.agent=default", "generator.vision_language_generator=true"])
+    with pytest.raises(SystemExit) as exit_info:
+        integration.main(["generator.agent=command:no-such-agent-binary"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "error: `generator.agent`: the command 'no-such-agent-binary' is not an executable file on PATH; "
+        "give its path or install it"
+    )
+    assert integration.parse_config([]).generator.agent is None
+
+
+def test_without_generator_agent_the_gym_generator_is_built(skyrl_cli_parser, tokenizer):
+    engine = ScriptedEngine(tokenizer, lambda call: "ok")
+    assert type(integration.structured_generator(skyrl_cli_parser([]), tokenizer, engine)) is StructuredGymGenerator
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 12) or importlib.util.find_spec("ray") is None,
+    reason="SkyRL's experiment (BasePPOExp) imports only on Python 3.12+ with its training stack",
+)
+def test_experiment_picks_the_agent_generator(skyrl_cli_parser, tokenizer):
+    from skyrl_structured.agents import StructuredAgentGenerator
+
+    cfg = skyrl_cli_parser(["generator.agent=default"])
+    generator = integration.StructuredPPOExp.get_generator(None, cfg, tokenizer, ScriptedEngine(tokenizer, str))
+    assert type(generator) is StructuredAgentGenerator

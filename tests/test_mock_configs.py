@@ -156,3 +156,49 @@ def test_a_bad_value_set_on_a_magicmock_is_still_refused():
     cfg.env_executor = "processes"
     with pytest.raises(ValueError, match=r"`environment.skyrl_gym.env_executor` must be one of 'thread', 'process'"):
         env_executor_kind(cfg)
+
+
+def _mock_root(generator_cfg: Any) -> MagicMock:
+    """SkyRL's root config as a test builds it: a ``MagicMock`` holding the sections the generator reads."""
+    cfg = MagicMock()
+    cfg.generator = generator_cfg
+    cfg.environment.skyrl_gym = mock_env_cfg()
+    cfg.trainer.fully_async.enabled = False
+    return cfg
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_config_without_the_agent_key_builds_the_gym_generator_as_before(tokenizer, backend):
+    integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
+    b = batch(2)
+    engines = [ScriptedEngine(tokenizer, turn_handler(REPLIES)) for _ in range(2)]
+    # SkyRL's own generator section has no `agent` field: the gym generator, generating as SkyRL's does.
+    gen = integration.structured_generator(_mock_root(skyrl_generator_cfg(batched=False)), tokenizer, engines[0])
+    assert type(gen) is StructuredGymGenerator
+    theirs = run_upstream(skyrl_generator_cfg(batched=False), mock_env_cfg(), engines[1], tokenizer, copy_batch(b))
+    ours = anyio.run(lambda: gen.generate(copy_batch(b), disable_tqdm=True), backend=backend)
+    assert_same_output(dict(ours), theirs)
+    assert ours["response_ids"]
+
+
+@pytest.mark.anyio
+async def test_a_magicmock_section_with_the_agent_key_builds_the_agent_generator(anyio_backend, tokenizer):
+    integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
+    from skyrl_structured.agents import StructuredAgentGenerator, default_agent
+
+    section = MagicMock()
+    section.agent = "default"  # every other knob is a made-up mock attribute: absent, so at its default
+    gen = integration.structured_generator(
+        _mock_root(section), tokenizer, ScriptedEngine(tokenizer, lambda c: "#### 8")
+    )
+    assert type(gen) is StructuredAgentGenerator
+    assert gen.agent is default_agent
+    assert (gen.rollout_timeout_s, gen.skip_failed_rollouts, gen.sampling_params) == (None, False, None)
+    b = {
+        "prompts": [[{"role": "user", "content": "Add 3 and 5."}]],
+        "env_classes": ["gsm8k"],
+        "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": "8"}}],
+    }
+    output = await gen.generate(b)  # type: ignore[arg-type]  # a minimal GeneratorInput
+    assert output["rewards"][0][-1] == 1.0
+    assert (output["rollout_metrics"] or {})["generate/agent_calls"] == 3

@@ -82,26 +82,32 @@ branch of the last call last, whose last step carries the reward (``is_last_step
 in ``rollout_metrics``: ``generate/agent_calls``, ``generate/agent_branches``,
 ``generate/agent_multi_branch_rollouts`` (over the rollouts that succeeded).
 
+**Choosing an agent by name** (:func:`resolve_agent`): a configuration value ``default`` (the
+embedded :func:`default_agent`, a calculator-tool loop on the official ``openai`` client),
+``module.path:function`` (an async agent function) or ``command:<command line>`` (:func:`command_agent`),
+checked when resolved, before any rollout. ``skyrl-structured rollout agent=...`` and SkyRL's
+``generator.agent=...`` (``StructuredPPOExp``) both go through it.
+
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
 
 Streaming: a ``stream=true`` request gets the same answer as ``chat.completion.chunk`` events once the
 engine's reply is complete (the ``InferenceClient`` returns whole replies).
 
-Not yet (issue 28, other slices): the SkyRL trainer and CLI wiring (``generator.agent=...``,
-``skyrl-structured rollout agent=...``, built through :meth:`StructuredAgentGenerator.from_config`), the
-real-vLLM lane and ``benchmarks/agents.py``; token-by-token streaming (the reply is streamed once whole);
-see docs/agents.md.
+Not yet (issue 28): token-by-token streaming (the reply is streamed once whole); see docs/agents.md.
 """
 
 from ..errors import AgentError
 from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
 from ._check import CallCheck, CaptureCheck, check_capture
 from ._command import command_agent
+from ._default import default_agent
 from ._generator import AgentContext, AgentFn, StructuredAgentGenerator
+from ._select import AGENT_VALUES, check_agent_choice, resolve_agent
 from ._server import CaptureServer, CaptureSession, serve_capture
 
 __all__ = [
+    "AGENT_VALUES",
     "APIError",
     "AgentContext",
     "AgentError",
@@ -114,8 +120,11 @@ __all__ = [
     "CaptureServer",
     "CaptureSession",
     "StructuredAgentGenerator",
+    "check_agent_choice",
     "check_capture",
     "command_agent",
+    "default_agent",
     "parse_tool_calls",
+    "resolve_agent",
     "serve_capture",
 ]

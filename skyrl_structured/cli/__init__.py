@@ -35,7 +35,7 @@ from ._logs import AggregatingHandler, configure_logging
 from ._outputs import write_outputs, write_summary_json
 from ._run import RunResult, is_duplicate, run_step
 from ._schema import RolloutConfig
-from ._summary import batch_line, environments_line, summarize
+from ._summary import agent_line, batch_line, environments_line, summarize
 from ._table import format_summary
 from ._trajectories import TRAJECTORIES_FILE, jsonable
 from ._values import ConfigError
@@ -49,7 +49,9 @@ EXIT_CONFIG = 2
 _ROLLOUT_DESCRIPTION = """\
 Run one generation step -- every prompt of the dataset, n_samples_per_prompt rollouts each --
 through StructuredGymGenerator, print a summary and write generator_output.json,
-trajectories.jsonl and summary.json to run.output_dir.
+trajectories.jsonl and summary.json to run.output_dir. With agent=... an agent that speaks the
+OpenAI chat API runs instead of the environments (agent=default: an embedded calculator-tool
+agent on the official openai client; see the agent key below).
 
 With no arguments it runs offline on a CPU: 12 embedded arithmetic word problems in SkyRL's
 gsm8k format, the gsm8k environment, and a tiny random model (rewards are 0: point engine.model
@@ -57,6 +59,7 @@ at a real model, or engine.kind=http at vLLM servers, for real ones).
 
 Examples:
   skyrl-structured rollout
+  skyrl-structured rollout agent=default
   skyrl-structured rollout chaos.failure_rate=0.3 generator.skip_failed_rollouts=true
   skyrl-structured rollout engine.model=Qwen/Qwen2.5-0.5B-Instruct generator.sampling_params.max_generate_length=512
   skyrl-structured rollout --config my_run.yaml run.backend=trio
@@ -241,9 +244,10 @@ def _run(plan: _Plan, debug: bool, finishing: _Finishing, argv: Sequence[str]) -
     cfg = plan.cfg
     if cfg.chaos.hang_rate > 0 and cfg.generator.rollout_timeout_s is None:
         _status("note: chaos.hang_rate > 0 without generator.rollout_timeout_s: hung rollouts wait for Ctrl-C")
+    what = environments_line(plan.env_classes) if cfg.agent is None else agent_line(cfg.agent)
     _status(
         f"{PROG} rollout: {batch_line(plan.prompts, plan.samples, len(plan.batch['prompts']), plan.source)}; "
-        f"{environments_line(plan.env_classes)}; engine {cfg.engine.kind}; backend {cfg.run.backend}"
+        f"{what}; engine {cfg.engine.kind}; backend {cfg.run.backend}"
     )
 
     def engine_ready(setup: EngineSetup) -> None:

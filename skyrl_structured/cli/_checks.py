@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._episode.chat import load_custom_chat_template
+from ..agents import check_agent_choice
 from ..config import SAMPLING_RANGES, NumberRule, check_number, invalid_value, resolve_resilience
 from ..envs._executors import env_executor_kind
 from ..validate import check_generator_config
@@ -156,6 +157,29 @@ def check_config(cfg: RolloutConfig) -> None:
     if port is not None and importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError("`run.metrics_port` needs prometheus-client: pip install 'skyrl-structured[prometheus]'")
     _check_chaos_executor(cfg)
+    _check_agent(cfg)
+
+
+def _check_agent(cfg: RolloutConfig) -> None:
+    """``agent=...``: the agent resolves (module imported, executable found), and nothing asks for an environment."""
+    if cfg.agent is None:
+        return
+    try:
+        check_agent_choice(cfg.agent, key="agent", vision_language_generator=cfg.generator.vision_language_generator)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    chaos = cfg.chaos
+    drilling = chaos.failure_rate > 0 or chaos.hang_rate > 0 or chaos.slow_rate > 0
+    if drilling and chaos.stage in (*CHAOS_ENV_STAGES, "any"):
+        raise ConfigError(
+            f"`chaos.stage={chaos.stage}` drills environment faults, and an agent's rollouts have no environment: "
+            "drill the engine (chaos.stage=generate) with `agent`"
+        )
+    if cfg.run.metrics_port is not None:
+        raise ConfigError(
+            "`run.metrics_port` serves the gym generator's live metrics, which agent rollouts do not report yet: "
+            "leave it null with `agent` (summary.json has the step's metrics)"
+        )
 
 
 def _check_chaos_executor(cfg: RolloutConfig) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from ._schema import CLI_PRESET, SECTIONS, KeySpec, RolloutConfig, describe_type, key_specs
+from ._schema import CLI_PRESET, SECTIONS, TOP_KEYS, KeySpec, RolloutConfig, describe_type, key_specs
 from ._values import format_value
 
 __all__ = ["key_cell", "keys_help", "reference_markdown"]
@@ -17,6 +17,10 @@ __all__ = ["key_cell", "keys_help", "reference_markdown"]
 
 def _section_help() -> dict[str, str]:
     return {f.name: str(f.metadata.get("help", "")) for f in dataclasses.fields(RolloutConfig)}
+
+
+#: What heads a top-level key that is not a section (``agent``) in the listings.
+_TOP_KEY_TITLE = "A single key at the top level, not a section."
 
 
 def _preset_note(spec: KeySpec) -> str:
@@ -34,6 +38,8 @@ def keys_help(width: int = 100) -> str:
             lines.append("")
             lines.append(f"{spec.path}.*  {titles[spec.path]}")
             continue
+        if spec.path in TOP_KEYS:
+            lines += ["", f"{spec.path}  {_TOP_KEY_TITLE}"]
         if spec.section is not None:
             if spec.optional:
                 lines.append(f"  {spec.path}=null|{{...}}")
@@ -86,10 +92,12 @@ def reference_markdown() -> str:
     ]
     titles = _section_help()
     for spec in key_specs().values():
-        if spec.path in SECTIONS:
-            out += ["", f"## `{spec.path}`", "", titles[spec.path], "", "| key | type | default | meaning |"]
+        if spec.path in SECTIONS or spec.path in TOP_KEYS:
+            title = titles[spec.path] if spec.path in SECTIONS else _TOP_KEY_TITLE
+            out += ["", f"## `{spec.path}`", "", title, "", "| key | type | default | meaning |"]
             out.append("|---|---|---|---|")
-            continue
+            if spec.path in SECTIONS:
+                continue
         if spec.section is not None and not spec.optional:
             continue
         default = "" if spec.section is not None else format_value(spec.default)

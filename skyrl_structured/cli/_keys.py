@@ -40,6 +40,8 @@ _SKYRL_HINTS: dict[str, str] = {
     "generator.inference_engine.served_model_name": "with `engine.kind=http`, `engine.model` is the served name",
     "generator.inference_engine.engine_init_kwargs": "vLLM engine arguments are `engine.engine_args` here",
     "generator.inference_engine.": _ENGINE_ARGS_HINT,
+    "generator.agent": "the agent is the top-level key `agent` here (`agent=default`, `agent=module.path:function`, "
+    "`agent=command:<command line>`); SkyRL's trainer reads it as generator.agent",
     "data.dataloader.": "the command reads the data files itself; there is no dataloader to configure",
     "environment.skyrl_gym.": "SkyRL's per-environment sections are "
     + ", ".join(f"`environment.skyrl_gym.{name}.*`" for name in ENV_SECTIONS)
@@ -64,6 +66,12 @@ def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigErr
     if hint_text is not None:
         return ConfigError(f"`{key}`{where} is SkyRL's key, not taken here: {hint_text}")
     head, _, _ = key.partition(".")
+    head_spec = specs.get(head)
+    if head_spec is not None and head_spec.section is None:  # `agent.command=...`: a top-level single value
+        return ConfigError(
+            f"`{head}` is a single value, not a section: `{key}`{where} does not exist; set `{head}=...` "
+            f"(see --help){_top_key_hint(head)}"
+        )
     if head not in SECTIONS:
         foreign = _FOREIGN_SECTIONS.get(head)
         if foreign is not None:
@@ -91,6 +99,10 @@ def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigErr
     hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
     listing = f" Keys under `{parent}`: {', '.join(siblings)}" if parent in specs else ""
     return ConfigError(f"unknown key `{key}`{where}{hint}{listing}")
+
+
+def _top_key_hint(key: str) -> str:
+    return "; a command is `agent=command:python my_agent.py`" if key == "agent" else ""
 
 
 def _bare_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigError:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import anyio
 
 from .._runtime.origin import describe_with_origin
+from ..agents import AgentContext, AgentFn, StructuredAgentGenerator, resolve_agent
 from ..envs._ray import start_local_ray_if_needed
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
@@ -37,7 +38,15 @@ from ._live import env_workers_alive, serve_metrics
 from ._schema import RolloutConfig
 from ._trajectories import TRAJECTORIES_FILE, TrajectoryLog
 
-__all__ = ["DUPLICATE_SIGNAL_WINDOW_S", "STILL_WAITING_AFTER_S", "RunResult", "Tally", "is_duplicate", "run_step"]
+__all__ = [
+    "DUPLICATE_SIGNAL_WINDOW_S",
+    "STILL_WAITING_AFTER_S",
+    "AgentCounts",
+    "RunResult",
+    "Tally",
+    "is_duplicate",
+    "run_step",
+]
 
 #: A signal this soon after the first is the same stop request delivered twice, not a second request.
 DUPLICATE_SIGNAL_WINDOW_S = 1.0
@@ -101,6 +110,30 @@ class Tally(RolloutObserver):
 
 
 @dataclass
+class AgentCounts:
+    """What the agent reported besides its reward: the numbers of its result dicts, summed over rollouts.
+
+    The default agent returns ``{"reward", "tool_calls", "model_tool_calls"}``; any agent returning a
+    dict with more numbers gets them counted the same way.
+    """
+
+    totals: dict[str, int | float] = field(default_factory=dict)
+
+    def counting(self, agent: AgentFn) -> AgentFn:
+        """``agent``, with the numbers of each result it returns added to :attr:`totals`."""
+
+        async def counted(ctx: AgentContext) -> float | dict[str, Any]:
+            result = await agent(ctx)
+            if isinstance(result, dict):
+                for key, value in result.items():
+                    if key != "reward" and isinstance(value, int | float) and not isinstance(value, bool):
+                        self.totals[key] = self.totals.get(key, 0) + value
+            return result
+
+        return counted
+
+
+@dataclass
 class RunResult:
     """How the step ended, with everything the report needs."""
 
@@ -131,6 +164,8 @@ class RunResult:
     #: The live metrics served at ``run.metrics_port`` while the step runs: the caller closes it once
     #: the summary is written, so that a last scrape sees the final values.
     metrics: Any | None = None
+    #: With ``agent=...``: what the agent's results counted (tool calls for the default agent).
+    agent_counts: AgentCounts | None = None
 
 
 def is_duplicate(result: RunResult) -> bool:
@@ -218,7 +253,9 @@ async def run_step(
         env_classes=list(batch["env_classes"]),
         trajectory_ids=batch.get("trajectory_ids"),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        trace=TraceRecorder() if cfg.run.trace else None,
+        # Agent rollouts report to no observer yet: no trace to record.
+        trace=TraceRecorder() if cfg.run.trace and cfg.agent is None else None,
+        agent_counts=AgentCounts() if cfg.agent is not None else None,
     )
     work = anyio.CancelScope()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -263,6 +300,9 @@ async def _load_and_generate(
     if on_engine is not None:
         on_engine(setup)
     async with setup.engine:
+        if cfg.agent is not None:
+            await _generate_with_agent(cfg, batch, setup, result)
+            return
         generator_class = (
             StructuredVLMGymGenerator if cfg.generator.vision_language_generator else StructuredGymGenerator
         )
@@ -288,3 +328,24 @@ async def _load_and_generate(
             result.generate_s = time.monotonic() - started
             with anyio.CancelScope(shield=True):
                 await generator.aclose()  # env worker processes / actors
+
+
+async def _generate_with_agent(
+    cfg: RolloutConfig, batch: GeneratorInput, setup: EngineSetup, result: RunResult
+) -> None:
+    """``agent=...``: the step through :class:`~skyrl_structured.agents.StructuredAgentGenerator` (no environments).
+
+    Its rollouts report to no observer yet, so ``trajectories.jsonl`` is written from the output once
+    the step completes, and an interrupted step keeps none.
+    """
+    assert cfg.agent is not None
+    assert result.agent_counts is not None
+    agent = result.agent_counts.counting(resolve_agent(cfg.agent, key="agent"))  # checked in _checks
+    generator = StructuredAgentGenerator.from_config(cfg.generator, setup.client, setup.tokenizer, agent)
+    result.tokenizer = setup.tokenizer
+    result.started_generating = True
+    started = time.monotonic()
+    try:
+        result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
+    finally:
+        result.generate_s = time.monotonic() - started

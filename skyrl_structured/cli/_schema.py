@@ -19,12 +19,14 @@ from typing import Any, Literal
 from skyrl_gym.envs.search.env import SearchEnvConfig
 from skyrl_gym.envs.sql.env import Text2SQLEnvConfig
 
+from ..agents import AGENT_VALUES
 from ..config import FAILED_ROLLOUT_POLICIES, GeneratorConfig, SkyRLGymConfig
 
 __all__ = [
     "CLI_PRESET",
     "ENV_SECTIONS",
     "SECTIONS",
+    "TOP_KEYS",
     "CLISkyRLGymConfig",
     "ChaosSection",
     "DataSection",
@@ -203,10 +205,21 @@ class RolloutConfig:
     engine: EngineSection = _section("The inference engine.", EngineSection)
     run: RunSection = _section("Event loop, seed, output.", RunSection)
     chaos: ChaosSection = _section("Fault drills.", ChaosSection)
+    agent: str | None = _opt(
+        "Run an agent that speaks the OpenAI chat API instead of gym rollouts, through StructuredAgentGenerator "
+        f"and its capture endpoint: {AGENT_VALUES}. null runs the environments.",
+        None,
+    )
 
 
 #: Top-level sections, in the order ``--help`` and the docs list them.
-SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutConfig))
+SECTIONS: tuple[str, ...] = tuple(
+    f.name
+    for f in dataclasses.fields(RolloutConfig)
+    if dataclasses.is_dataclass(typing.get_type_hints(RolloutConfig)[f.name])
+)
+#: Top-level keys that are single values, not sections (``agent=default``).
+TOP_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name not in SECTIONS)
 
 #: Where the command's defaults differ from the library's (SkyRL's): the embedded default must
 #: finish in seconds on two CPU cores with a tiny random model, which rarely emits EOS.

@@ -25,7 +25,14 @@ from ._schema import RolloutConfig
 from ._trajectories import jsonable
 from ._truth import trainer_truth
 
-__all__ = ["batch_line", "counted", "environments_line", "summarize"]
+__all__ = ["AGENT_METRICS", "agent_line", "batch_line", "counted", "environments_line", "summarize"]
+
+#: The agent generator's rollout metrics the summary reports, by the summary's name for them.
+AGENT_METRICS = {
+    "agent_calls": "generate/agent_calls",
+    "agent_branches": "generate/agent_branches",
+    "agent_multi_branch_rollouts": "generate/agent_multi_branch_rollouts",
+}
 
 _FAILURE_PREFIX = "generate/failures/"
 _CUT_KEY = f"{_FAILURE_PREFIX}{StragglerCutError.__name__}"
@@ -59,6 +66,23 @@ def environments_line(env_classes: Sequence[str]) -> str:
     if len(counts) == 1:
         return f"environment {next(iter(counts))}"
     return "environments " + ", ".join(f"{name} ({counted(n, 'prompt')})" for name, n in sorted(counts.items()))
+
+
+def agent_line(agent: str) -> str:
+    """``"agent default (OpenAI chat API, captured token-exact)"`` for the status line."""
+    return f"agent {agent} (OpenAI chat API, captured token-exact)"
+
+
+def _agent_figures(cfg: RolloutConfig, result: RunResult, metrics: dict[str, Any]) -> dict[str, Any]:
+    """With ``agent=...``: the agent, its chat calls and branches, and what its results counted (tool calls)."""
+    if cfg.agent is None:
+        return {}
+    counts = result.agent_counts.totals if result.agent_counts is not None else {}
+    return {
+        "agent": cfg.agent,
+        **{name: int(metrics.get(key, 0)) for name, key in AGENT_METRICS.items()},
+        "agent_counts": {k: v for k, v in sorted(counts.items())},
+    }
 
 
 def _final_rows(output: GeneratorOutput) -> list[int]:
@@ -187,6 +211,7 @@ def summarize(
             "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
             "first_env_close_error": tally.first_close_error,
             **trainer_truth(cfg, output, result, n_samples),
+            **_agent_figures(cfg, result, metrics),
             "rollout_metrics": jsonable(metrics),
         }
     )

@@ -104,7 +104,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
                 f"{summary['response_tokens']} total, {summary['response_tokens_mean'] or 0:.1f} per rollout",
             ),
             ("wall time", f"{times['generate']:.1f} s generating, {times['engine_load']:.1f} s loading the engine"),
-            ("environments", _opened_closed(summary)),
+            *(_agent_rows(summary) if "agent" in summary else [("environments", _opened_closed(summary))]),
             *_close_errors(summary),
             *_workers(summary),
             *_truth_rows(summary),
@@ -113,6 +113,23 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
         files = summary.get("files") or (OUTPUT_FILES if title == "done" else OUTPUT_FILES[-1:])
         rows.append(("output", f"{output_dir}/ ({', '.join(files)})"))
     return "\n".join([f"skyrl-structured rollout: {title}", f"  {head}", *_table(rows)])
+
+
+def _agent_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``agent  default: 36 chat calls (3.0 per rollout), 12 branches, 0 rollouts with more than one``; its counts."""
+    calls, ok = summary["agent_calls"], summary["rollouts_ok"]
+    per = f" ({calls / ok:.1f} per rollout)" if ok else ""
+    rows = [
+        (
+            "agent",
+            f"{summary['agent']}: {calls} chat calls{per}, {summary['agent_branches']} branches, "
+            f"{summary['agent_multi_branch_rollouts']} rollouts with more than one",
+        )
+    ]
+    counts = summary.get("agent_counts") or {}
+    if counts:
+        rows.append(("agent results", ", ".join(f"{name} {value:g}" for name, value in counts.items())))
+    return rows
 
 
 def _wall_time(summary: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ except ImportError as exc:
         "or newer; see SkyRL's install guide for the GPU stack)"
     ) from exc
 
+from ..agents import StructuredAgentGenerator
 from ..generator import StructuredGymGenerator
 from ..types import InferenceClient, SkyRLConfig, Tokenizer
 from ._skyrl_generator import structured_generator
@@ -35,12 +36,13 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
     For the fully-async trainer an unset ``generator.failure_budget_action`` becomes ``warn``, and on
     every trainer the weight syncs pause the generator's deadlines. With
     ``generator.vision_language_generator=true``, :class:`~skyrl_structured.StructuredVLMGymGenerator`
-    (SkyRL's entrypoint picks its VLM generator on the same key).
+    (SkyRL's entrypoint picks its VLM generator on the same key); with ``generator.agent`` set,
+    :class:`~skyrl_structured.agents.StructuredAgentGenerator` running that agent.
     """
 
     def get_generator(
         self, cfg: SkyRLConfig, tokenizer: Tokenizer, inference_engine_client: InferenceClient
-    ) -> StructuredGymGenerator:
+    ) -> StructuredGymGenerator | StructuredAgentGenerator:
         # failure_budget_action defaults to warn for the fully-async trainer (see structured_generator).
         return structured_generator(cfg, tokenizer, inference_engine_client, resolve_policy_model_name(cfg))
 

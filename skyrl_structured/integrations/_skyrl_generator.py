@@ -8,12 +8,18 @@ import it, and neither imports the other back. It needs no SkyRL import of its o
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+from ..agents import StructuredAgentGenerator, resolve_agent
+from ..config import read_knob
 from ..generator import StructuredGymGenerator
 from ..types import InferenceClient, SkyRLConfig, Tokenizer
 from ..vlm_generator import StructuredVLMGymGenerator
 
-__all__ = ["fully_async_failure_budget", "structured_generator"]
+__all__ = ["AGENT_KEY", "configured_agent", "fully_async_failure_budget", "structured_generator"]
+
+#: The generator setting that selects :class:`~skyrl_structured.agents.StructuredAgentGenerator`.
+AGENT_KEY = "generator.agent"
 
 logger = logging.getLogger("skyrl_structured.integrations.skyrl")  # the module users configure
 
@@ -23,9 +29,13 @@ def structured_generator(
     tokenizer: Tokenizer,
     inference_engine_client: InferenceClient,
     policy_model_name: str | None = None,
-) -> StructuredGymGenerator:
+) -> StructuredGymGenerator | StructuredAgentGenerator:
     """The generator ``StructuredPPOExp.get_generator`` returns for ``cfg`` (SkyRL's root config).
 
+    With ``generator.agent`` set (``default``, ``module.path:function`` or ``command:<command line>``,
+    see :func:`~skyrl_structured.agents.resolve_agent`),
+    :class:`~skyrl_structured.agents.StructuredAgentGenerator` running that agent, built from the same
+    ``generator`` section and serving ``policy_model_name``. Otherwise
     :class:`~skyrl_structured.StructuredVLMGymGenerator` when ``generator.vision_language_generator``
     is true, :class:`~skyrl_structured.StructuredGymGenerator` otherwise: the same choice SkyRL's
     ``BasePPOExp.get_generator`` makes between its two generators. Applies
@@ -34,6 +44,15 @@ def structured_generator(
     :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
     """
     fully_async_failure_budget(cfg)
+    agent = configured_agent(cfg.generator)
+    if agent is not None:
+        return StructuredAgentGenerator.from_config(
+            cfg.generator,
+            inference_engine_client,
+            tokenizer,
+            resolve_agent(agent, key=AGENT_KEY),
+            model=policy_model_name or "skyrl-agent",
+        )
     vision = bool(getattr(cfg.generator, "vision_language_generator", False))
     generator_class = StructuredVLMGymGenerator if vision else StructuredGymGenerator
     return generator_class(
@@ -43,6 +62,11 @@ def structured_generator(
         tokenizer=tokenizer,
         policy_model_name=policy_model_name,
     )
+
+
+def configured_agent(generator_cfg: Any) -> Any:
+    """``generator.agent``; None where unset or absent (SkyRL's own section, a ``MagicMock``): the gym generator."""
+    return read_knob(generator_cfg, "agent", None)
 
 
 def fully_async_failure_budget(cfg: SkyRLConfig) -> None:

@@ -7,7 +7,9 @@ structured-concurrency knobs and provides the experiment and entrypoint that use
   ``rollout_timeout_s``, ``max_rollout_retries``, ``rollout_retry_backoff_s``,
   ``max_concurrent_rollouts``, ``env_cleanup_timeout_s``, ``max_failed_rollout_fraction``,
   ``failure_budget_action`` and ``failed_rollout_policy`` (the defaults of
-  :class:`skyrl_structured.GeneratorConfig`);
+  :class:`skyrl_structured.GeneratorConfig`), and ``agent`` (``generator.agent=default``,
+  ``=module.path:function`` or ``=command:<command line>``: an OpenAI-API agent trained through
+  :class:`~skyrl_structured.agents.StructuredAgentGenerator` instead of the gym generator);
 - :class:`StructuredTrainConfig`: SkyRL's ``SkyRLTrainConfig`` with that generator section;
 - ``StructuredPPOExp``: SkyRL's ``BasePPOExp`` whose ``get_generator`` returns the structured one
   (:func:`structured_generator`: :class:`~skyrl_structured.StructuredVLMGymGenerator` with
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._episode.chat import load_custom_chat_template
+from ..agents import AGENT_VALUES, check_agent_choice
 from ..config import (
     ENV_KNOBS,
     FailedRolloutPolicy,
@@ -51,6 +54,7 @@ from ..config import (
 from ..types import SkyRLConfig
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
+from ._skyrl_generator import AGENT_KEY, configured_agent
 from ._skyrl_generator import fully_async_failure_budget as fully_async_failure_budget
 from ._skyrl_generator import structured_generator as structured_generator
 
@@ -76,6 +80,7 @@ if TYPE_CHECKING:
     from ._skyrl_experiment import StructuredPPOExp
 
 __all__ = [
+    "AGENT_KNOBS",
     "INSTALL_HINT",
     "STRUCTURED_KNOBS",
     "SkyRLUnavailableError",
@@ -96,6 +101,8 @@ logger = logging.getLogger(__name__)
 
 #: The fields this integration adds to SkyRL's generator config.
 STRUCTURED_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
+#: The field that swaps the gym generator for :class:`~skyrl_structured.agents.StructuredAgentGenerator`.
+AGENT_KNOBS: tuple[str, ...] = ("agent",)
 
 _DEFAULTS = ResilienceSettings()
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GeneratorConfig)}
@@ -107,7 +114,8 @@ def _knob(name: str) -> Any:
 
 @dataclass
 class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  # SkyRL ships no type information
-    """SkyRL's ``generator`` section plus the knobs :class:`~skyrl_structured.StructuredGymGenerator` reads."""
+    """SkyRL's ``generator`` section plus the knobs :class:`~skyrl_structured.StructuredGymGenerator` reads,
+    and ``agent``, which swaps it for :class:`~skyrl_structured.agents.StructuredAgentGenerator`."""
 
     skip_failed_rollouts: bool = _knob("skip_failed_rollouts")
     rollout_timeout_s: float | None = _knob("rollout_timeout_s")
@@ -131,6 +139,13 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     straggler_cutoff: float | None = _knob("straggler_cutoff")
     straggler_grace_s: float = _knob("straggler_grace_s")
     straggler_cutoff_scope: StragglerCutoffScope = _knob("straggler_cutoff_scope")
+    agent: str | None = field(
+        default=None,
+        metadata={
+            "help": "An agent that speaks the OpenAI chat API, trained token-exact through StructuredAgentGenerator "
+            f"instead of the gym generator: {AGENT_VALUES}. null (the default): StructuredGymGenerator."
+        },
+    )
 
 
 _GYM_FIELDS = {f.name: f for f in dataclasses.fields(SkyRLGymConfig)}
@@ -179,6 +194,13 @@ def check_structured_config(cfg: SkyRLConfig) -> None:
         ValueError: a knob out of range or a combination the generator cannot honour; the message
             names the ``generator.*`` field.
     """
+    agent = configured_agent(cfg.generator)
+    if agent is not None:
+        # Imports the agent's module, or finds its executable, now: before Ray starts.
+        vision = bool(getattr(cfg.generator, "vision_language_generator", False))
+        check_agent_choice(agent, key=AGENT_KEY, vision_language_generator=vision)
+        resolve_resilience(cfg.generator)
+        return
     if getattr(cfg.generator, "vision_language_generator", False):
         check_vision_language_config(cfg.generator)
     settings = resolve_resilience(cfg.generator)
@@ -271,7 +293,7 @@ def usage(width: int = 100) -> str:
         "",
         "generator settings added to SkyRL's:",
     ]
-    for name in STRUCTURED_KNOBS:
+    for name in (*STRUCTURED_KNOBS, *AGENT_KNOBS):
         lines.append(f"  generator.{name}={_format_default(getattr(defaults, name))}")
         text = str(fields[name].metadata.get("help", ""))
         lines.extend(textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6))
