@@ -1,6 +1,6 @@
 """Env executors: worker processes against worker threads, each figure a ratio measured in one run.
 
-    python -m benchmarks.env_executors                      # all four, asyncio
+    python -m benchmarks.env_executors                      # all of them, asyncio
     python -m benchmarks.env_executors --backend trio
     python -m benchmarks.env_executors --quick              # toy sizes (the smoke test)
     python -m benchmarks.env_executors --only cpu,cheap --json out.json
@@ -16,6 +16,10 @@
     processes, with an env class from a module (workers never run ``__main__``) / with one defined in
     ``__main__`` (each worker imports the script: what every worker start cost before); then the same
     for a fresh pair of workers once the fork server runs (what a replacement costs).
+(f) ``kills``: 8 worker processes; a batch of cheap rollouts (without kills), then a batch of 8 rollouts
+    whose steps hang until ``rollout_timeout_s`` kills all 8 workers, then at once the same cheap batch
+    again (right after 8 kills); ratio = after kills / without kills (goal: 1 +- 20%: the replacements
+    start in the background as soon as the kills land, not inside the next batch).
 
 Both executors get the same ``max_env_workers`` (``--workers``, default: the CPU count, at least 2),
 except (c), which needs few envs per worker (see docs/envs.md). The engine is the scripted one, so
@@ -248,7 +252,54 @@ async def bench_start(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any
     }
 
 
-BENCHES = {"cpu": bench_cpu, "cheap": bench_cheap, "hang": bench_hang, "cancel": bench_cancel, "start": bench_start}
+async def _kills_once(gen: StructuredGymGenerator, n: int, workers: int) -> tuple[float, float, int]:
+    """One round: (without kills s, right after kills s, workers killed)."""
+    clean_s, clean = await _timed(gen, _batch(n, {"turns": 3}))
+    killing = await gen.generate(_batch(workers, {"turns": 3, "on_step": {1: "hang"}}), disable_tqdm=True)
+    after_s, after = await _timed(gen, _batch(n, {"turns": 3}))
+    real = ["stop"] * n
+    assert clean["stop_reasons"] == after["stop_reasons"] == real, (clean["stop_reasons"], after["stop_reasons"])
+    return clean_s, after_s, (killing["rollout_metrics"] or {}).get("generate/env_workers_killed", 0)
+
+
+async def bench_kills(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    workers = 8
+    n = 32 if args.quick else 512
+    timeout = 5.0 if args.quick else 2.0  # only the hangs overrun it
+    gen = _generator(
+        tokenizer,
+        "process",
+        workers,
+        rollout_timeout_s=timeout,
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",  # the killing batch is all placeholders: returned, not raised
+    )
+    try:
+        await gen.generate(_batch(2 * workers, {"turns": 1}), disable_tqdm=True)  # start the workers
+        rounds = [await _kills_once(gen, n, workers) for _ in range(args.repeats)]
+    finally:
+        await gen.aclose()
+    clean_s = statistics.median(r[0] for r in rounds)
+    after_s = statistics.median(r[1] for r in rounds)
+    return {
+        "n": n,
+        "workers": workers,
+        "rollout_timeout_s": timeout,
+        "workers_killed": [r[2] for r in rounds],
+        "without_kills_s": clean_s,
+        "after_kills_s": after_s,
+        "ratio": after_s / clean_s,
+    }
+
+
+BENCHES = {
+    "cpu": bench_cpu,
+    "cheap": bench_cheap,
+    "hang": bench_hang,
+    "cancel": bench_cancel,
+    "start": bench_start,
+    "kills": bench_kills,
+}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

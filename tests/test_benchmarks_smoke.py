@@ -110,3 +110,16 @@ def test_env_executor_benchmark_at_toy_size(tmp_path):
     assert hang["next_batch_real"] == hang["next_batch_n"]
     assert hang["next_batch_workers_killed"] == 0
     assert results["cancel"]["every_env_closed_once"] is True
+
+
+def test_env_executor_kills_benchmark_quick_run(tmp_path):
+    """The "batch right after 8 kills" row: both batches real, 8 workers killed, their ratio (not its value)."""
+    from benchmarks import env_executors
+
+    out = tmp_path / "env_executors.json"
+    assert env_executors.main(["--quick", "--only", "kills", "--json", str(out)]) == 0
+    kills = json.loads(out.read_text())["kills"]
+    assert kills["workers_killed"] == [8]
+    assert kills["ratio"] == pytest.approx(kills["after_kills_s"] / kills["without_kills_s"])
+    keys = {"n", "workers", "rollout_timeout_s", "workers_killed", "without_kills_s", "after_kills_s", "ratio"}
+    assert set(kills) == keys
