@@ -3,7 +3,9 @@
 A :class:`WorkerEnv` is the env's handle in the generator: ``init``/``step``/``close`` are requests to
 its worker (placed by the :class:`~skyrl_structured.envs._pool.WorkerPool`), ``get_metrics`` reads
 what the worker sent with the last reply. The abandoned-work rules are
-:mod:`~skyrl_structured.envs._executors`'s; here is how they apply:
+:mod:`~skyrl_structured.envs._executors`'s, and the close follows the one policy of
+:mod:`~skyrl_structured.envs._abandon` with its :class:`~skyrl_structured.envs._abandon.KillWorker`
+strategy; here is how they apply:
 
 - a call cancelled by a bound of its own that has passed (the rollout's ``rollout_timeout_s``, which
   the supervisor hands to the handle, or cleanup's ``env_cleanup_timeout_s``) while it runs kills
