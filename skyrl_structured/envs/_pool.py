@@ -202,7 +202,7 @@ class WorkerPool:
         return worker
 
     def warm_up(self) -> None:
-        """Start workers until ``warm`` are alive (non-blocking): at each generate() and after a recycle."""
+        """Start workers until ``warm`` are alive (non-blocking): at each generate()."""
         with self._lock:
             if not self.closed:
                 self._warm_locked()
@@ -217,11 +217,11 @@ class WorkerPool:
     def _replace(self, dead: Transport) -> None:
         """A worker is gone (the transport's thread): start its replacement now, ahead of need.
 
-        Not for a worker that never started (a failing start would fail again, in a loop), one
-        recycled (its replacement is started by :meth:`released`) or a pool shut down.
+        Also for a recycled worker, once it has stopped. Not for a worker that never started (a
+        failing start would fail again, in a loop) or a pool shut down.
         """
         ready = dead.ready
-        if dead.retired or ready is None or not ready.ok:
+        if ready is None or not ready.ok:
             return
         with self._lock:
             if self.closed:
@@ -309,10 +309,10 @@ class WorkerPool:
         with self._lock:
             if worker in self._workers:
                 self._workers.remove(worker)
+        # Its replacement starts once it has stopped (_replace), ahead of the next env.
         threading.Thread(
             target=worker.shutdown, args=(self.cleanup_timeout_s,), name=f"{worker.name}-recycle", daemon=True
         ).start()
-        self.warm_up()
 
     @property
     def workers(self) -> list[Transport]:
