@@ -1,6 +1,6 @@
 """Env executors: worker processes against worker threads, each figure a ratio measured in one run.
 
-    python -m benchmarks.env_executors                      # all four, asyncio
+    python -m benchmarks.env_executors                      # all of them, asyncio
     python -m benchmarks.env_executors --backend trio
     python -m benchmarks.env_executors --quick              # toy sizes (the smoke test)
     python -m benchmarks.env_executors --only cpu,cheap --json out.json
@@ -16,6 +16,11 @@
     processes, with an env class from a module (workers never run ``__main__``) / with one defined in
     ``__main__`` (each worker imports the script: what every worker start cost before); then the same
     for a fresh pair of workers once the fork server runs (what a replacement costs).
+(f) ``kills``: 8 worker processes; a batch of cheap rollouts (without kills), then a batch of 8 rollouts
+    whose steps hang until ``rollout_timeout_s`` kills all 8 workers, then at once the same cheap batch
+    again (right after 8 kills); then 8 kills again, a pause (a trainer's step) and the batch again.
+    ratio = right after kills / without kills (goal: 1 +- 20%), ratio_after_pause the same after the
+    pause: the replacements start in the background as soon as the kills land, not in the next batch.
 
 Both executors get the same ``max_env_workers`` (``--workers``, default: the CPU count, at least 2),
 except (c), which needs few envs per worker (see docs/envs.md). The engine is the scripted one, so
@@ -248,7 +253,69 @@ async def bench_start(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any
     }
 
 
-BENCHES = {"cpu": bench_cpu, "cheap": bench_cheap, "hang": bench_hang, "cancel": bench_cancel, "start": bench_start}
+async def _kill_all(gen: StructuredGymGenerator, workers: int) -> int:
+    """A batch of ``workers`` rollouts whose steps hang: ``rollout_timeout_s`` kills every worker."""
+    out = await gen.generate(_batch(workers, {"turns": 3, "on_step": {1: "hang"}}), disable_tqdm=True)
+    killed: int = (out["rollout_metrics"] or {}).get("generate/env_workers_killed", 0)
+    return killed
+
+
+async def _kills_once(gen: StructuredGymGenerator, n: int, workers: int, pause_s: float) -> list[float]:
+    """One round: [without kills, right after kills, after kills and a pause] in seconds, and the kills."""
+    real = ["stop"] * n
+    clean_s, clean = await _timed(gen, _batch(n, {"turns": 3}))
+    killed = await _kill_all(gen, workers)
+    after_s, after = await _timed(gen, _batch(n, {"turns": 3}))
+    killed += await _kill_all(gen, workers)
+    await anyio.sleep(pause_s)  # a trainer's step between two generate() calls
+    paused_s, paused = await _timed(gen, _batch(n, {"turns": 3}))
+    for out in (clean, after, paused):
+        assert out["stop_reasons"] == real, out["stop_reasons"]
+    return [clean_s, after_s, paused_s, killed]
+
+
+async def bench_kills(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    workers = 8
+    n = 32 if args.quick else 512
+    timeout = 5.0 if args.quick else 2.0  # only the hangs overrun it
+    pause_s = 0.5 if args.quick else 2.0
+    gen = _generator(
+        tokenizer,
+        "process",
+        workers,
+        rollout_timeout_s=timeout,
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",  # the killing batch is all placeholders: returned, not raised
+    )
+    try:
+        await gen.generate(_batch(2 * workers, {"turns": 1}), disable_tqdm=True)  # start the workers
+        rounds = [await _kills_once(gen, n, workers, pause_s) for _ in range(args.repeats)]
+    finally:
+        await gen.aclose()
+    clean_s, after_s, paused_s = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {
+        "n": n,
+        "workers": workers,
+        "rollout_timeout_s": timeout,
+        "pause_s": pause_s,
+        "workers_killed": [int(r[3]) for r in rounds],
+        "rounds_s": [r[:3] for r in rounds],
+        "without_kills_s": clean_s,
+        "after_kills_s": after_s,
+        "after_kills_and_pause_s": paused_s,
+        "ratio": after_s / clean_s,
+        "ratio_after_pause": paused_s / clean_s,
+    }
+
+
+BENCHES = {
+    "cpu": bench_cpu,
+    "cheap": bench_cheap,
+    "hang": bench_hang,
+    "cancel": bench_cancel,
+    "start": bench_start,
+    "kills": bench_kills,
+}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

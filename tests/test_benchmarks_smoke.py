@@ -110,3 +110,21 @@ def test_env_executor_benchmark_at_toy_size(tmp_path):
     assert hang["next_batch_real"] == hang["next_batch_n"]
     assert hang["next_batch_workers_killed"] == 0
     assert results["cancel"]["every_env_closed_once"] is True
+
+
+def test_env_executor_kills_benchmark_quick_run(tmp_path):
+    """The "batch right after 8 kills" row: both batches real, 8 workers killed, their ratio (not its value)."""
+    from benchmarks import env_executors
+
+    out = tmp_path / "env_executors.json"
+    assert env_executors.main(["--quick", "--only", "kills", "--json", str(out)]) == 0
+    kills = json.loads(out.read_text())["kills"]
+    assert kills["workers_killed"] == [16]  # 8 before the batch right after, 8 before the one after a pause
+    ((clean_s, after_s, paused_s),) = kills["rounds_s"]
+    assert (kills["without_kills_s"], kills["after_kills_s"], kills["after_kills_and_pause_s"]) == (
+        clean_s,
+        after_s,
+        paused_s,
+    )
+    assert kills["ratio"] == pytest.approx(after_s / clean_s)
+    assert kills["ratio_after_pause"] == pytest.approx(paused_s / clean_s)

@@ -70,7 +70,7 @@ def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone; or reaped while its stat was being read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 

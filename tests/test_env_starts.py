@@ -23,11 +23,12 @@ import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
 from skyrl_structured import EnvWorkerError, GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured.envs._process import ProcessWorker
 from skyrl_structured.envs._remote_executor import RemoteEnvExecutor
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
-from tests.helpers import turn_replies
-from tests.test_env_process import batch, metrics, worker_pids
+from tests.helpers import turn_replies, without_rollout_deadline
+from tests.test_env_process import alive, batch, metrics, worker_pids
 
 pytestmark = pytest.mark.anyio
 
@@ -185,6 +186,57 @@ async def test_warm_workers_start_at_the_first_generate_and_are_replaced_after_a
     assert out["stop_reasons"] == killed["stop_reasons"] == later["stop_reasons"] == ["stop"]
     assert metrics(killed)["generate/envs_lost_with_worker"] == 1
     assert len(worker_pids(tmp_path)) >= 2
+
+
+async def started_pool(gen: StructuredGymGenerator, size: int, gone: int) -> dict[int, ProcessWorker]:
+    """The pool's workers once it is back to ``size``, the worker with pid ``gone`` no longer among them,
+    and every one of them started; by pid. Waits on the pool (no generate() runs meanwhile)."""
+    pool = cast(RemoteEnvExecutor, gen._envs._executor).pool
+    with anyio.fail_after(HANG_S):
+        # The death is seen by the worker's reader thread: no event of the loop's to await.
+        while len(pool.workers) < size or any(cast(ProcessWorker, w).process.pid == gone for w in pool.workers):  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+        for worker in pool.workers:
+            await pool.prepared(worker, needs_main=False)
+    return {cast(ProcessWorker, w).process.pid: cast(ProcessWorker, w) for w in pool.workers}
+
+
+@pytest.mark.parametrize(("how", "warm"), [("killed", 2), ("crashed", 2), ("killed", 0)])
+async def test_a_dead_workers_replacement_starts_ahead_of_the_next_batch(anyio_backend, tokenizer, tmp_path, how, warm):
+    # The replacement is started when the death is seen, not by the next generate(): the pool is back to
+    # its size, every worker started, before that call begins, and the call starts no worker. With or
+    # without a warm pool: a pool that grew to two workers on demand keeps two.
+    gen = make_gen(
+        tokenizer,
+        workers=2,
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",  # the killed batch is one placeholder: returned, not raised
+        rollout_timeout_s=5.0,
+        gym={"env_workers_warm": warm},
+    )
+    pool = cast(RemoteEnvExecutor, gen._envs._executor).pool
+    ledgers = [tmp_path / name for name in ("warm", "dies", "after")]
+    for ledger in ledgers:
+        ledger.mkdir()
+    trouble = {"on_step": {1: "hang"}} if how == "killed" else {"on_close": "exit:3"}
+    try:
+        await without_rollout_deadline(gen, batch(2, ledgers[0]))
+        # A batch of one: only the dying rollout, so nothing else in it depends on the machine's speed.
+        dies = await gen.generate(batch(1, ledgers[1], {0: trouble}), disable_tqdm=True)
+        (gone,) = worker_pids(ledgers[1])
+        workers = await started_pool(gen, 2, gone)
+        started = pool._started
+        after = await gen.generate(batch(2, ledgers[2]), disable_tqdm=True)
+        assert pool._started == started  # the batch started no worker
+    finally:
+        await gen.aclose()
+    counted = "generate/env_workers_killed" if how == "killed" else "generate/env_worker_crashes"
+    assert metrics(dies)[counted] == 1
+    assert gone not in workers
+    assert not alive(gone)
+    assert len(workers) == 2
+    assert after["stop_reasons"] == ["stop", "stop"]
+    assert worker_pids(ledgers[2]) <= set(workers)  # served by workers started before it began
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -20,6 +20,7 @@ from .._runtime.cleanup import CleanupStats
 from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker
 from ..types import AsyncEnvironment, ConversationType, EnvStepOutput, SkyRLConfig
+from ._abandon import ChainClose, close_after_in_flight
 from ._executors import EnvExecutor
 from ._threads import EnvCall, EnvThreadPool
 
@@ -125,8 +126,7 @@ class SyncEnvAdapter:
         self._in_flight: EnvCall[Any] | None = None
         #: The event loop's waker, looked up by the first thread call and reused by the next ones.
         self._waker: LoopWaker | None = None
-        #: A close handed to a thread that cleanup stopped waiting for; it still runs.
-        self.abandoned_close: EnvCall[None] | None = None
+        self._closing: ChainClose | None = None
 
     async def __aenter__(self) -> SyncEnvAdapter:
         return self
@@ -144,24 +144,18 @@ class SyncEnvAdapter:
             # Nothing runs in a thread and the close does nothing: no thread round-trip for it.
             self.env.close()
             return
-        close: EnvCall[None] = EnvCall(self._close, skippable=False, waker=self._waker)
-        if call is not None and not call.skip() and not call.done:
-            # The rollout was cancelled while a worker thread was inside init/step: let that call
-            # finish before closing, so close never runs concurrently with it (cleanup's bound applies).
-            try:
-                await call.wait()
-            except BaseException:
-                # env_cleanup_timeout_s ran out first: close it in that thread once the call returns.
-                call.then(close, pool)
-                self.abandoned_close = close
-                raise
-        pool.submit(close)
-        try:
-            await close.wait()
-        except BaseException:
-            self.abandoned_close = close
-            raise
+        stuck = call if call is not None and not call.skip() and not call.done else None
+        # The rollout was cancelled while a worker thread was inside init/step: the close waits for that
+        # call (never racing it), or past env_cleanup_timeout_s runs in its thread once it returns.
+        self._closing = ChainClose(pool, EnvCall(self._close, skippable=False, waker=self._waker))
+        close = await close_after_in_flight(stuck, self._closing)
+        assert close is not None
         close.result()
+
+    @property
+    def abandoned_close(self) -> EnvCall[Any] | None:
+        """A close handed to a thread that cleanup stopped waiting for; it still runs."""
+        return None if self._closing is None else self._closing.late
 
     def _close(self) -> None:
         late = self.abandoned_close is not None
@@ -207,7 +201,12 @@ class _AwaitingEnvAdapter:
     def __init__(self, env: Any, runner: EnvCallRunner) -> None:
         self.env = env
         self._runner = runner
-        self.abandoned_close: EnvCall[Any] | None = None
+        self._closing: ChainClose | None = None
+
+    @property
+    def abandoned_close(self) -> EnvCall[Any] | None:
+        """A close handed to a thread that cleanup stopped waiting for; it still runs."""
+        return None if self._closing is None else self._closing.late
 
     async def __aenter__(self) -> _AwaitingEnvAdapter:
         return self
@@ -221,13 +220,9 @@ class _AwaitingEnvAdapter:
         if inspect.iscoroutinefunction(closer) or self._runner.pool is None:
             result = closer()
         else:
-            close: EnvCall[Any] = EnvCall(closer, skippable=False)
-            self._runner.pool.submit(close)
-            try:
-                await close.wait()
-            except BaseException:
-                self.abandoned_close = close
-                raise
+            self._closing = ChainClose(self._runner.pool, EnvCall(closer, skippable=False))
+            close = await close_after_in_flight(None, self._closing)
+            assert close is not None
             result = close.result()
         if inspect.isawaitable(result):
             await result

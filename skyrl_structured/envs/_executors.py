@@ -18,9 +18,10 @@ for threads, an async handle with ``init``/``step``/``close``/``get_metrics`` fo
 :attr:`EnvExecutor.bound` is the number of workers, :meth:`EnvExecutor.warm_up` starts them ahead of
 need, :meth:`EnvExecutor.aclose` stops them. Killing a worker is the remote handles' business
 (:meth:`~skyrl_structured.envs._pool.WorkerPool.kill`). The modules import downward only: this seam,
-then the transports (:mod:`._threads`, :mod:`._worker`, :mod:`._crossing`, :mod:`._pool`), then the
-handles and executors (:mod:`._adapters`, :mod:`._remote`, :mod:`._remote_executor`, :mod:`._process`,
-:mod:`._ray`), then the table
+then the transports (:mod:`._threads`, :mod:`._worker`, :mod:`._crossing`, :mod:`._pool`; a thread
+call and a worker's reply are one :class:`~skyrl_structured._runtime.completion.Completion`), then the
+abandoned-work policy (:mod:`._abandon`), then the handles and executors (:mod:`._adapters`,
+:mod:`._remote`, :mod:`._remote_executor`, :mod:`._process`, :mod:`._ray`), then the table
 (:mod:`._kinds`) and :mod:`._workers`, which holds a generator's executor.
 
 Abandoned work, the one set of rules for every executor (docs/failures.md and docs/envs.md):
@@ -29,12 +30,14 @@ Abandoned work, the one set of rules for every executor (docs/failures.md and do
 2. A call whose rollout was cancelled while it *runs* is waited for by that env's cleanup (bounded by
    ``env_cleanup_timeout_s``) before the close, so a close never races a step.
 3. When that bound (or, for a call in flight, the rollout's own ``rollout_timeout_s`` deadline, never
-   a deadline or cancel of the caller's scopes around ``generate()``, which is rule 2's case) runs out:
-   a thread cannot be stopped, so the call keeps its thread, the close is chained after it, and the
-   env stays counted as live (``max_concurrent_rollouts``, ``max_env_workers``) until it returns;
+   a deadline or cancel of the caller's scopes around ``generate()``, which is rule 2's case) runs out
+   (rules 2 and 3 are one policy, :func:`~skyrl_structured.envs._abandon.close_after_in_flight`, run by
+   the cleanup engine, with two strategies): a thread cannot be stopped, so the call keeps its
+   thread, the close is chained after it, and the env stays counted as live
+   (``max_concurrent_rollouts``, ``max_env_workers``) until it returns;
    a worker process or actor is killed (SIGTERM to its whole process group, then SIGKILL after a short
    grace, or ``ray.kill``), every env living in it fails with :class:`EnvWorkerError`, and a fresh
-   worker replaces it.
+   worker replaces it, started in the background as soon as the death is seen.
 4. Nothing abandoned keeps the process alive: threads are daemons; worker processes, with the process
    groups they lead (an env's children), die with the generator's process (parent-death signal and a
    pipe watchdog) and at ``aclose()``/interpreter exit.

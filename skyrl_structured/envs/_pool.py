@@ -16,17 +16,16 @@ own thread and wakes the event loop through the coalescing waker of
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 import math
 import threading
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from .._runtime.cleanup import CleanupStats
+from .._runtime.completion import Completion
 from .._runtime.pauses import off_the_rollout_clock
-from .._runtime.wakers import LoopWaker, current_waker, resolve_future
+from .._runtime.wakers import LoopWaker
 from ._executors import EnvWorkerError
 from ._worker import WorkerOp
 
@@ -35,62 +34,34 @@ __all__ = ["Reply", "Transport", "WorkerPool"]
 logger = logging.getLogger(__name__)
 
 
-class Reply:
+class Reply(Completion[Any]):
     """One request's answer, set from any thread, awaited on the event loop (asyncio or trio)."""
 
-    __slots__ = ("_callbacks", "_lock", "_waker", "call_id", "done", "ok", "value", "what")
+    __slots__ = ("call_id", "what")
 
     def __init__(self, what: str, waker: LoopWaker | None) -> None:
+        super().__init__(waker)
         #: The transport's id for the request (to skip it), once submitted.
         self.call_id: int = 0
         #: ``"step of 'env'"``: names the call in a worker's death message.
         self.what = what
-        self.done = False
-        self.ok = False
-        self.value: Any = None
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        self._waker = waker
 
     def resolve(self, ok: bool, value: Any) -> None:
-        """Set the answer once (later calls are ignored) and wake whoever waits for it."""
-        with self._lock:
-            if self.done:
-                return
-            self.ok, self.value, self.done = ok, value, True
-            callbacks, self._callbacks = self._callbacks, []
-        waker = self._waker
-        for callback in callbacks:
-            if waker is not None:
-                try:
-                    waker(callback)
-                except Exception:  # pragma: no cover - the loop is gone: nobody waits
-                    logger.debug("an env worker reply arrived after its event loop closed", exc_info=True)
+        """Set the answer once (later calls are ignored): ``value``, or the error ``value`` when not ``ok``."""
+        if ok:
+            self.settle(value)
+        else:
+            self.settle(None, value)
 
-    async def wait(self) -> None:
-        """Wait for the answer; cancellation leaves the request alone (the caller decides)."""
-        waker = self._waker if self._waker is not None else current_waker()
-        self._waker = waker
-        if waker.loop is not None:
-            future: asyncio.Future[None] = waker.loop.create_future()
-            if self._add(partial(resolve_future, future)):
-                await future
-            return
-        event = waker.event_class()
-        if self._add(event.set):
-            await event.wait()
+    @property
+    def ok(self) -> bool:
+        """True once answered with a value (not an error)."""
+        return self._done and self._error is None
 
-    def _add(self, callback: Callable[[], None]) -> bool:
-        with self._lock:
-            if self.done:
-                return False
-            self._callbacks.append(callback)
-            return True
-
-    def result(self) -> Any:
-        if not self.ok:
-            raise self.value
-        return self.value
+    @property
+    def value(self) -> Any:
+        """The answer: the value, or the error (None before it is done)."""
+        return self._value if self._error is None else self._error
 
 
 class Transport(abc.ABC):
@@ -110,6 +81,8 @@ class Transport(abc.ABC):
         self.main_ready: Reply | None = None
         #: Over ``env_worker_max_rss_mb``: no new env goes here; it is stopped once it hosts none.
         self.retired = False
+        #: Told once the worker is gone (from the transport's thread): the pool starts its replacement.
+        self.on_death: Callable[[Transport], None] | None = None
 
     @property
     def dead(self) -> bool:
@@ -160,6 +133,15 @@ class Transport(abc.ABC):
         self._terminate(reason)
         return True
 
+    def mourned(self) -> None:
+        """Call once ``death`` is set, from the transport's own thread: the pool hears of it."""
+        hook = self.on_death
+        if hook is not None:
+            try:
+                hook(self)
+            except Exception:  # pragma: no cover - a replacement that cannot start fails later, at its use
+                logger.exception("replacing env worker %s failed", self.name)
+
     def claim_crash(self) -> bool:
         """True once for a worker that died on its own (the first env to see it counts the crash)."""
         if self._crash_counted or self._killed or self.death is None or self.death.killed:
@@ -171,9 +153,14 @@ class Transport(abc.ABC):
 class WorkerPool:
     """At most ``size`` workers built by ``factory(index)``, started on demand, replaced when they die.
 
-    ``warm`` workers are started ahead of need (:meth:`warm_up`, and again whenever one has died); a
-    worker that has not answered its first request within ``start_timeout_s`` fails the rollouts
-    waiting on it; one whose memory passed ``max_rss_mb`` is recycled once it hosts no env.
+    ``warm`` workers are started ahead of need (:meth:`warm_up`). A worker that dies or is killed
+    after it had started is replaced at once, in the background (:meth:`_replace`, from the
+    transport's thread), whatever ``warm`` is: the pool had grown to that size, so the next batch
+    finds its workers started instead of paying a start (always off the rollout's clock, but still
+    the batch's wall time). A worker that has not answered its first request within
+    ``start_timeout_s`` fails the rollouts waiting on it (and is not replaced ahead: a start that
+    fails would only fail again); one whose memory passed ``max_rss_mb`` is recycled once it hosts
+    no env. Placement, starts and replacements share one lock: the pool never exceeds ``size``.
     """
 
     def __init__(
@@ -206,23 +193,43 @@ class WorkerPool:
         """The worker for a new env (see the module docstring); starts one if the rule says so."""
         if self.closed:
             raise RuntimeError("the generator's env workers were shut down (aclose() was called)")
-        live = self._prune()
-        if len(live) < self.warm:
-            self.warm_up()
-            live = [w for w in self._workers if w.usable]
-        if len(live) < self.size and (not live or min(w.load for w in live) > 0):
-            live.append(self._start_one())
-        worker = min(live, key=lambda w: w.load)
-        worker.load += 1
+        with self._lock:
+            live = self._warm_locked()
+            if len(live) < self.size and (not live or min(w.load for w in live) > 0):
+                live.append(self._start_one())
+            worker = min(live, key=lambda w: w.load)
+            worker.load += 1
         return worker
 
     def warm_up(self) -> None:
-        """Start workers until ``warm`` are alive (non-blocking): at each generate() and after a death."""
-        if self.closed:
-            return
+        """Start workers until ``warm`` are alive (non-blocking): at each generate()."""
+        with self._lock:
+            if not self.closed:
+                self._warm_locked()
+
+    def _warm_locked(self) -> list[Transport]:
+        """Under the lock: the usable workers, topped up to ``warm``."""
         live = self._prune()
         for _ in range(self.warm - len(live)):
-            self._start_one()
+            live.append(self._start_one())
+        return live
+
+    def _replace(self, dead: Transport) -> None:
+        """A worker is gone (the transport's thread): start its replacement now, ahead of need.
+
+        Also for a recycled worker, once it has stopped. Not for a worker that never started (a
+        failing start would fail again, in a loop) or a pool shut down.
+        """
+        ready = dead.ready
+        if ready is None or not ready.ok:
+            return
+        with self._lock:
+            if self.closed:
+                return
+            live = self._prune()
+            if len(live) < self.size:
+                self._start_one()
+                logger.info("env worker %s is gone; started its replacement ahead of need", dead.name)
 
     def _prune(self) -> list[Transport]:
         live = [w for w in self._workers if w.usable]
@@ -231,9 +238,11 @@ class WorkerPool:
         return live
 
     def _start_one(self) -> Transport:
+        """Under the lock: start one more worker (non-blocking)."""
         self._started += 1
         worker = self._factory(self._started)
         worker.ready = Reply(f"start of env worker {worker.name}", None)
+        worker.on_death = self._replace
         worker.start()
         # Its first request: answered once it runs and has imported the env classes' modules (a start's
         # cost, not a rollout's: an env module may import torch).
@@ -300,10 +309,10 @@ class WorkerPool:
         with self._lock:
             if worker in self._workers:
                 self._workers.remove(worker)
+        # Its replacement starts once it has stopped (_replace), ahead of the next env.
         threading.Thread(
             target=worker.shutdown, args=(self.cleanup_timeout_s,), name=f"{worker.name}-recycle", daemon=True
         ).start()
-        self.warm_up()
 
     @property
     def workers(self) -> list[Transport]:

@@ -276,6 +276,7 @@ class ProcessWorker(Transport):
         for reply in pending.values():
             reply.resolve(False, error)
         self._close_pipes()
+        self.mourned()
 
     def _shutting_down(self) -> bool:
         return self._join(0) == 0

@@ -128,6 +128,41 @@ class _Poller:
         reply.resolve(*decode(reply.what, ok, value, metrics))
 
 
+def _actor_state(ray: Any, actor: Any) -> str:
+    """The actor's state in Ray's GCS actor table (``PENDING_CREATION``, ``ALIVE``, ...); '' if unknown.
+
+    Read from the GCS (``ray._private.state``), which works without Ray's dashboard, unlike
+    ``ray.util.state.get_actor``.
+    """
+    try:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+        return str(info.get("State", "")) if info else ""
+    except Exception:
+        logger.debug("Ray's GCS could not describe env actor %r", actor, exc_info=True)
+        return ""
+
+
+def _pending_demands(ray: Any) -> str:
+    """The cluster's pending resource demands as Ray's scheduler reports them (``{CPU: 1} x2``); '' if none."""
+    try:
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        shapes = [
+            f"{_shape(bundle.bundle)} x{bundle.count}"
+            for demand in status.resource_demands.ray_task_actor_demand
+            for bundle in demand.bundles_by_count
+        ]
+    except Exception:
+        logger.debug("Ray's GCS could not report pending demands", exc_info=True)
+        return ""
+    return ", ".join(shapes)
+
+
+def _shape(bundle: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in sorted(bundle.items())) + "}"
+
+
 class RayWorker(Transport):
     """One env actor."""
 
@@ -145,25 +180,35 @@ class RayWorker(Transport):
         self._actor = actor_class.options(num_cpus=self._num_cpus, max_concurrency=1).remote()
 
     def start_trouble(self) -> str:
-        """Ray's side of a start that overran: the actor's state and the CPUs it waits for."""
-        ray = _ray()
-        state = ""
-        try:  # the state API needs Ray's dashboard agent: best effort
-            from ray.util.state import get_actor
+        """Ray's own account of a start that overran, for the start-timeout message.
 
-            info = get_actor(self._actor._actor_id.hex(), timeout=2)
-            if info is not None:
-                state = f"actor state {getattr(info, 'state', '?')}, "
-        except Exception:
-            logger.debug("Ray's state API could not describe env actor %s", self.name, exc_info=True)
+        What Ray 2.60 reports for an actor it has not placed, without its dashboard: the actor's state
+        in the GCS actor table (``PENDING_CREATION``: waiting for resources), the scheduler's pending
+        demands (the resource shapes queued for placement, what ``ray status`` shows as "Pending
+        Demands"), and the cluster's free CPUs. Ray keeps no textual pending reason for an actor (its
+        state API, which needs the dashboard, has none either; the raylet's "cannot be scheduled right
+        now" warning only goes to the driver's log). See docs/envs.md.
+        """
+        ray = _ray()
+        state = _actor_state(ray, self._actor)
+        demands = _pending_demands(ray)
+        told = ", ".join(
+            part
+            for part in (
+                f"actor state {state}" if state else "",
+                f"pending demands {demands} (`ray status`)" if demands else "",
+            )
+            if part
+        )
         try:
             free = ray.available_resources().get("CPU", 0.0)
             total = ray.cluster_resources().get("CPU", 0.0)
         except Exception:  # pragma: no cover - Ray is gone
-            return f"; Ray has not placed it ({state}asks for {self._num_cpus:g} CPU)"
+            return f"; Ray has not placed it ({told or 'Ray reports nothing'}; it asks for {self._num_cpus:g} CPU)"
         return (
-            f"; Ray has not placed it ({state}it asks for {self._num_cpus:g} CPU, the cluster has {free:g} of "
-            f"{total:g} CPUs free: lower environment.skyrl_gym.env_worker_num_cpus or max_env_workers)"
+            f"; Ray has not placed it (Ray reports {told or 'nothing'}; it asks for {self._num_cpus:g} CPU, the "
+            f"cluster has {free:g} of {total:g} CPUs free: lower environment.skyrl_gym.env_worker_num_cpus or "
+            "max_env_workers)"
         )
 
     def submit(self, op: WorkerOp, key: int, payload: Any, reply: Reply) -> None:
@@ -193,6 +238,7 @@ class RayWorker(Transport):
             logger.warning("%s", self.death)
         for reply in self._poller.forget(self):
             reply.resolve(False, self.death)
+        self.mourned()
 
     def _terminate(self, reason: str) -> None:
         self._kill_reason = reason

@@ -3,7 +3,9 @@
 A :class:`WorkerEnv` is the env's handle in the generator: ``init``/``step``/``close`` are requests to
 its worker (placed by the :class:`~skyrl_structured.envs._pool.WorkerPool`), ``get_metrics`` reads
 what the worker sent with the last reply. The abandoned-work rules are
-:mod:`~skyrl_structured.envs._executors`'s; here is how they apply:
+:mod:`~skyrl_structured.envs._executors`'s, and the close follows the one policy of
+:mod:`~skyrl_structured.envs._abandon` with its :class:`~skyrl_structured.envs._abandon.KillWorker`
+strategy; here is how they apply:
 
 - a call cancelled by a bound of its own that has passed (the rollout's ``rollout_timeout_s``, which
   the supervisor hands to the handle, or cleanup's ``env_cleanup_timeout_s``) while it runs kills
@@ -23,15 +25,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Awaitable
+from functools import partial
 from types import TracebackType
 from typing import Any
 
-import anyio
-
-from .._runtime.cleanup import CleanupStats
+from .._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
 from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker, current_waker
+from ..observe import CleanupOutcome
 from ..types import ConversationType, EnvStepOutput, SkyRLConfig
+from ._abandon import KillWorker, close_after_in_flight, kill_worker
 from ._executors import EnvWorkerError
 from ._pool import Reply, Transport, WorkerPool
 from ._worker import WorkerOp
@@ -83,12 +87,13 @@ class WorkerEnv:
             raise
         reply = self._submit(worker, "make", self._make)
         try:
-            await self._await(worker, reply, cleanup=False)
-        except BaseException:
+            await self._await(worker, reply)
+        except BaseException as exc:
             if not worker.dead and (not reply.done or reply.ok):
                 # Cancelled while (or just after) it was built: it exists, or will, so close it (requests
-                # run in order), shielded and bounded as any cleanup.
-                await self._close_unentered(worker)
+                # run in order) as any cleanup: shielded and bounded by the cleanup engine.
+                step = _UnenteredClose(self, worker)
+                await run_cleanups([step], limit_s=self._pool.cleanup_timeout_s, error=exc)
             self._release()
             raise
         self._make = None
@@ -107,32 +112,35 @@ class WorkerEnv:
         if worker is None or self._closed:
             return
         try:
-            pending = self._in_flight
-            if pending is not None and not pending.done:
-                # Cancelled mid-call: let it finish (bounded by cleanup's scope) so close never races it.
-                await self._await(worker, pending, cleanup=True)
-            if worker.dead:
-                self._lost(worker)
-                return
-            reply = self._submit(worker, "close", None)
-            await self._await(worker, reply, cleanup=True)
-            if not reply.ok and isinstance(reply.value, EnvWorkerError):
-                self._lost(worker)
-                return
-            reply.result()
+            # Cancelled mid-call: the close waits for it (within cleanup's bound) so it never races it.
+            await self.close_on(worker, self._in_flight)
         finally:
             self._release()
 
-    async def _close_unentered(self, worker: Transport) -> None:
-        with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + self._pool.cleanup_timeout_s
-            close = self._submit(worker, "close", None)
-            try:
-                await self._await(worker, close, cleanup=True)
-            except Exception as exc:  # pragma: no cover - the close failed: it is logged, like any close error
-                logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, exc)
-        if close.done and not close.ok and not isinstance(close.value, EnvWorkerError):
-            logger.warning("closing environment %r after a cancelled start failed: %r", self.env_class, close.value)
+    async def close_on(self, worker: Transport, in_flight: Reply | None, *, entered: bool = True) -> None:
+        """The env's close, after the call in flight, by the one abandoned-work policy (kill past the bound).
+
+        A close that cannot run because the worker died is counted (``envs_lost_with_worker``) for an
+        entered env; one whose start was cancelled was never the rollout's, so it is only dropped.
+        """
+        start = partial(self._start_close, worker, entered)
+        reply = await close_after_in_flight(
+            in_flight, KillWorker(worker, start, self._stats, self._pool.cleanup_timeout_s)
+        )
+        if reply is None:
+            return
+        if not reply.ok and isinstance(reply.value, EnvWorkerError):
+            if entered:
+                self._lost(worker)
+            return
+        reply.result()
+
+    def _start_close(self, worker: Transport, entered: bool) -> Reply | None:
+        if worker.dead:
+            if entered:
+                self._lost(worker)
+            return None
+        return self._submit(worker, "close", None)
 
     async def init(self, prompt: ConversationType) -> tuple[ConversationType, dict[str, Any]]:
         result: tuple[ConversationType, dict[str, Any]] = await self._call("init", prompt)
@@ -165,7 +173,7 @@ class WorkerEnv:
         worker = self._worker
         assert worker is not None
         reply = self._submit(worker, op, payload)
-        await self._await(worker, reply, cleanup=False)
+        await self._await(worker, reply)
         if not reply.ok:
             error = reply.value
             if isinstance(error, EnvWorkerError) and worker.claim_crash():
@@ -176,13 +184,12 @@ class WorkerEnv:
             return value
         return reply.value
 
-    async def _await(self, worker: Transport, reply: Reply, *, cleanup: bool) -> None:
-        """Wait for ``reply``; cancelled while it runs, kill the worker if a bound of its own has passed.
+    async def _await(self, worker: Transport, reply: Reply) -> None:
+        """Wait for ``reply``; cancelled while it runs, kill the worker if its rollout's own deadline passed.
 
-        Those bounds are cleanup's (``cleanup``: the close runs shielded, so only its deadline cancels
-        it) and the rollout's own ``rollout_timeout_s``, when it passed while this call ran. Any other
+        That is the rollout's ``rollout_timeout_s``, when it passed while this call ran. Any other
         cancellation (the caller's deadline or cancel around ``generate()``) leaves the call to the
-        env's close, which waits for it within ``env_cleanup_timeout_s``.
+        env's close, which waits for it within ``env_cleanup_timeout_s`` (:mod:`._abandon`).
         """
         own = self._deadline
         expired_before = own is not None and own.expired  # sent after it passed: the close settles it
@@ -190,14 +197,8 @@ class WorkerEnv:
             await reply.wait()
         except BaseException:
             if not reply.done:
-                why: str | None = None
-                if cleanup:
-                    why = f"env_cleanup_timeout_s={self._pool.cleanup_timeout_s:g}s"
-                elif own is not None and not expired_before and own.expired:
-                    why = f"its rollout's rollout_timeout_s={own.seconds:g}s"
-                if why is not None:
-                    if worker.kill(f"{reply.what} was still running past {why}"):
-                        self._stats.env_workers_killed += 1
+                if own is not None and not expired_before and own.expired:
+                    kill_worker(worker, reply.what, f"its rollout's rollout_timeout_s={own.seconds:g}s", self._stats)
                 else:
                     worker.skip(reply)  # not started yet: it never will; started: the close waits for it
                     self._in_flight = reply
@@ -217,3 +218,23 @@ class WorkerEnv:
             self._closed = True
             self._worker.load -= 1
             self._pool.released(self._worker, self._stats)
+
+
+class _UnenteredClose(Cleanup):
+    """The close of an env whose start was cancelled once it was built (or about to be), as a cleanup step."""
+
+    __slots__ = ("_env", "_worker")
+
+    def __init__(self, env: WorkerEnv, worker: Transport) -> None:
+        super().__init__()
+        self._env = env
+        self._worker = worker
+
+    def describe(self) -> str:
+        return f"closing environment {self._env.env_class!r} after a cancelled start"
+
+    def run(self) -> Awaitable[None]:
+        return self._env.close_on(self._worker, None, entered=False)
+
+    def outcome(self, outcome: CleanupOutcome, error: BaseException | None) -> None:
+        """Logged by the engine; not counted (the env was never entered, so never opened for the rollout)."""

@@ -24,15 +24,14 @@ threads, and the project claims them through no private anyio state (issue 21).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
 from collections.abc import Callable
-from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-from .._runtime.wakers import LoopWaker, Scheduler, current_waker, resolve_future
+from .._runtime.completion import Completion
+from .._runtime.wakers import LoopWaker, current_waker
 
 logger = logging.getLogger(__name__)
 
@@ -69,36 +68,32 @@ def _count_running(delta: int) -> None:
             _running_changed.notify_all()
 
 
-class EnvCall(Generic[T]):
-    """One blocking call for a worker thread: pending, then running, then done (or skipped)."""
+class EnvCall(Completion[T]):
+    """One blocking call for a worker thread: pending, then running, then done (or skipped).
 
-    __slots__ = ("_args", "_callbacks", "_error", "_fn", "_lock", "_state", "_then", "_value", "_waker", "skippable")
+    Its outcome is a :class:`~skyrl_structured._runtime.completion.Completion`: settled in the
+    worker thread, awaited on the event loop.
+    """
+
+    __slots__ = ("_args", "_fn", "_state", "_then", "skippable")
 
     def __init__(
         self, fn: Callable[..., T], *args: Any, skippable: bool = True, waker: LoopWaker | None = None
     ) -> None:
+        # The loop's waker; a caller that already has it (from an earlier call) skips the lookup.
+        super().__init__(waker if waker is not None else current_waker())
         self._fn = fn
         self._args = args
         #: False for a close: once submitted it always runs.
         self.skippable = skippable
-        self._lock = threading.Lock()
         self._state = _PENDING
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[tuple[Scheduler, Callable[[], None]]] = []
         self._then: EnvCall[Any] | None = None
-        #: The loop's waker; a caller that already has it (from an earlier call) skips the lookup.
-        self._waker = waker if waker is not None else current_waker()
 
     @property
     def waker(self) -> LoopWaker:
         """The event loop this call reports back to (pass it to the next call of the same task)."""
+        assert self._waker is not None
         return self._waker
-
-    @property
-    def done(self) -> bool:
-        """True once the call returned or raised, or was skipped before it started."""
-        return self._state in (_DONE, _SKIPPED)
 
     def skip(self) -> bool:
         """Make a call that has not started never start; False if it started (or cannot be skipped)."""
@@ -106,7 +101,7 @@ class EnvCall(Generic[T]):
             if self._state != _PENDING or not self.skippable:
                 return False
             self._state = _SKIPPED
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks = self._finish(None, None)
         self._notify(callbacks)
         return True
 
@@ -117,32 +112,6 @@ class EnvCall(Generic[T]):
                 self._then = follower
                 return
         pool.submit(follower)
-
-    def add_done_callback(self, schedule: Scheduler, callback: Callable[[], None]) -> bool:
-        """Have ``schedule`` run ``callback`` once the call is done; False (and nothing kept) if it already is."""
-        with self._lock:
-            if self._state in (_DONE, _SKIPPED):
-                return False
-            self._callbacks.append((schedule, callback))
-            return True
-
-    async def wait(self) -> None:
-        """Wait until the call is done. Cancellation leaves the call alone: the caller decides."""
-        waker = self._waker
-        if waker.loop is not None:
-            future: asyncio.Future[None] = waker.loop.create_future()
-            if self.add_done_callback(waker, partial(resolve_future, future)):
-                await future
-            return
-        event = waker.event_class()
-        if self.add_done_callback(waker, event.set):
-            await event.wait()
-
-    def result(self) -> T:
-        """The call's return value, or its exception raised again."""
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
 
     def run(self, *, counted: bool = False) -> None:
         """In a worker thread: run the call (unless skipped), then whatever was chained after it.
@@ -158,29 +127,22 @@ class EnvCall(Generic[T]):
             self._state = _RUNNING
         if not counted:
             _count_running(1)
+        value: T | None = None
+        error: BaseException | None = None
         try:
-            self._value = self._fn(*self._args)
+            value = self._fn(*self._args)
         except BaseException as exc:
-            self._error = exc
+            error = exc
         finally:
             with self._lock:
                 self._state = _DONE
-                callbacks, self._callbacks = self._callbacks, []
+                callbacks = self._finish(value, error)
                 follower, self._then = self._then, None
             if follower is None:
                 _count_running(-1)
             self._notify(callbacks)
         if follower is not None:
             follower.run(counted=True)
-
-    @staticmethod
-    def _notify(callbacks: list[tuple[Scheduler, Callable[[], None]]]) -> None:
-        for schedule, callback in callbacks:
-            # The loop may be gone (its generate() returned long ago): nobody is waiting then.
-            try:
-                schedule(callback)
-            except Exception:
-                logger.debug("an environment call finished after its event loop closed", exc_info=True)
 
 
 class EnvThreadPool:
