@@ -52,11 +52,10 @@ from .types import (
     GeneratorInput,
     GeneratorOutput,
     InferenceClient,
+    RolloutOutput,
     SkyRLConfig,
-    StepWiseOutput,
     Tokenizer,
     TrajectoryID,
-    TrajectoryOutput,
 )
 from .validate import check_generator_config, check_generator_input
 
@@ -243,7 +242,7 @@ class StructuredGymGenerator(ChatAttributes):
         sampling_params: dict[str, Any] | None = None,
         trajectory_id: TrajectoryID | None = None,
         cache_salt: str | None = None,
-    ) -> TrajectoryOutput | StepWiseOutput:
+    ) -> RolloutOutput:
         """Run one multi-turn rollout to completion and return its trajectory.
 
         The environment is closed and the inference session finished on every exit path,
@@ -280,7 +279,7 @@ class StructuredGymGenerator(ChatAttributes):
                 observe=context.emit,
                 _then=session_end,
             ) as env:
-                output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
+                output: RolloutOutput = await self._episode.run(
                     env,
                     prompt,
                     context=context,
@@ -417,7 +416,7 @@ class StructuredGymGenerator(ChatAttributes):
         prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
         trajectory_ids = request.trajectory_ids
 
-        async def rollout(i: int) -> Any:
+        async def rollout(i: int) -> RolloutOutput:
             return await self.agent_loop(
                 prompts[i],
                 env_classes[i],

@@ -182,7 +182,8 @@ def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_l
         failures, token_id=PAD, default_token_level_rewards=token_level, with_logprobs=True, step_wise=step_wise
     )
     out = build_generator_output(
-        BatchResult(results, failures, retries=0, cleanup=CleanupStats()),
+        results,
+        BatchResult(list(failures), failures, retries=0, cleanup=CleanupStats()),
         BatchShape(n, [TrajectoryID("g", i) for i in range(n)], ["gsm8k"] * n, step_wise=step_wise),
         _spec(
             GeneratorConfig(step_wise_trajectories=step_wise),
@@ -284,9 +285,8 @@ def test_any_failure_pattern_keeps_order_size_lengths_and_one_reward_shape(case)
     )
     ids = [TrajectoryID(f"g{i // 3}", i % 3) for i in range(n)]
     out = build_generator_output(
-        BatchResult(
-            substituted, [r for r in results if isinstance(r, FailedRollout)], retries=0, cleanup=CleanupStats()
-        ),
+        substituted,
+        BatchResult(results, [r for r in results if isinstance(r, FailedRollout)], retries=0, cleanup=CleanupStats()),
         BatchShape(n, ids, ["gsm8k"] * n, step_wise=step_wise),
         _spec(
             GeneratorConfig(step_wise_trajectories=step_wise),

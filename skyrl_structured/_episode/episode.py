@@ -16,7 +16,15 @@ from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
 from ..errors import PromptTooLongError
-from ..types import ConversationType, EnvHandle, InferenceEngineInput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
+from ..types import (
+    ConversationType,
+    EnvHandle,
+    InferenceEngineInput,
+    RolloutOutput,
+    SkyRLConfig,
+    StepWiseOutput,
+    TrajectoryOutput,
+)
 from .calls import engine_call, env_call
 from .chat import ChatTokenizer
 
@@ -42,7 +50,7 @@ class EpisodeRunner(Protocol):
         sampling_params: dict[str, Any] | None,
         session_id: Hashable,
         cache_salt: str | None,
-    ) -> TrajectoryOutput | StepWiseOutput: ...
+    ) -> RolloutOutput: ...
 
 
 def eos_after_stop_string(
@@ -154,7 +162,7 @@ class Episode:
         sampling_params: dict[str, Any] | None,
         session_id: Hashable,
         cache_salt: str | None,
-    ) -> TrajectoryOutput | StepWiseOutput:
+    ) -> RolloutOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
         run = await self._start(env, prompt, context, sampling_params)
         while not run.done:
@@ -324,7 +332,7 @@ class Episode:
 
     # ------------------------------------------------------------------ the trajectory
 
-    def _finish(self, env: EnvHandle, run: _Run) -> TrajectoryOutput | StepWiseOutput:
+    def _finish(self, env: EnvHandle, run: _Run) -> RolloutOutput:
         env_metrics = env.get_metrics()
         if self.step_wise:
             for step, (reward, end) in zip(run.steps, run.per_step_rewards, strict=True):

@@ -14,16 +14,17 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import Any, Literal, assert_never, cast, overload
 
 from .._episode.images import empty_rows_like
 from .._runtime.contexts import BatchShape
 from .._runtime.supervisor import BatchResult
 from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
-from ..failures import FailedRollout, failure_summary
+from ..failures import FailedRollout, RolloutOutcome, failure_summary
 from ..types import (
     ROLLOUT_ERROR_STOP_REASON,
     GeneratorOutput,
+    RolloutOutput,
     SkyRLConfig,
     StepWiseOutput,
     TrajectoryID,
@@ -49,15 +50,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def first_trajectory(output: Any) -> Any | None:
+def _steps(output: RolloutOutput) -> list[TrajectoryOutput] | None:
+    """A step-wise output's steps, None for one trajectory.
+
+    Read by attribute, not by class: a SkyRL subclass's ``_post_process_agent_loop_output`` may hand
+    back SkyRL's own ``TrajectoryOutput``/``StepWiseOutput``, which have the same fields.
+    """
+    return cast(list[TrajectoryOutput] | None, getattr(output, "step_outputs", None))
+
+
+def first_trajectory(output: RolloutOutput) -> TrajectoryOutput | None:
     """The first trajectory of a result: itself, or the first step of a step-wise output (if any)."""
-    steps = getattr(output, "step_outputs", None)
+    steps = _steps(output)
     if steps is not None:
         return steps[0] if steps else None
-    return output
+    return cast(TrajectoryOutput, output)
 
 
-def infer_token_level_rewards(results: Sequence[Any], *, default: bool) -> bool:
+def infer_token_level_rewards(results: Sequence[RolloutOutcome], *, default: bool) -> bool:
     """Whether rewards are per token, from the first successful result that has a trajectory.
 
     ``default`` (from the configuration) is used when no successful result has one.
@@ -78,7 +88,7 @@ def make_placeholder(
     token_level_rewards: bool,
     with_logprobs: bool,
     step_wise: bool,
-) -> TrajectoryOutput | StepWiseOutput:
+) -> RolloutOutput:
     """A fresh one-token trajectory that contributes neither reward nor loss.
 
     Every list is new, so later in-place edits to one placeholder never reach another.
@@ -100,15 +110,40 @@ def make_placeholder(
     return trajectory
 
 
+@overload
 def substitute_placeholders(
-    results: Sequence[Any],
+    results: Sequence[TrajectoryOutput | FailedRollout],
+    *,
+    token_id: int,
+    default_token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: Literal[False],
+) -> list[TrajectoryOutput]: ...
+
+
+@overload
+def substitute_placeholders(
+    results: Sequence[RolloutOutcome],
     *,
     token_id: int,
     default_token_level_rewards: bool,
     with_logprobs: bool,
     step_wise: bool,
-) -> list[Any]:
-    """``results`` with every :class:`FailedRollout` replaced by a placeholder, order kept."""
+) -> Sequence[RolloutOutput]: ...
+
+
+def substitute_placeholders(
+    results: Sequence[RolloutOutcome],
+    *,
+    token_id: int,
+    default_token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: bool,
+) -> Sequence[RolloutOutput]:
+    """``results`` with every :class:`FailedRollout` replaced by a placeholder, order kept.
+
+    Trajectories in, trajectories out: outside step-wise mode a placeholder is a ``TrajectoryOutput``.
+    """
     token_level = infer_token_level_rewards(results, default=default_token_level_rewards)
     return [
         make_placeholder(
@@ -264,39 +299,40 @@ class OutputSpec:
         return bool(self.generator_cfg.step_wise_trajectories)
 
 
-def collect(result: BatchResult, shape: BatchShape, spec: OutputSpec) -> GeneratorOutput:
-    """The batch's ``GeneratorOutput`` from the supervisor's results (:class:`FailedRollout` for failures).
+def collect(result: BatchResult[RolloutOutput], shape: BatchShape, spec: OutputSpec) -> GeneratorOutput:
+    """The batch's ``GeneratorOutput`` from the supervisor's outcomes (:class:`FailedRollout` for failures).
 
     ``result.over_budget`` is the supervisor's failure-budget verdict for the batch.
 
     Raises:
         RuntimeError: over the failure budget with ``failure_budget_action="raise"``.
     """
-    results = result.results
     failures = sorted(result.failures, key=lambda f: f.index)
     budget_exceeded = False
     if failures:
         budget_exceeded = check_failure_budget(
             failures,
-            len(results),
+            shape.count,
             spec.resilience.max_failed_rollout_fraction,
             exceeded=result.over_budget,
             action=spec.resilience.failure_budget_action,
         )
-        results = substitute_placeholders(
-            results,
-            token_id=spec.placeholder_token_id,
-            # Token-level rewards everywhere except with a custom chat template, which yields a float.
-            default_token_level_rewards=spec.step_wise or not spec.float_rewards,
-            with_logprobs=spec.get_logprobs,
-            step_wise=spec.step_wise,
-        )
-    fill_missing_vision(results)
-    summary = dataclasses.replace(result, results=results, failures=failures)
-    return build_generator_output(summary, shape, spec, budget_exceeded=budget_exceeded)
+    # Past the budget check, every rollout has its outcome (only a batch stopped over budget lacks some).
+    assert len(result.results) == shape.count
+    outputs = substitute_placeholders(
+        result.results,
+        token_id=spec.placeholder_token_id,
+        # Token-level rewards everywhere except with a custom chat template, which yields a float.
+        default_token_level_rewards=spec.step_wise or not spec.float_rewards,
+        with_logprobs=spec.get_logprobs,
+        step_wise=spec.step_wise,
+    )
+    fill_missing_vision(outputs)
+    summary = dataclasses.replace(result, failures=failures)
+    return build_generator_output(outputs, summary, shape, spec, budget_exceeded=budget_exceeded)
 
 
-def fill_missing_vision(results: list[Any]) -> None:
+def fill_missing_vision(results: Sequence[RolloutOutput]) -> None:
     """Image-free vision fields on every row without them, in a batch where some row has images; in place.
 
     SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
@@ -304,12 +340,11 @@ def fill_missing_vision(results: list[Any]) -> None:
     rollout whose conversation had no image, gets fresh empty ones (no rows; the width, dtype and
     device of the first rollout with images), so it adds no image to the batch.
     """
-    reference = next((r for r in results if getattr(r, "pixel_values", None) is not None), None)
+    rows = [cast(TrajectoryOutput, r) for r in results if hasattr(r, "pixel_values")]
+    reference = next((r for r in rows if r.pixel_values is not None), None)
     if reference is None:
         return
-    for row in results:
-        if not hasattr(row, "pixel_values"):
-            continue  # a step-wise output: SkyRL has no images there
+    for row in rows:  # a step-wise output has no images (nor has SkyRL's)
         if row.pixel_values is None:
             row.pixel_values = empty_rows_like(reference.pixel_values)
         if row.image_grid_thw is None and reference.image_grid_thw is not None:
@@ -319,26 +354,32 @@ def fill_missing_vision(results: list[Any]) -> None:
 class _Rows:
     """Per-rollout outputs flattened to trainer rows: one per rollout, or one per step (step-wise)."""
 
-    def __init__(self, outputs: list[Any], step_wise: bool) -> None:
-        self.rows: list[Any] = []
+    def __init__(self, outputs: Sequence[RolloutOutput], step_wise: bool) -> None:
+        self.rows: list[TrajectoryOutput] = []
         #: The rollout index of each row, and whether the row ends its rollout.
         self.rollout: list[int] = []
         self.is_last: list[bool] = []
         for i, output in enumerate(outputs):
-            steps = output.step_outputs if step_wise else [output]
+            steps = (_steps(output) or []) if step_wise else [cast(TrajectoryOutput, output)]
             self.rows.extend(steps)
             self.rollout.extend([i] * len(steps))
             self.is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
 
 
 def build_generator_output(
-    result: BatchResult, shape: BatchShape, spec: OutputSpec, *, budget_exceeded: bool = False
+    outputs: Sequence[RolloutOutput],
+    result: BatchResult[RolloutOutput],
+    shape: BatchShape,
+    spec: OutputSpec,
+    *,
+    budget_exceeded: bool = False,
 ) -> GeneratorOutput:
-    """Flatten the rollouts' outputs (``result.results``, placeholders already in place) into the ``GeneratorOutput``.
+    """Flatten the rollouts' ``outputs`` (placeholders in place of ``result.failures``) into the ``GeneratorOutput``.
 
-    ``budget_exceeded``: the step is over the failure budget and returned anyway (``warn``).
+    ``result`` gives the failures and the counters. ``budget_exceeded``: the step is over the
+    failure budget and returned anyway (``warn``).
     """
-    outputs, failures = result.results, result.failures
+    failures = result.failures
     trajectory_ids = list(shape.trajectory_ids) if shape.trajectory_ids is not None else None
     env_classes = list(shape.env_classes or [])
     cfg = spec.generator_cfg
@@ -348,7 +389,7 @@ def build_generator_output(
     times = [getattr(o, "e2e_time", None) for o in outputs]
     completion_times: list[float] | None = None if any(t is None for t in times) else times  # type: ignore[assignment]
     splits = [getattr(o, "time_splits", None) for o in outputs]
-    rewards = [r.reward for r in rows]
+    rewards: list[Any] = [r.reward for r in rows]
     stop_reasons = [r.stop_reason for r in rows]
     loss_masks = [r.loss_mask for r in rows]
     env_metrics = [r.env_metrics for r in rows]
@@ -385,11 +426,13 @@ def build_generator_output(
         "loss_masks": loss_masks,
         "stop_reasons": stop_reasons,
         "rollout_metrics": metrics,
-        "rollout_logprobs": [r.rollout_logprobs for r in rows] if spec.get_logprobs else None,
+        # Asked for, so every row carries its logprobs.
+        "rollout_logprobs": cast(list[list[float]], [r.rollout_logprobs for r in rows]) if spec.get_logprobs else None,
         "trajectory_ids": out_trajectory_ids,
         "trajectory_generation_times": out_times,
         "trajectory_time_splits": _split_lists([splits[i] for i in flat.rollout]),
-        "rollout_expert_indices": [o.rollout_expert_indices for o in outputs] if spec.routed_experts else None,
+        # Routed experts are refused with step-wise outputs (validate.py): a row is a rollout here.
+        "rollout_expert_indices": [r.rollout_expert_indices for r in rows] if spec.routed_experts else None,
         "is_last_step": flat.is_last if step_wise else None,
         "env_metrics": env_metrics,
     }
@@ -400,7 +443,7 @@ def build_generator_output(
 
 
 def _metrics(
-    outputs: list[Any],
+    outputs: Sequence[RolloutOutput],
     flat: _Rows,
     failures: list[FailedRollout],
     env_classes: list[str],
