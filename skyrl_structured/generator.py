@@ -42,8 +42,7 @@ from ._runtime.slots import RolloutSlots
 from ._runtime.supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import env_config_for, open_env
-from .envs._executors import EnvExecutor
+from .envs import EnvSettings, open_env
 from .envs._workers import EnvWorkers
 from .observe import Observers, RolloutObserver
 from .progress import Progress
@@ -118,6 +117,10 @@ class StructuredGymGenerator(ChatAttributes):
             cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             rollout_timeout_s=self.resilience.rollout_timeout_s,
         )
+        #: What open_env takes from this generator (see _env_settings).
+        self._open_with = EnvSettings(
+            self._envs.runner(self.max_env_workers), self.resilience.env_cleanup_timeout_s, skyrl_gym_cfg
+        )
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
@@ -164,8 +167,12 @@ class StructuredGymGenerator(ChatAttributes):
             routed_experts=routed_experts_enabled(self.generator_cfg),
         )
 
-    def _env_runner(self) -> EnvExecutor:
-        return self._envs.runner(self.max_env_workers)
+    def _env_settings(self) -> EnvSettings:
+        """How rollouts open environments: built once, with a new executor only if ``max_env_workers`` changed."""
+        runner = self._envs.runner(self.max_env_workers)
+        if runner is not self._open_with.runner:
+            self._open_with = dataclasses.replace(self._open_with, runner=runner)
+        return self._open_with
 
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
@@ -269,15 +276,11 @@ class StructuredGymGenerator(ChatAttributes):
             env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
             async with open_env(
                 env_class,
-                env_config=env_config_for(self.skyrl_gym_cfg, env_class),
+                self._env_settings(),
                 extras=env_extras,
-                runner=self._env_runner(),
-                cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=context.cleanup,
-                deadline=context.deadline,
-                abandoned=context.abandoned,
-                observe=context.emit,
-                _then=session_end,
+                rollout=context,
+                then=session_end,
             ) as env:
                 output: RolloutOutput = await self._episode.run(
                     env,
@@ -393,11 +396,9 @@ class StructuredGymGenerator(ChatAttributes):
     ) -> GeneratorOutput:
         """The batched path with this generator's collaborators (never the generator itself)."""
         setup = BatchedSetup(
-            runner=self._env_runner(),
-            skyrl_gym_cfg=self.skyrl_gym_cfg,
+            envs=self._env_settings(),
             chat=self._chat,
             max_turns=self.max_turns,
-            cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             overlong_filtering=bool(self.generator_cfg.apply_overlong_filtering),
             policy_model_name=self.policy_model_name,
         )

@@ -279,7 +279,7 @@ async def test_thread_stays_the_default(anyio_backend, tokenizer):
     assert SkyRLGymConfig().env_executor == "thread"
     for cfg in (SkyRLGymConfig(max_env_workers=2), SkyRLsOwnConfig()):
         gen = StructuredGymGenerator(GeneratorConfig(), cfg, ScriptedEngine(tokenizer, turn_replies("x")), tokenizer)
-        assert isinstance(gen._env_runner(), EnvCallRunner)
+        assert isinstance(gen._env_settings().runner, EnvCallRunner)
         await gen.aclose()
 
 
