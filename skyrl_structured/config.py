@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 from .types import SkyRLConfig
 
 __all__ = [
+    "CHOICE_KNOBS",
     "ENV_EXECUTORS",
     "ENV_KNOBS",
     "FAILED_ROLLOUT_POLICIES",
@@ -30,6 +31,7 @@ __all__ = [
     "ResilienceSettings",
     "SamplingParams",
     "SkyRLGymConfig",
+    "check_choice",
     "read_knob",
     "resolve_resilience",
     "routed_experts_enabled",
@@ -477,22 +479,43 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
     ),
 }
 
-#: The accepted values of every choice knob of :class:`ResilienceSettings`, and the fix a refusal suggests.
-_CHOICE_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
-    "failure_budget_action": (
-        FAILURE_BUDGET_ACTIONS,
-        "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
-    ),
-    "failed_rollout_policy": (
-        FAILED_ROLLOUT_POLICIES,
-        "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
-        "docs/failures.md.",
-    ),
-    "straggler_cutoff_scope": (
-        STRAGGLER_CUTOFF_SCOPES,
-        "'batch' counts the whole generate() call; 'group' counts each prompt group on its own.",
-    ),
-}
+#: Every choice knob of ours, by its path in SkyRL's config (its section included): the values it
+#: takes (its ``Literal`` above) and the fix a refusal suggests. Checked by :func:`check_choice`.
+CHOICE_KNOBS: Mapping[str, tuple[tuple[str, ...], str]] = MappingProxyType(
+    {
+        "generator.failure_budget_action": (
+            FAILURE_BUDGET_ACTIONS,
+            "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
+        ),
+        "generator.failed_rollout_policy": (
+            FAILED_ROLLOUT_POLICIES,
+            "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
+            "docs/failures.md.",
+        ),
+        "generator.straggler_cutoff_scope": (
+            STRAGGLER_CUTOFF_SCOPES,
+            "'batch' counts the whole generate() call; 'group' counts each prompt group on its own.",
+        ),
+        "environment.skyrl_gym.env_executor": (
+            ENV_EXECUTORS,
+            "'thread' is SkyRL's behaviour; 'process' runs envs in killable worker processes, 'ray' in Ray "
+            "actors (see docs/envs.md).",
+        ),
+    }
+)
+
+
+def check_choice(knob: str, value: Any, *, named: str | None = None) -> None:
+    """Refuse a ``value`` the choice knob ``knob`` (its path in :data:`CHOICE_KNOBS`) does not take.
+
+    ``named``: what the message calls the setting, where it is not the knob itself (a function's argument).
+
+    Raises:
+        ValueError: the one wording of :func:`invalid_value`, with the knob's values and fix.
+    """
+    choices, fix = CHOICE_KNOBS[knob]
+    if value not in choices:
+        raise invalid_value(named or knob, value, f"one of {', '.join(choices)}", fix)
 
 
 def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
@@ -520,9 +543,10 @@ def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
         values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null
     for name, rule in _NUMERIC_KNOBS.items():
         rule.check(f"generator.{name}", values[name])
-    for name, (choices, fix) in _CHOICE_KNOBS.items():
-        if values[name] not in choices:
-            raise invalid_value(f"generator.{name}", values[name], f"one of {', '.join(choices)}", fix)
+    for knob in CHOICE_KNOBS:
+        section, _, name = knob.rpartition(".")
+        if section == "generator":
+            check_choice(knob, values[name])
     seed = values["sampling_seed"]
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid_value(

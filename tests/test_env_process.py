@@ -286,7 +286,7 @@ async def test_thread_stays_the_default(anyio_backend, tokenizer):
 def test_a_bad_executor_is_refused_with_one_line(tokenizer):
     with pytest.raises(
         ValueError,
-        match=r"^`environment.skyrl_gym.env_executor` must be one of 'thread', 'process', 'ray'; got 'processes'",
+        match=r"^`environment.skyrl_gym.env_executor` must be one of thread, process, ray; got 'processes'",
     ):
         StructuredGymGenerator(
             GeneratorConfig(),

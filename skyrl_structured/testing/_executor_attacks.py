@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import skyrl_gym
@@ -159,7 +159,7 @@ def _alive(pid: int) -> bool:
 
 async def _attack_case(
     attack: str,
-    env_executor: str,
+    env_executor: EnvExecutorKind,
     env_class: str,
     prompts: Sequence[Any],
     extras: Sequence[Mapping[str, Any]],
@@ -181,7 +181,7 @@ async def _attack_case(
     )
     gym = SkyRLGymConfig(
         max_env_workers=workers,
-        env_executor=cast(EnvExecutorKind, env_executor),
+        env_executor=env_executor,
         env_configs={ATTACKED_ENV: env_config or {}},
     )
     gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*replies)), tokenizer)
@@ -243,7 +243,7 @@ async def _attack_case(
 
 
 def run_executor_attacks(
-    env_executor: str,
+    env_executor: EnvExecutorKind,
     env_class: str,
     backends: Sequence[str],
     prompts: Sequence[Any],

@@ -42,7 +42,7 @@ from typing import Any
 
 import skyrl_gym
 
-from ..config import GeneratorConfig
+from ..config import EnvExecutorKind, GeneratorConfig, check_choice
 from ..envs._registration import is_import_path, register_import_path
 from ..generator import StructuredGymGenerator
 from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup
@@ -232,7 +232,7 @@ def check_structured_concurrency(
     progress: bool = True,
     quiet: bool | None = None,
     raise_on_failure: bool = True,
-    env_executor: str = "thread",
+    env_executor: EnvExecutorKind = "thread",
 ) -> ConcurrencyReport:
     """Run ``env_class`` through the fault, cancellation and attack matrices; see the module docstring.
 
@@ -279,6 +279,7 @@ def check_structured_concurrency(
         ValueError: an argument is malformed (the message names it).
         ImportError: ``"trio"`` requested but trio is not installed.
     """
+    check_choice("environment.skyrl_gym.env_executor", env_executor, named="env_executor")
     per_rollout = _check_arguments(
         env_class, prompts, env_extras, backends, stages, matrices, max_env_workers, engine_replies, case_timeout_s,
         leak_grace_s, jobs,
@@ -318,7 +319,7 @@ def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> Concurrenc
 
 
 def _executor_report(
-    env_executor: str,
+    env_executor: EnvExecutorKind,
     env_class: str,
     backends: Sequence[str],
     prompts: Sequence[Any],
@@ -330,8 +331,6 @@ def _executor_report(
 ) -> ConcurrencyReport:
     from ._executor_attacks import run_executor_attacks
 
-    if env_executor not in ("process", "ray"):
-        raise ValueError(f"`env_executor` must be one of 'thread', 'process', 'ray'; got {env_executor!r}")
     tokenizer = tokenizer if tokenizer is not None else _tiny_tokenizer()
     results = run_executor_attacks(
         env_executor, env_class, backends, prompts, extras, tokenizer, replies, max_turns, env_config
