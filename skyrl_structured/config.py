@@ -347,83 +347,56 @@ def invalid_value(path: str, value: Any, requirement: str, fix: str = "", *, wit
     return ValueError(f"{message}. {fix}" if fix else message)
 
 
-def _requirement(
-    *, integer: bool, minimum: float, maximum: float | None, strict: bool, seconds: bool, null_means: str | None
-) -> str:
-    if maximum is None:
-        what = "an integer" if integer else ("a finite number of seconds" if seconds else "a finite number")
-        requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
-    else:  # a closed interval already says "finite"
-        what = "an integer " if integer else ("seconds " if seconds else "")
-        requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
-    return f"{requirement}, or null for {null_means}" if null_means is not None else requirement
-
-
-def check_number(
-    path: str,
-    value: Any,
-    *,
-    integer: bool,
-    minimum: float,
-    maximum: float | None = None,
-    strict: bool = False,
-    seconds: bool = False,
-    null_means: str | None = None,
-    fix: str = "",
-) -> Any:
-    """Check a numeric setting and return it (None where null is allowed and given).
+@dataclass(frozen=True)
+class NumberRule:
+    """The accepted range of one numeric setting and the fix its refusal suggests; :meth:`check` applies it.
 
     The rule is ``value >= minimum`` (``> minimum`` with ``strict``), ``value <= maximum`` when given,
     finite, and an ``int`` where ``integer``; a ``bool`` is never a number. ``null_means`` allows None
     and says what it means. Every refused value of one setting gets the same message but for its
     ``got`` part, so a user who fixes one wrong value is not told a different rule for the next.
-
-    Raises:
-        ValueError: from :func:`invalid_value`, naming ``path``.
     """
-    requirement = _requirement(
-        integer=integer, minimum=minimum, maximum=maximum, strict=strict, seconds=seconds, null_means=null_means
-    )
-    if value is None:
-        if null_means is not None:
-            return None
-        raise invalid_value(path, value, requirement, fix, with_type=True)
-    number: int | float
-    if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and not integer):
-        number = value
-    else:
-        raise invalid_value(path, value, requirement, fix, with_type=True)
-    infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite; NaN too
-    too_small = number < minimum or (strict and number == minimum)
-    if infinite or too_small or (maximum is not None and number > maximum):
-        raise invalid_value(path, value, requirement, fix)
-    return value
-
-
-@dataclass(frozen=True)
-class NumberRule:
-    """The accepted range of one numeric knob and the fix its refusal suggests (see :func:`check_number`)."""
 
     integer: bool
     minimum: float
-    fix: str
+    fix: str = ""
     maximum: float | None = None
     strict: bool = False
     seconds: bool = False
     null_means: str | None = None
 
-    def check(self, path: str, value: Any) -> None:
-        check_number(
-            path,
-            value,
-            integer=self.integer,
-            minimum=self.minimum,
-            maximum=self.maximum,
-            strict=self.strict,
-            seconds=self.seconds,
-            null_means=self.null_means,
-            fix=self.fix,
-        )
+    def requirement(self) -> str:
+        """What the rule takes, in words: ``"an integer >= 1, or null for no limit"``."""
+        integer, minimum, maximum, strict = self.integer, self.minimum, self.maximum, self.strict
+        if maximum is None:
+            what = "an integer" if integer else ("a finite number of seconds" if self.seconds else "a finite number")
+            requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
+        else:  # a closed interval already says "finite"
+            what = "an integer " if integer else ("seconds " if self.seconds else "")
+            requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
+        return f"{requirement}, or null for {self.null_means}" if self.null_means is not None else requirement
+
+    def check(self, path: str, value: Any) -> Any:
+        """``value`` if the rule takes it (None where null is allowed and given).
+
+        Raises:
+            ValueError: from :func:`invalid_value`, naming ``path``.
+        """
+        requirement = self.requirement()
+        if value is None:
+            if self.null_means is not None:
+                return None
+            raise invalid_value(path, value, requirement, self.fix, with_type=True)
+        number: int | float
+        if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and not self.integer):
+            number = value
+        else:
+            raise invalid_value(path, value, requirement, self.fix, with_type=True)
+        infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite; NaN too
+        too_small = number < self.minimum or (self.strict and number == self.minimum)
+        if infinite or too_small or (self.maximum is not None and number > self.maximum):
+            raise invalid_value(path, value, requirement, self.fix)
+        return value
 
 
 #: The ranges of SkyRL's sampling parameters, by the engine's names: the CLI checks

@@ -61,7 +61,11 @@ def test_check_passes_for_real_environments(env_class):
     assert {c.stage for c in report.cases if c.kind == "fault"} == set(FAULT_STAGES)
     assert {c.stage for c in report.cases if c.kind == "cancel"} == set(CANCEL_STAGES)
     assert {c.kind for c in report.cases if c.kind not in ("baseline", "fault", "cancel")} == set(ATTACK_KINDS)
-    assert str(report).splitlines() == [f"check_structured_concurrency({env_class!r}): 116 cases, 0 failed"]
+    first, *notes = str(report).splitlines()
+    # A loaded machine can make a case slow, not leaked: a note in the summary, never a failure.
+    head = re.escape(f"check_structured_concurrency({env_class!r}): 116 cases, 0 failed")
+    assert re.fullmatch(rf"{head}(, \d+ slow \(not leaked\))?", first), first
+    assert all(line.startswith(("- slow, not leaked: ", "    ")) for line in notes), notes
 
 
 class AsyncCounterEnv(skyrl_gym.Env):
