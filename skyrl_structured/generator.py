@@ -288,7 +288,6 @@ class StructuredGymGenerator(ChatAttributes):
                     context=context,
                     max_input_length=max_input_length,
                     sampling_params=sampling_params,
-                    session_id=session_id,
                     cache_salt=cache_salt,
                 )
             output = self._post_process_agent_loop_output(output, env_extras, trajectory_id)

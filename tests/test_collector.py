@@ -23,6 +23,7 @@ from skyrl_structured import (
 )
 from skyrl_structured._output.collector import (
     OutputSpec,
+    RowLayout,
     apply_group_policy,
     build_generator_output,
     check_failure_budget,
@@ -210,8 +211,7 @@ def test_group_policies_worked_example():
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
     masks = [[1, 1], [1], [0], [1], [1, 1, 1]]
     common: dict[str, Any] = dict(
-        row_trajectory=[0, 1, 2, 3, 4],
-        is_last_row=[True] * 5,
+        layout=RowLayout([0, 1, 2, 3, 4], [True] * 5),
         failed=[False, False, True, False, False],
         groups=["a", "a", "a", "b", "b"],
     )
@@ -236,8 +236,7 @@ def test_fill_group_mean_places_token_level_mean_on_the_last_token():
         "fill_group_mean",
         rewards=rewards,
         loss_masks=[[1, 1], [1, 1, 1], [0]],
-        row_trajectory=[0, 1, 2],
-        is_last_row=[True] * 3,
+        layout=RowLayout([0, 1, 2], [True] * 3),
         failed=[False, False, True],
         groups=["g"] * 3,
     )

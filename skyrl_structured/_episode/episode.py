@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +38,10 @@ ObservationEncoder = Callable[[ConversationType, bool], list[int]]
 
 
 class EpisodeRunner(Protocol):
-    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns)."""
+    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns).
+
+    The engine session of every request is the rollout's, ``context.ref.session_id`` (set by ``agent_loop``).
+    """
 
     async def run(
         self,
@@ -48,7 +51,6 @@ class EpisodeRunner(Protocol):
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> RolloutOutput: ...
 
@@ -160,7 +162,6 @@ class Episode:
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> RolloutOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
@@ -180,7 +181,7 @@ class Episode:
                 run.input_ids = self._render(run.chat_history, add_generation_prompt=True)
                 run.loss_mask = []
                 run.rollout_logprobs = None
-            turn = await self._generate(run, context, sampling_params, session_id, cache_salt)
+            turn = await self._generate(run, context, sampling_params, cache_salt)
             reward = await self._step(env, run, turn, context)
             self._record(env, run, turn, reward)
         return self._finish(env, run)
@@ -217,12 +218,11 @@ class Episode:
         run: _Run,
         context: RolloutContext,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> _Turn:
         engine_input: InferenceEngineInput = {
             "prompt_token_ids": [list(run.input_ids)],
-            "session_ids": [session_id],
+            "session_ids": [context.ref.session_id],
             # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
             "sampling_params": context.request_params(sampling_params, run.engine_calls),
             "cache_salt": cache_salt,

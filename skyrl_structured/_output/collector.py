@@ -34,6 +34,7 @@ from .metrics import failure_metrics, rollout_metrics
 
 __all__ = [
     "OutputSpec",
+    "RowLayout",
     "apply_group_policy",
     "build_generator_output",
     "check_failure_budget",
@@ -213,24 +214,32 @@ def reward_total(reward: Any) -> float:
     return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each trainer row comes from: one row per rollout, or one per step (step-wise)."""
+
+    #: The rollout index of each row.
+    rollout: Sequence[int]
+    #: Whether each row ends its rollout (carries its final reward): every row, outside step-wise mode.
+    is_last: Sequence[bool]
+
+
 def apply_group_policy(
     policy: FailedRolloutPolicy,
     *,
     rewards: list[Any],
     loss_masks: list[list[int]],
-    row_trajectory: Sequence[int],
-    is_last_row: Sequence[bool],
+    layout: RowLayout,
     failed: Sequence[bool],
     groups: Sequence[str],
 ) -> None:
     """Apply a ``failed_rollout_policy`` to the flattened rows, in place.
 
-    ``row_trajectory[r]`` is the rollout index of row ``r``; ``is_last_row[r]`` marks the row that
-    carries the rollout's final reward (every row, outside step-wise mode); ``failed[i]`` and
-    ``groups[i]`` are per rollout. ``mask_group`` zeroes reward and loss mask of every row of a
-    group that contains a failure; ``fill_group_mean`` gives each failed rollout's row the mean
-    score of its group's successful rollouts, so the group baseline is what the successes alone
-    would give.
+    ``layout`` says which rollout each row comes from and which row carries its final reward;
+    ``failed[i]`` and ``groups[i]`` are per rollout. ``mask_group`` zeroes reward and loss mask of
+    every row of a group that contains a failure; ``fill_group_mean`` gives each failed rollout's
+    row the mean score of its group's successful rollouts, so the group baseline is what the
+    successes alone would give.
 
     The policy's value was checked once, by :func:`~skyrl_structured.config.resolve_resilience`.
     """
@@ -240,30 +249,24 @@ def apply_group_policy(
         return
     if policy == "mask_group":
         tainted = {groups[i] for i, f in enumerate(failed) if f}
-        for r, i in enumerate(row_trajectory):
+        for r, i in enumerate(layout.rollout):
             if groups[i] in tainted:
                 loss_masks[r] = [0] * len(loss_masks[r])
                 rewards[r] = [0.0] * len(rewards[r]) if isinstance(rewards[r], list) else 0.0
         return
     if policy == "fill_group_mean":
-        _fill_group_mean(rewards, row_trajectory, is_last_row, failed, groups)
+        _fill_group_mean(rewards, layout, failed, groups)
         return
     assert_never(policy)
 
 
-def _fill_group_mean(
-    rewards: list[Any],
-    row_trajectory: Sequence[int],
-    is_last_row: Sequence[bool],
-    failed: Sequence[bool],
-    groups: Sequence[str],
-) -> None:
+def _fill_group_mean(rewards: list[Any], layout: RowLayout, failed: Sequence[bool], groups: Sequence[str]) -> None:
     """``fill_group_mean``: each failed rollout's row gets its group's mean successful score."""
     scores: dict[str, list[float]] = defaultdict(list)
-    for r, i in enumerate(row_trajectory):
-        if is_last_row[r] and not failed[i]:
+    for r, i in enumerate(layout.rollout):
+        if layout.is_last[r] and not failed[i]:
             scores[groups[i]].append(reward_total(rewards[r]))
-    for r, i in enumerate(row_trajectory):
+    for r, i in enumerate(layout.rollout):
         if failed[i]:
             sibling_scores = scores.get(groups[i])
             mean = sum(sibling_scores) / len(sibling_scores) if sibling_scores else 0.0
@@ -351,19 +354,24 @@ def fill_missing_vision(results: Sequence[RolloutOutput]) -> None:
             row.image_grid_thw = empty_rows_like(reference.image_grid_thw)
 
 
-class _Rows:
-    """Per-rollout outputs flattened to trainer rows: one per rollout, or one per step (step-wise)."""
+@dataclass(frozen=True)
+class _Rows(RowLayout):
+    """Per-rollout outputs flattened to trainer rows, and their layout."""
 
-    def __init__(self, outputs: Sequence[RolloutOutput], step_wise: bool) -> None:
-        self.rows: list[TrajectoryOutput] = []
-        #: The rollout index of each row, and whether the row ends its rollout.
-        self.rollout: list[int] = []
-        self.is_last: list[bool] = []
-        for i, output in enumerate(outputs):
-            steps = (_steps(output) or []) if step_wise else [cast(TrajectoryOutput, output)]
-            self.rows.extend(steps)
-            self.rollout.extend([i] * len(steps))
-            self.is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
+    rows: list[TrajectoryOutput]
+
+
+def _flatten(outputs: Sequence[RolloutOutput], step_wise: bool) -> _Rows:
+    """One row per rollout, or one per step (step-wise)."""
+    rows: list[TrajectoryOutput] = []
+    rollout: list[int] = []
+    is_last: list[bool] = []
+    for i, output in enumerate(outputs):
+        steps = (_steps(output) or []) if step_wise else [cast(TrajectoryOutput, output)]
+        rows.extend(steps)
+        rollout.extend([i] * len(steps))
+        is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
+    return _Rows(rollout, is_last, rows)
 
 
 def build_generator_output(
@@ -384,7 +392,7 @@ def build_generator_output(
     env_classes = list(shape.env_classes or [])
     cfg = spec.generator_cfg
     step_wise = spec.step_wise
-    flat = _Rows(outputs, step_wise)
+    flat = _flatten(outputs, step_wise)
     rows = flat.rows
     times = [getattr(o, "e2e_time", None) for o in outputs]
     completion_times: list[float] | None = None if any(t is None for t in times) else times  # type: ignore[assignment]
@@ -406,8 +414,7 @@ def build_generator_output(
             spec.resilience.failed_rollout_policy,
             rewards=rewards,
             loss_masks=loss_masks,
-            row_trajectory=flat.rollout,
-            is_last_row=flat.is_last,
+            layout=flat,
             failed=[i in failed_index for i in range(len(outputs))],
             groups=shape.groups() or [],
         )
@@ -433,7 +440,7 @@ def build_generator_output(
         "trajectory_time_splits": _split_lists([splits[i] for i in flat.rollout]),
         # Routed experts are refused with step-wise outputs (validate.py): a row is a rollout here.
         "rollout_expert_indices": [r.rollout_expert_indices for r in rows] if spec.routed_experts else None,
-        "is_last_step": flat.is_last if step_wise else None,
+        "is_last_step": list(flat.is_last) if step_wise else None,
         "env_metrics": env_metrics,
     }
     if any(getattr(o, "pixel_values", None) is not None for o in outputs):
