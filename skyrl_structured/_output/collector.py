@@ -30,7 +30,7 @@ from ..types import (
     TrajectoryID,
     TrajectoryOutput,
 )
-from .metrics import failure_metrics, rollout_metrics
+from .metrics import TrajectoryTimes, failure_metrics, rollout_metrics
 
 __all__ = [
     "OutputSpec",
@@ -468,8 +468,10 @@ def _metrics(
         [r.env_metrics for r in ok_rows],
         ok_classes,
         [r.loss_mask for r in ok_rows],
-        completion_times=[completion_times[i] for i in ok_rollouts] if completion_times is not None else None,
-        time_splits=_split_lists([splits[i] for i in ok_rollouts]),
+        TrajectoryTimes(
+            [completion_times[i] for i in ok_rollouts] if completion_times is not None else None,
+            _split_lists([splits[i] for i in ok_rollouts]),
+        ),
     )
 
 
