@@ -117,10 +117,7 @@ class StructuredGymGenerator(ChatAttributes):
             cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             rollout_timeout_s=self.resilience.rollout_timeout_s,
         )
-        #: What open_env takes from this generator (see _env_settings).
-        self._open_with = EnvSettings(
-            self._envs.runner(self.max_env_workers), self.resilience.env_cleanup_timeout_s, skyrl_gym_cfg
-        )
+        self._open_with: EnvSettings | None = None  # see _env_settings
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
@@ -168,11 +165,19 @@ class StructuredGymGenerator(ChatAttributes):
         )
 
     def _env_settings(self) -> EnvSettings:
-        """How rollouts open environments: built once, with a new executor only if ``max_env_workers`` changed."""
+        """What ``open_env`` takes from this generator: one object, made again only when its executor
+        (``max_env_workers``), ``resilience.env_cleanup_timeout_s`` or ``skyrl_gym_cfg`` was changed."""
         runner = self._envs.runner(self.max_env_workers)
-        if runner is not self._open_with.runner:
-            self._open_with = dataclasses.replace(self._open_with, runner=runner)
-        return self._open_with
+        timeout = self.resilience.env_cleanup_timeout_s
+        kept = self._open_with
+        if (
+            kept is None
+            or runner is not kept.runner
+            or timeout != kept.cleanup_timeout_s
+            or self.skyrl_gym_cfg is not kept.skyrl_gym_cfg
+        ):
+            kept = self._open_with = EnvSettings(runner, timeout, self.skyrl_gym_cfg)
+        return kept
 
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, ClassVar
 
@@ -107,6 +108,24 @@ async def test_each_env_class_gets_its_config_from_the_settings(anyio_backend):
             pass
     assert ConfigEchoEnv.configs == [{"topk": 2}, {}]
     assert (stats.envs_opened, stats.envs_closed) == (2, 2)
+
+
+def test_a_generator_builds_its_env_settings_once_and_again_only_for_what_changed(tokenizer):
+    gen = make_generator(tokenizer, workers=2)
+    first = gen._env_settings()
+    assert gen._env_settings() is first
+    assert isinstance(first.runner, EnvCallRunner)
+    assert (first.runner.bound, first.cleanup_timeout_s, first.skyrl_gym_cfg) == (2, 30.0, gen.skyrl_gym_cfg)
+    gen.max_env_workers = 3  # a new thread pool of 3
+    resized = gen._env_settings()
+    assert isinstance(resized.runner, EnvCallRunner)
+    assert resized.runner.bound == 3
+    gen.resilience = dataclasses.replace(gen.resilience, env_cleanup_timeout_s=5.0)
+    assert gen._env_settings().cleanup_timeout_s == 5.0
+    gym = SkyRLGymConfig(max_env_workers=3)
+    gen.skyrl_gym_cfg = gym
+    assert gen._env_settings().skyrl_gym_cfg is gym
+    assert gen._env_settings().runner is resized.runner  # the pool is kept while its size is
 
 
 async def test_env_closed_exactly_once_when_the_body_raises(anyio_backend):
