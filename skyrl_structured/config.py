@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 from .types import SkyRLConfig
 
 __all__ = [
+    "CHOICE_KNOBS",
     "ENV_EXECUTORS",
     "ENV_KNOBS",
     "FAILED_ROLLOUT_POLICIES",
@@ -30,6 +31,7 @@ __all__ = [
     "ResilienceSettings",
     "SamplingParams",
     "SkyRLGymConfig",
+    "check_choice",
     "read_knob",
     "resolve_resilience",
     "routed_experts_enabled",
@@ -345,83 +347,56 @@ def invalid_value(path: str, value: Any, requirement: str, fix: str = "", *, wit
     return ValueError(f"{message}. {fix}" if fix else message)
 
 
-def _requirement(
-    *, integer: bool, minimum: float, maximum: float | None, strict: bool, seconds: bool, null_means: str | None
-) -> str:
-    if maximum is None:
-        what = "an integer" if integer else ("a finite number of seconds" if seconds else "a finite number")
-        requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
-    else:  # a closed interval already says "finite"
-        what = "an integer " if integer else ("seconds " if seconds else "")
-        requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
-    return f"{requirement}, or null for {null_means}" if null_means is not None else requirement
-
-
-def check_number(
-    path: str,
-    value: Any,
-    *,
-    integer: bool,
-    minimum: float,
-    maximum: float | None = None,
-    strict: bool = False,
-    seconds: bool = False,
-    null_means: str | None = None,
-    fix: str = "",
-) -> Any:
-    """Check a numeric setting and return it (None where null is allowed and given).
+@dataclass(frozen=True)
+class NumberRule:
+    """The accepted range of one numeric setting and the fix its refusal suggests; :meth:`check` applies it.
 
     The rule is ``value >= minimum`` (``> minimum`` with ``strict``), ``value <= maximum`` when given,
     finite, and an ``int`` where ``integer``; a ``bool`` is never a number. ``null_means`` allows None
     and says what it means. Every refused value of one setting gets the same message but for its
     ``got`` part, so a user who fixes one wrong value is not told a different rule for the next.
-
-    Raises:
-        ValueError: from :func:`invalid_value`, naming ``path``.
     """
-    requirement = _requirement(
-        integer=integer, minimum=minimum, maximum=maximum, strict=strict, seconds=seconds, null_means=null_means
-    )
-    if value is None:
-        if null_means is not None:
-            return None
-        raise invalid_value(path, value, requirement, fix, with_type=True)
-    number: int | float
-    if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and not integer):
-        number = value
-    else:
-        raise invalid_value(path, value, requirement, fix, with_type=True)
-    infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite; NaN too
-    too_small = number < minimum or (strict and number == minimum)
-    if infinite or too_small or (maximum is not None and number > maximum):
-        raise invalid_value(path, value, requirement, fix)
-    return value
-
-
-@dataclass(frozen=True)
-class NumberRule:
-    """The accepted range of one numeric knob and the fix its refusal suggests (see :func:`check_number`)."""
 
     integer: bool
     minimum: float
-    fix: str
+    fix: str = ""
     maximum: float | None = None
     strict: bool = False
     seconds: bool = False
     null_means: str | None = None
 
-    def check(self, path: str, value: Any) -> None:
-        check_number(
-            path,
-            value,
-            integer=self.integer,
-            minimum=self.minimum,
-            maximum=self.maximum,
-            strict=self.strict,
-            seconds=self.seconds,
-            null_means=self.null_means,
-            fix=self.fix,
-        )
+    def requirement(self) -> str:
+        """What the rule takes, in words: ``"an integer >= 1, or null for no limit"``."""
+        integer, minimum, maximum, strict = self.integer, self.minimum, self.maximum, self.strict
+        if maximum is None:
+            what = "an integer" if integer else ("a finite number of seconds" if self.seconds else "a finite number")
+            requirement = f"{what} {'>' if strict else '>='} {minimum:g}"
+        else:  # a closed interval already says "finite"
+            what = "an integer " if integer else ("seconds " if self.seconds else "")
+            requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
+        return f"{requirement}, or null for {self.null_means}" if self.null_means is not None else requirement
+
+    def check(self, path: str, value: Any) -> Any:
+        """``value`` if the rule takes it (None where null is allowed and given).
+
+        Raises:
+            ValueError: from :func:`invalid_value`, naming ``path``.
+        """
+        requirement = self.requirement()
+        if value is None:
+            if self.null_means is not None:
+                return None
+            raise invalid_value(path, value, requirement, self.fix, with_type=True)
+        number: int | float
+        if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and not self.integer):
+            number = value
+        else:
+            raise invalid_value(path, value, requirement, self.fix, with_type=True)
+        infinite = isinstance(number, float) and not math.isfinite(number)  # ints are always finite; NaN too
+        too_small = number < self.minimum or (self.strict and number == self.minimum)
+        if infinite or too_small or (self.maximum is not None and number > self.maximum):
+            raise invalid_value(path, value, requirement, self.fix)
+        return value
 
 
 #: The ranges of SkyRL's sampling parameters, by the engine's names: the CLI checks
@@ -477,22 +452,43 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
     ),
 }
 
-#: The accepted values of every choice knob of :class:`ResilienceSettings`, and the fix a refusal suggests.
-_CHOICE_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
-    "failure_budget_action": (
-        FAILURE_BUDGET_ACTIONS,
-        "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
-    ),
-    "failed_rollout_policy": (
-        FAILED_ROLLOUT_POLICIES,
-        "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
-        "docs/failures.md.",
-    ),
-    "straggler_cutoff_scope": (
-        STRAGGLER_CUTOFF_SCOPES,
-        "'batch' counts the whole generate() call; 'group' counts each prompt group on its own.",
-    ),
-}
+#: Every choice knob of ours, by its path in SkyRL's config (its section included): the values it
+#: takes (its ``Literal`` above) and the fix a refusal suggests. Checked by :func:`check_choice`.
+CHOICE_KNOBS: Mapping[str, tuple[tuple[str, ...], str]] = MappingProxyType(
+    {
+        "generator.failure_budget_action": (
+            FAILURE_BUDGET_ACTIONS,
+            "'raise' fails an over-budget step; 'warn' returns it with placeholders and a warning.",
+        ),
+        "generator.failed_rollout_policy": (
+            FAILED_ROLLOUT_POLICIES,
+            "'placeholder' (the default) replaces each failed rollout alone; the group policies are described in "
+            "docs/failures.md.",
+        ),
+        "generator.straggler_cutoff_scope": (
+            STRAGGLER_CUTOFF_SCOPES,
+            "'batch' counts the whole generate() call; 'group' counts each prompt group on its own.",
+        ),
+        "environment.skyrl_gym.env_executor": (
+            ENV_EXECUTORS,
+            "'thread' is SkyRL's behaviour; 'process' runs envs in killable worker processes, 'ray' in Ray "
+            "actors (see docs/envs.md).",
+        ),
+    }
+)
+
+
+def check_choice(knob: str, value: Any, *, named: str | None = None) -> None:
+    """Refuse a ``value`` the choice knob ``knob`` (its path in :data:`CHOICE_KNOBS`) does not take.
+
+    ``named``: what the message calls the setting, where it is not the knob itself (a function's argument).
+
+    Raises:
+        ValueError: the one wording of :func:`invalid_value`, with the knob's values and fix.
+    """
+    choices, fix = CHOICE_KNOBS[knob]
+    if value not in choices:
+        raise invalid_value(named or knob, value, f"one of {', '.join(choices)}", fix)
 
 
 def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
@@ -520,9 +516,10 @@ def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
         values["rollout_timeout_s"] = None  # YAML's `.inf`: no deadline, like null
     for name, rule in _NUMERIC_KNOBS.items():
         rule.check(f"generator.{name}", values[name])
-    for name, (choices, fix) in _CHOICE_KNOBS.items():
-        if values[name] not in choices:
-            raise invalid_value(f"generator.{name}", values[name], f"one of {', '.join(choices)}", fix)
+    for knob in CHOICE_KNOBS:
+        section, _, name = knob.rpartition(".")
+        if section == "generator":
+            check_choice(knob, values[name])
     seed = values["sampling_seed"]
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid_value(

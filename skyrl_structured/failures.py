@@ -1,4 +1,9 @@
-"""A failed rollout, as the supervisor records it and the collector turns it into a placeholder."""
+"""A failed rollout, as the supervisor records it and the collector turns it into a placeholder.
+
+What a rollout of a batch ends as travels from the supervisor to the collector typed: its output
+(:data:`~skyrl_structured.types.RolloutOutput`) or a :class:`FailedRollout`, a
+:data:`RolloutOutcome`.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,19 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TypeAlias, TypeVar
 
 from .errors import StragglerCutError
-from .types import TrajectoryID
+from .types import RolloutOutput, TrajectoryID
 
-__all__ = ["FailedRollout", "StragglerCutError", "failure_budget_exceeded", "failure_summary"]
+__all__ = [
+    "FailedRollout",
+    "OutputT",
+    "RolloutOutcome",
+    "StragglerCutError",
+    "failure_budget_exceeded",
+    "failure_summary",
+]
 
 
 @dataclass
@@ -26,6 +39,13 @@ class FailedRollout:
     trajectory_id: TrajectoryID | None = None
     #: ``{"llm": s, "env": s}`` recorded by the failed attempt before it raised.
     time_splits: dict[str, float] | None = None
+
+
+#: What one rollout returns: ``TrajectoryOutput``, ``StepWiseOutput``, or either (the gym generator's).
+OutputT = TypeVar("OutputT", bound=RolloutOutput)
+
+#: What one rollout of the gym generator's batch ends as: its output, or the marker of its failure.
+RolloutOutcome: TypeAlias = RolloutOutput | FailedRollout
 
 
 def failure_summary(failures: Sequence[FailedRollout]) -> str:

@@ -42,8 +42,7 @@ from ._runtime.slots import RolloutSlots
 from ._runtime.supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines.bridge import bridged_client
-from .envs import env_config_for, open_env
-from .envs._executors import EnvExecutor
+from .envs import EnvSettings, open_env
 from .envs._workers import EnvWorkers
 from .observe import Observers, RolloutObserver
 from .progress import Progress
@@ -52,11 +51,10 @@ from .types import (
     GeneratorInput,
     GeneratorOutput,
     InferenceClient,
+    RolloutOutput,
     SkyRLConfig,
-    StepWiseOutput,
     Tokenizer,
     TrajectoryID,
-    TrajectoryOutput,
 )
 from .validate import check_generator_config, check_generator_input
 
@@ -119,6 +117,7 @@ class StructuredGymGenerator(ChatAttributes):
             cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             rollout_timeout_s=self.resilience.rollout_timeout_s,
         )
+        self._open_with: EnvSettings | None = None  # see _env_settings
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
@@ -165,8 +164,20 @@ class StructuredGymGenerator(ChatAttributes):
             routed_experts=routed_experts_enabled(self.generator_cfg),
         )
 
-    def _env_runner(self) -> EnvExecutor:
-        return self._envs.runner(self.max_env_workers)
+    def _env_settings(self) -> EnvSettings:
+        """What ``open_env`` takes from this generator: one object, made again only when its executor
+        (``max_env_workers``), ``resilience.env_cleanup_timeout_s`` or ``skyrl_gym_cfg`` was changed."""
+        runner = self._envs.runner(self.max_env_workers)
+        timeout = self.resilience.env_cleanup_timeout_s
+        kept = self._open_with
+        if (
+            kept is None
+            or runner is not kept.runner
+            or timeout != kept.cleanup_timeout_s
+            or self.skyrl_gym_cfg is not kept.skyrl_gym_cfg
+        ):
+            kept = self._open_with = EnvSettings(runner, timeout, self.skyrl_gym_cfg)
+        return kept
 
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
@@ -243,7 +254,7 @@ class StructuredGymGenerator(ChatAttributes):
         sampling_params: dict[str, Any] | None = None,
         trajectory_id: TrajectoryID | None = None,
         cache_salt: str | None = None,
-    ) -> TrajectoryOutput | StepWiseOutput:
+    ) -> RolloutOutput:
         """Run one multi-turn rollout to completion and return its trajectory.
 
         The environment is closed and the inference session finished on every exit path,
@@ -270,23 +281,18 @@ class StructuredGymGenerator(ChatAttributes):
             env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
             async with open_env(
                 env_class,
-                env_config=env_config_for(self.skyrl_gym_cfg, env_class),
+                self._env_settings(),
                 extras=env_extras,
-                runner=self._env_runner(),
-                cleanup_timeout=self.resilience.env_cleanup_timeout_s,
                 stats=context.cleanup,
-                deadline=context.deadline,
-                abandoned=context.abandoned,
-                observe=context.emit,
-                _then=session_end,
+                rollout=context,
+                then=session_end,
             ) as env:
-                output: TrajectoryOutput | StepWiseOutput = await self._episode.run(
+                output: RolloutOutput = await self._episode.run(
                     env,
                     prompt,
                     context=context,
                     max_input_length=max_input_length,
                     sampling_params=sampling_params,
-                    session_id=session_id,
                     cache_salt=cache_salt,
                 )
             output = self._post_process_agent_loop_output(output, env_extras, trajectory_id)
@@ -394,11 +400,9 @@ class StructuredGymGenerator(ChatAttributes):
     ) -> GeneratorOutput:
         """The batched path with this generator's collaborators (never the generator itself)."""
         setup = BatchedSetup(
-            runner=self._env_runner(),
-            skyrl_gym_cfg=self.skyrl_gym_cfg,
+            envs=self._env_settings(),
             chat=self._chat,
             max_turns=self.max_turns,
-            cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
             overlong_filtering=bool(self.generator_cfg.apply_overlong_filtering),
             policy_model_name=self.policy_model_name,
         )
@@ -417,7 +421,7 @@ class StructuredGymGenerator(ChatAttributes):
         prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
         trajectory_ids = request.trajectory_ids
 
-        async def rollout(i: int) -> Any:
+        async def rollout(i: int) -> RolloutOutput:
             return await self.agent_loop(
                 prompts[i],
                 env_classes[i],

@@ -25,6 +25,7 @@ __all__ = [
     "InferenceEngineOutput",
     "MessageType",
     "RenderingClient",
+    "RolloutOutput",
     "SkyRLConfig",
     "StepWiseOutput",
     "Tokenizer",
@@ -252,3 +253,7 @@ class StepWiseOutput:
     step_outputs: list[TrajectoryOutput] = field(default_factory=list)
     e2e_time: float | None = None
     time_splits: dict[str, float] | None = None
+
+
+#: What a successful rollout returns (``agent_loop``'s return type): one trajectory, or its steps.
+RolloutOutput: TypeAlias = TrajectoryOutput | StepWiseOutput

@@ -9,7 +9,7 @@ from typing import Any
 
 import skyrl_gym
 
-from .config import ResilienceSettings, check_number, routed_experts_enabled
+from .config import NumberRule, ResilienceSettings, routed_experts_enabled
 from .envs._executors import env_executor_kind
 from .envs._registration import is_import_path, register_import_path
 from .errors import GeneratorOutputError
@@ -41,15 +41,13 @@ def check_generator_config(
         ValueError: naming the fields that conflict and how to resolve it.
     """
     batched = bool(generator_cfg.batched)
-    check_number(
-        "generator.max_input_length",
-        getattr(generator_cfg, "max_input_length", None),
+    NumberRule(
         integer=True,
         minimum=1,
         null_means="no limit",
         fix="It is the longest input, in tokens, sent to the engine at any turn: set it to the context "
         "the model can take (e.g. 4096), or null.",
-    )
+    ).check("generator.max_input_length", getattr(generator_cfg, "max_input_length", None))
     if generator_cfg.chat_template_kwargs and batched:
         raise ValueError(
             "`generator.chat_template_kwargs` is not compatible with `generator.batched=true`: in batched "
@@ -84,12 +82,8 @@ def check_generator_config(
                 "expert indices to stand in for a failed rollout's. Disable one of them."
             )
     check_failure_knobs(settings)
-    check_number(
-        "environment.skyrl_gym.max_env_workers",
-        getattr(skyrl_gym_cfg, "max_env_workers", 0),
-        integer=True,
-        minimum=0,
-        fix="0 runs environment calls inline, on the event loop.",
+    NumberRule(integer=True, minimum=0, fix="0 runs environment calls inline, on the event loop.").check(
+        "environment.skyrl_gym.max_env_workers", getattr(skyrl_gym_cfg, "max_env_workers", 0)
     )
     env_executor_kind(skyrl_gym_cfg)
 

@@ -23,6 +23,7 @@ from skyrl_structured import (
 )
 from skyrl_structured._output.collector import (
     OutputSpec,
+    RowLayout,
     apply_group_policy,
     build_generator_output,
     check_failure_budget,
@@ -182,7 +183,8 @@ def test_a_step_of_only_placeholders_is_a_valid_batch(step_wise, default_token_l
         failures, token_id=PAD, default_token_level_rewards=token_level, with_logprobs=True, step_wise=step_wise
     )
     out = build_generator_output(
-        BatchResult(results, failures, retries=0, cleanup=CleanupStats()),
+        results,
+        BatchResult(list(failures), failures, retries=0, cleanup=CleanupStats()),
         BatchShape(n, [TrajectoryID("g", i) for i in range(n)], ["gsm8k"] * n, step_wise=step_wise),
         _spec(
             GeneratorConfig(step_wise_trajectories=step_wise),
@@ -209,8 +211,7 @@ def test_group_policies_worked_example():
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
     masks = [[1, 1], [1], [0], [1], [1, 1, 1]]
     common: dict[str, Any] = dict(
-        row_trajectory=[0, 1, 2, 3, 4],
-        is_last_row=[True] * 5,
+        layout=RowLayout([0, 1, 2, 3, 4], [True] * 5),
         failed=[False, False, True, False, False],
         groups=["a", "a", "a", "b", "b"],
     )
@@ -235,8 +236,7 @@ def test_fill_group_mean_places_token_level_mean_on_the_last_token():
         "fill_group_mean",
         rewards=rewards,
         loss_masks=[[1, 1], [1, 1, 1], [0]],
-        row_trajectory=[0, 1, 2],
-        is_last_row=[True] * 3,
+        layout=RowLayout([0, 1, 2], [True] * 3),
         failed=[False, False, True],
         groups=["g"] * 3,
     )
@@ -284,9 +284,8 @@ def test_any_failure_pattern_keeps_order_size_lengths_and_one_reward_shape(case)
     )
     ids = [TrajectoryID(f"g{i // 3}", i % 3) for i in range(n)]
     out = build_generator_output(
-        BatchResult(
-            substituted, [r for r in results if isinstance(r, FailedRollout)], retries=0, cleanup=CleanupStats()
-        ),
+        substituted,
+        BatchResult(results, [r for r in results if isinstance(r, FailedRollout)], retries=0, cleanup=CleanupStats()),
         BatchShape(n, ids, ["gsm8k"] * n, step_wise=step_wise),
         _spec(
             GeneratorConfig(step_wise_trajectories=step_wise),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from typing import Any
 
 import anyio
@@ -18,7 +19,7 @@ from skyrl_structured import (
     SkyRLGymConfig,
     StructuredGymGenerator,
 )
-from skyrl_structured.config import resolve_resilience
+from skyrl_structured.config import CHOICE_KNOBS, check_choice, resolve_resilience
 from skyrl_structured.testing import ScriptedEngine
 
 from ._upstream import load_upstream_generator
@@ -164,6 +165,27 @@ def test_every_wrong_value_of_a_numeric_knob_gets_one_message(knob):
     assert re.search(r"(>|>=|within [\[(]) ?-?\d", rule), f"no accepted range in {rule!r}"
     assert fix, f"no fix in {messages[0]!r}"
     assert resolve_resilience({knob: getattr(ResilienceSettings(), knob)}) == ResilienceSettings()
+
+
+def _literal_values(section: type, name: str) -> tuple[str, ...]:
+    """The values the ``Literal`` annotation of config field ``name`` spells out."""
+    hints = typing.get_type_hints(section)
+    return typing.get_args(hints[name])
+
+
+@pytest.mark.parametrize("knob", sorted(CHOICE_KNOBS))
+def test_every_choice_knob_is_refused_from_the_one_table_in_one_wording(knob, tokenizer):
+    section, _, name = knob.rpartition(".")
+    config_class = {"generator": GeneratorConfig, "environment.skyrl_gym": SkyRLGymConfig}[section]
+    choices, fix = CHOICE_KNOBS[knob]
+    assert choices == _literal_values(config_class, name)  # the table lists the field's Literal, in order
+    expected = f"^`{re.escape(knob)}` must be one of {', '.join(choices)}; got 'nope'\\. {re.escape(fix)}$"
+    knobs: dict[str, Any] = {name: "nope"}
+    generator_knobs, gym = (knobs, None) if section == "generator" else ({}, SkyRLGymConfig(**knobs))
+    with pytest.raises(ValueError, match=expected):
+        build(tokenizer, gym=gym, **generator_knobs)
+    for value in choices:  # every listed value is taken
+        check_choice(knob, value)
 
 
 @pytest.mark.parametrize("value", [float("inf"), None])

@@ -279,14 +279,14 @@ async def test_thread_stays_the_default(anyio_backend, tokenizer):
     assert SkyRLGymConfig().env_executor == "thread"
     for cfg in (SkyRLGymConfig(max_env_workers=2), SkyRLsOwnConfig()):
         gen = StructuredGymGenerator(GeneratorConfig(), cfg, ScriptedEngine(tokenizer, turn_replies("x")), tokenizer)
-        assert isinstance(gen._env_runner(), EnvCallRunner)
+        assert isinstance(gen._env_settings().runner, EnvCallRunner)
         await gen.aclose()
 
 
 def test_a_bad_executor_is_refused_with_one_line(tokenizer):
     with pytest.raises(
         ValueError,
-        match=r"^`environment.skyrl_gym.env_executor` must be one of 'thread', 'process', 'ray'; got 'processes'",
+        match=r"^`environment.skyrl_gym.env_executor` must be one of thread, process, ray; got 'processes'",
     ):
         StructuredGymGenerator(
             GeneratorConfig(),

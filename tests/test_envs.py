@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, ClassVar
 
@@ -11,9 +12,9 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 
-from skyrl_structured import open_env
+from skyrl_structured import SkyRLGymConfig, open_env
 from skyrl_structured._runtime.cleanup import Cleanup, run_cleanups
-from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvThreadPool, is_async_env
+from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvSettings, EnvThreadPool, is_async_env
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 from .helpers import make_batch, make_generator
@@ -62,7 +63,21 @@ class AwaitingEnv(BaseTextEnv):
         EVENTS.append("awaited close")
 
 
-for name, cls in (("tests_async_ctx_env", AsyncCtxEnv), ("tests_awaiting_env", AwaitingEnv)):
+class ConfigEchoEnv(AwaitingEnv):
+    """Keeps the ``env_config`` it was built with."""
+
+    configs: ClassVar[list[Any]] = []
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.configs.append(env_config)
+
+
+for name, cls in (
+    ("tests_async_ctx_env", AsyncCtxEnv),
+    ("tests_awaiting_env", AwaitingEnv),
+    ("tests_config_echo_env", ConfigEchoEnv),
+):
     if name not in skyrl_gym.registry:
         skyrl_gym.register(id=name, entry_point=cls)
 
@@ -74,9 +89,7 @@ async def test_sync_env_calls_run_in_worker_threads_or_inline(anyio_backend):
         ledger = EnvLedger()
         extras = {"ledger": ledger, "on_step": lambda turn, label=label: seen.__setitem__(label, threading.get_ident())}
         stats = CleanupStats()
-        async with open_env(
-            SCRIPTED_ENV, env_config={}, extras=extras, runner=EnvCallRunner(pool), cleanup_timeout=5, stats=stats
-        ) as env:
+        async with open_env(SCRIPTED_ENV, EnvSettings(EnvCallRunner(pool), 5), extras=extras, stats=stats) as env:
             await env.init([{"role": "user", "content": "hi"}])
             out = await env.step("action")
             assert out["done"] is True
@@ -86,17 +99,40 @@ async def test_sync_env_calls_run_in_worker_threads_or_inline(anyio_backend):
     assert seen["inline"] == loop_thread
 
 
+async def test_each_env_class_gets_its_config_from_the_settings(anyio_backend):
+    ConfigEchoEnv.configs.clear()
+    gym = SkyRLGymConfig(env_configs={"tests_config_echo_env": {"topk": 2}, "other": {"topk": 9}})
+    stats = CleanupStats()
+    for settings in (EnvSettings(EnvCallRunner(None), 5, gym), EnvSettings(EnvCallRunner(None), 5)):
+        async with open_env("tests_config_echo_env", settings, extras={}, stats=stats):
+            pass
+    assert ConfigEchoEnv.configs == [{"topk": 2}, {}]
+    assert (stats.envs_opened, stats.envs_closed) == (2, 2)
+
+
+def test_a_generator_builds_its_env_settings_once_and_again_only_for_what_changed(tokenizer):
+    gen = make_generator(tokenizer, workers=2)
+    first = gen._env_settings()
+    assert gen._env_settings() is first
+    assert isinstance(first.runner, EnvCallRunner)
+    assert (first.runner.bound, first.cleanup_timeout_s, first.skyrl_gym_cfg) == (2, 30.0, gen.skyrl_gym_cfg)
+    gen.max_env_workers = 3  # a new thread pool of 3
+    resized = gen._env_settings()
+    assert isinstance(resized.runner, EnvCallRunner)
+    assert resized.runner.bound == 3
+    gen.resilience = dataclasses.replace(gen.resilience, env_cleanup_timeout_s=5.0)
+    assert gen._env_settings().cleanup_timeout_s == 5.0
+    gym = SkyRLGymConfig(max_env_workers=3)
+    gen.skyrl_gym_cfg = gym
+    assert gen._env_settings().skyrl_gym_cfg is gym
+    assert gen._env_settings().runner is resized.runner  # the pool is kept while its size is
+
+
 async def test_env_closed_exactly_once_when_the_body_raises(anyio_backend):
     ledger = EnvLedger()
+    settings = EnvSettings(EnvCallRunner(EnvThreadPool(1)), 5)
     with pytest.raises(ZeroDivisionError):
-        async with open_env(
-            SCRIPTED_ENV,
-            env_config={},
-            extras={"ledger": ledger},
-            runner=EnvCallRunner(EnvThreadPool(1)),
-            cleanup_timeout=5,
-            stats=CleanupStats(),
-        ):
+        async with open_env(SCRIPTED_ENV, settings, extras={"ledger": ledger}, stats=CleanupStats()):
             1 / 0  # noqa: B018
     ledger.assert_all_closed_once()
 
@@ -106,12 +142,7 @@ async def test_async_env_is_used_as_is(tokenizer, anyio_backend):
 
     EVENTS.clear()
     async with open_env(
-        "tests_async_ctx_env",
-        env_config={},
-        extras={},
-        runner=EnvCallRunner(None),
-        cleanup_timeout=5,
-        stats=CleanupStats(),
+        "tests_async_ctx_env", EnvSettings(EnvCallRunner(None), 5), extras={}, stats=CleanupStats()
     ) as env:
         assert is_async_env(env)
         assert isinstance(env, AsyncCtxEnv)
@@ -256,9 +287,7 @@ async def test_an_overridden_close_still_runs_in_a_worker_thread_exactly_once(an
     for name in ("tests_noop_close_env", "tests_override_close_env"):
         pool, stats = EnvThreadPool(2), CleanupStats()
         with anyio.CancelScope() as scope:
-            async with open_env(
-                name, env_config={}, extras={}, runner=EnvCallRunner(pool), cleanup_timeout=5, stats=stats
-            ):
+            async with open_env(name, EnvSettings(EnvCallRunner(pool), 5), extras={}, stats=stats):
                 scope.cancel()  # closed on the cancellation path
                 await anyio.sleep_forever()
         assert scope.cancelled_caught

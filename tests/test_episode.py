@@ -53,7 +53,7 @@ def _episode(tokenizer, cfg: GeneratorConfig) -> tuple[Episode, ChatTokenizer]:
 
 def _context(engine: ScriptedEngine, cfg: GeneratorConfig) -> RolloutContext:
     batch = BatchContext(generator=None, client=engine, default_params=sampling_params_dict(cfg.sampling_params))
-    return RolloutContext(batch, RolloutRef(index=0, attempt=1, trajectory_id=None))
+    return RolloutContext(batch, RolloutRef(index=0, attempt=1, trajectory_id=None, session_id="s"))
 
 
 async def test_two_turns_give_skyrl_token_layout(tokenizer, anyio_backend):
@@ -62,9 +62,7 @@ async def test_two_turns_give_skyrl_token_layout(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "seven", "yes, seven")
     context = _context(engine, cfg)
     env = TwoTurnEnv()
-    out = await episode.run(
-        env, PROMPT, context=context, max_input_length=None, sampling_params=None, session_id="s", cache_salt=None
-    )
+    out = await episode.run(env, PROMPT, context=context, max_input_length=None, sampling_params=None, cache_salt=None)
 
     eos = tokenizer.eos_token_id
     first = [*tokenizer.encode("seven", add_special_tokens=False), eos]
@@ -99,7 +97,6 @@ async def test_a_prompt_over_max_input_length_raises_before_any_engine_call(toke
             context=_context(engine, cfg),
             max_input_length=4,
             sampling_params=None,
-            session_id="s",
             cache_salt=None,
         )
     assert engine.calls == []
@@ -115,7 +112,6 @@ async def test_step_wise_episode_is_one_sample_per_turn(tokenizer, anyio_backend
         context=_context(engine, cfg),
         max_input_length=None,
         sampling_params=None,
-        session_id="s",
         cache_salt=None,
     )
     assert isinstance(out, StepWiseOutput)

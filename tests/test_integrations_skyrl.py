@@ -246,7 +246,8 @@ def test_skyrls_parser_reads_the_env_executor_knobs_of_the_gym_section(skyrl_cli
     assert {name: getattr(defaults, name) for name in ENV_KNOBS} == {
         name: getattr(SkyRLGymConfig(), name) for name in ENV_KNOBS
     }
-    with pytest.raises(ValueError, match=r"`environment.skyrl_gym.env_executor` must be one of 'thread', 'process'"):
+    refused = r"`environment.skyrl_gym.env_executor` must be one of thread, process, ray; got "
+    with pytest.raises(ValueError, match=refused):
         integration.parse_config(["environment.skyrl_gym.env_executor=procss"])
 
 

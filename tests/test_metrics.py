@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skyrl_structured import FailedRollout
-from skyrl_structured._output.metrics import failure_metrics, rollout_metrics, turn_token_counts
+from skyrl_structured._output.metrics import TrajectoryTimes, failure_metrics, rollout_metrics, turn_token_counts
 from skyrl_structured.envs import CleanupStats
 from skyrl_structured.failures import failure_budget_exceeded
 
@@ -87,8 +87,7 @@ def test_time_stats_keep_upstream_names_and_add_an_averaged_p90_twin():
     metrics = rollout_metrics(
         [[1, 2], [3]],
         [1.0, 0.0],
-        completion_times=[1.0, 3.0],
-        time_splits={"llm": [0.5, 2.0], "env": [0.25, 0.5]},
+        times=TrajectoryTimes([1.0, 3.0], {"llm": [0.5, 2.0], "env": [0.25, 0.5]}),
     )
     other = [1.0 - 0.5 - 0.25, 3.0 - 2.0 - 0.5]
     for name, times in (("completion", [1.0, 3.0]), ("llm", [0.5, 2.0]), ("env", [0.25, 0.5]), ("other", other)):

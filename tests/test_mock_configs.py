@@ -154,7 +154,8 @@ def test_magicmock_configs_take_every_default_and_pick_threads():
 def test_a_bad_value_set_on_a_magicmock_is_still_refused():
     cfg = MagicMock()
     cfg.env_executor = "processes"
-    with pytest.raises(ValueError, match=r"`environment.skyrl_gym.env_executor` must be one of 'thread', 'process'"):
+    refused = r"`environment.skyrl_gym.env_executor` must be one of thread, process, ray; got "
+    with pytest.raises(ValueError, match=refused):
         env_executor_kind(cfg)
 
 

@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from skyrl_structured._runtime.origin import describe_with_origin, raised_at
-from skyrl_structured.config import check_number
+from skyrl_structured.config import NumberRule
 
 
 def test_an_error_raised_inside_the_package_points_at_the_callers_line():
     line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"`generator\.n_samples_per_prompt`") as caught:
-        check_number("generator.n_samples_per_prompt", 0, integer=True, minimum=1)
+        NumberRule(integer=True, minimum=1).check("generator.n_samples_per_prompt", 0)
     assert (raised_at(caught.value) or "").endswith(f"tests/test_origin.py:{line}")
     assert describe_with_origin(caught.value).endswith(f" at tests/test_origin.py:{line}")
 

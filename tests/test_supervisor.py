@@ -14,7 +14,7 @@ import anyio
 import pytest
 import skyrl_gym
 
-from skyrl_structured import GeneratorInput, RolloutCancelledError
+from skyrl_structured import GeneratorInput, RolloutCancelledError, TrajectoryOutput
 from skyrl_structured.envs import wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
@@ -445,6 +445,11 @@ def _batch_context() -> Any:
     return BatchContext(generator=None, client=ScriptedEngine.from_replies(None, "never asked"), default_params={})
 
 
+def _row(token: int) -> TrajectoryOutput:
+    """A one-token trajectory that tells rollouts apart by its token."""
+    return TrajectoryOutput([token], 0.0, "stop", [1], [0], None, {})
+
+
 async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(anyio_backend):
     from skyrl_structured._runtime.contexts import BatchShape
     from skyrl_structured._runtime.supervisor import run_rollouts
@@ -452,18 +457,18 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
 
     attempts: dict[int, int] = {}
 
-    async def rollout(i: int) -> str:
+    async def rollout(i: int) -> TrajectoryOutput:
         attempts[i] = attempts.get(i, 0) + 1
         await anyio.sleep(0.001 * (5 - i))  # finish in reverse order
         if i == 2 and attempts[i] == 1:
             raise ConnectionError("blip")
         if i == 4:
             raise ValueError("always")
-        return f"result {i}"
+        return _row(i)
 
     settings = ResilienceSettings(skip_failed_rollouts=True, max_rollout_retries=1, rollout_retry_backoff_s=0)
     result = await run_rollouts(BatchShape(5), rollout, settings, _batch_context())
-    assert result.results[:4] == ["result 0", "result 1", "result 2", "result 3"]
+    assert result.results[:4] == [_row(0), _row(1), _row(2), _row(3)]
     (failure,) = result.failures
     assert result.results[4] is failure
     assert (failure.index, failure.attempts, type(failure.exception)) == (4, 2, ValueError)
@@ -478,7 +483,7 @@ async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling
 
     cancelled: list[int] = []
 
-    async def rollout(i: int) -> str:
+    async def rollout(i: int) -> TrajectoryOutput:
         if i == 0:
             raise KeyError("first")
         try:
@@ -486,7 +491,7 @@ async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling
         except anyio.get_cancelled_exc_class():
             cancelled.append(i)
             raise
-        return "never"
+        return _row(i)
 
     with pytest.raises(KeyError, match="first"):
         await run_rollouts(BatchShape(4), rollout, ResilienceSettings(), _batch_context())

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
 from ..errors import PromptTooLongError
-from ..types import ConversationType, EnvHandle, InferenceEngineInput, SkyRLConfig, StepWiseOutput, TrajectoryOutput
+from ..types import (
+    ConversationType,
+    EnvHandle,
+    InferenceEngineInput,
+    RolloutOutput,
+    SkyRLConfig,
+    StepWiseOutput,
+    TrajectoryOutput,
+)
 from .calls import engine_call, env_call
 from .chat import ChatTokenizer
 
@@ -30,7 +38,10 @@ ObservationEncoder = Callable[[ConversationType, bool], list[int]]
 
 
 class EpisodeRunner(Protocol):
-    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns)."""
+    """What the generator's ``agent_loop`` runs inside an open environment (text or vision-language turns).
+
+    The engine session of every request is the rollout's, ``context.ref.session_id`` (set by ``agent_loop``).
+    """
 
     async def run(
         self,
@@ -40,9 +51,8 @@ class EpisodeRunner(Protocol):
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
-    ) -> TrajectoryOutput | StepWiseOutput: ...
+    ) -> RolloutOutput: ...
 
 
 def eos_after_stop_string(
@@ -152,9 +162,8 @@ class Episode:
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
-    ) -> TrajectoryOutput | StepWiseOutput:
+    ) -> RolloutOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
         run = await self._start(env, prompt, context, sampling_params)
         while not run.done:
@@ -172,7 +181,7 @@ class Episode:
                 run.input_ids = self._render(run.chat_history, add_generation_prompt=True)
                 run.loss_mask = []
                 run.rollout_logprobs = None
-            turn = await self._generate(run, context, sampling_params, session_id, cache_salt)
+            turn = await self._generate(run, context, sampling_params, cache_salt)
             reward = await self._step(env, run, turn, context)
             self._record(env, run, turn, reward)
         return self._finish(env, run)
@@ -209,12 +218,11 @@ class Episode:
         run: _Run,
         context: RolloutContext,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> _Turn:
         engine_input: InferenceEngineInput = {
             "prompt_token_ids": [list(run.input_ids)],
-            "session_ids": [session_id],
+            "session_ids": [context.ref.session_id],
             # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
             "sampling_params": context.request_params(sampling_params, run.engine_calls),
             "cache_salt": cache_salt,
@@ -324,7 +332,7 @@ class Episode:
 
     # ------------------------------------------------------------------ the trajectory
 
-    def _finish(self, env: EnvHandle, run: _Run) -> TrajectoryOutput | StepWiseOutput:
+    def _finish(self, env: EnvHandle, run: _Run) -> RolloutOutput:
         env_metrics = env.get_metrics()
         if self.step_wise:
             for step, (reward, end) in zip(run.steps, run.per_step_rewards, strict=True):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -100,7 +100,6 @@ class VisionEpisode:
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> TrajectoryOutput:
         """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
@@ -119,7 +118,7 @@ class VisionEpisode:
             if max_input_length is not None and len(input_ids) > max_input_length:
                 run.stop_reason = "length"
                 break
-            await self._turn(env, run, context, input_ids, session_id, cache_salt)
+            await self._turn(env, run, context, input_ids, cache_salt)
             if run.done:
                 break
             input_ids, run.features = await self._render(context, run.conversation)
@@ -142,12 +141,11 @@ class VisionEpisode:
         run: _VisionRun,
         context: RolloutContext,
         input_ids: list[int],
-        session_id: Hashable,
         cache_salt: str | None,
     ) -> None:
         engine_input: InferenceEngineInput = {
             "prompt_token_ids": [input_ids],
-            "session_ids": [session_id],
+            "session_ids": [context.ref.session_id],
             # SkyRL's VLM generator sends the config's sampling params when the batch has none.
             "sampling_params": context.request_params(run.params, run.engine_calls),
             "mm_features": [run.features] if run.features is not None else None,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol
 
-from ..types import ROLLOUT_ERROR_STOP_REASON, TrajectoryID
+from ..types import ROLLOUT_ERROR_STOP_REASON, RolloutOutput, TrajectoryID
 
 __all__ = [
     "BatchEvent",
@@ -314,7 +314,9 @@ def _step(output: Any) -> TrajectoryStep:
     )
 
 
-def finished_record(rollout: RolloutRef, output: Any, *, env_class: str, elapsed: float) -> FinishedTrajectory:
+def finished_record(
+    rollout: RolloutRef, output: RolloutOutput, *, env_class: str, elapsed: float
+) -> FinishedTrajectory:
     """The record of a successful rollout from its ``TrajectoryOutput`` or ``StepWiseOutput``."""
     steps = getattr(output, "step_outputs", None)
     return FinishedTrajectory(

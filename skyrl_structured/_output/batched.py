@@ -26,10 +26,9 @@ from .._episode.chat import ChatTokenizer
 from .._episode.replies import ReplyParts
 from .._runtime.contexts import BatchContext, BatchRequest, BatchShape, RolloutContext
 from .._runtime.supervisor import describe_error
-from ..envs import env_config_for, open_env
-from ..envs._executors import EnvExecutor
+from ..envs import EnvSettings, open_env
 from ..observe import RolloutObserver, RolloutRef
-from ..types import ConversationType, GeneratorOutput, TrajectoryOutput
+from ..types import ConversationType, EnvHandle, GeneratorOutput, TrajectoryOutput
 from .collector import overlong_filtered
 from .metrics import failure_metrics, rollout_metrics
 
@@ -40,16 +39,12 @@ __all__ = ["BatchedSetup", "generate_batched"]
 class BatchedSetup:
     """What the batched path takes from its generator: the env layer, the templating, the engine's name."""
 
-    #: The generator's env executor (threads, inline, processes or Ray actors).
-    runner: EnvExecutor
-    #: SkyRL's ``environment.skyrl_gym`` config: each env class's ``env_config``.
-    skyrl_gym_cfg: Any
+    #: How the generator opens and closes environments (its executor, the close's bound, env configs).
+    envs: EnvSettings
     #: Renders each initial prompt with the tokenizer's chat template (SkyRL applies no custom one here).
     chat: ChatTokenizer
     #: ``generator.max_turns``, written into each environment's extras (as SkyRL does).
     max_turns: int
-    #: ``generator.env_cleanup_timeout_s``: the bound of each environment's close.
-    cleanup_timeout_s: float
     #: ``generator.apply_overlong_filtering``.
     overlong_filtering: bool
     #: Passed as ``model`` on the engine call.
@@ -132,7 +127,7 @@ class _Opened:
     """One prompt's rollout once its environment is initialised: the env, its own exit stack, its prompt ids."""
 
     context: RolloutContext
-    env: Any
+    env: EnvHandle
     closing: AsyncExitStack
     prompt_ids: list[int]
 
@@ -204,15 +199,7 @@ async def _open(
     # Closing an already closed stack does nothing: the env is closed once, after its step or on the way out.
     stack.push_async_exit(closing)
     env = await closing.enter_async_context(
-        open_env(
-            env_class,
-            env_config=env_config_for(setup.skyrl_gym_cfg, env_class),
-            extras=extras,
-            runner=setup.runner,
-            cleanup_timeout=setup.cleanup_timeout_s,
-            stats=context.cleanup,
-            observe=context.emit,
-        )
+        open_env(env_class, setup.envs, extras=extras, stats=context.cleanup, rollout=context)
     )
     init_prompt, _ = await env_call(context, "init", 0, lambda: env.init(prompt), timed=False)
     # For token-in-token-out, as SkyRL: the tokenizer's own chat template, with the generation prompt.

@@ -14,25 +14,27 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import Any, Literal, assert_never, cast, overload
 
 from .._episode.images import empty_rows_like
 from .._runtime.contexts import BatchShape
 from .._runtime.supervisor import BatchResult
 from ..config import FailedRolloutPolicy, FailureBudgetAction, ResilienceSettings
-from ..failures import FailedRollout, failure_summary
+from ..failures import FailedRollout, RolloutOutcome, failure_summary
 from ..types import (
     ROLLOUT_ERROR_STOP_REASON,
     GeneratorOutput,
+    RolloutOutput,
     SkyRLConfig,
     StepWiseOutput,
     TrajectoryID,
     TrajectoryOutput,
 )
-from .metrics import failure_metrics, rollout_metrics
+from .metrics import TrajectoryTimes, failure_metrics, rollout_metrics
 
 __all__ = [
     "OutputSpec",
+    "RowLayout",
     "apply_group_policy",
     "build_generator_output",
     "check_failure_budget",
@@ -49,15 +51,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def first_trajectory(output: Any) -> Any | None:
+def _steps(output: RolloutOutput) -> list[TrajectoryOutput] | None:
+    """A step-wise output's steps, None for one trajectory.
+
+    Read by attribute, not by class: a SkyRL subclass's ``_post_process_agent_loop_output`` may hand
+    back SkyRL's own ``TrajectoryOutput``/``StepWiseOutput``, which have the same fields.
+    """
+    return cast(list[TrajectoryOutput] | None, getattr(output, "step_outputs", None))
+
+
+def first_trajectory(output: RolloutOutput) -> TrajectoryOutput | None:
     """The first trajectory of a result: itself, or the first step of a step-wise output (if any)."""
-    steps = getattr(output, "step_outputs", None)
+    steps = _steps(output)
     if steps is not None:
         return steps[0] if steps else None
-    return output
+    return cast(TrajectoryOutput, output)
 
 
-def infer_token_level_rewards(results: Sequence[Any], *, default: bool) -> bool:
+def infer_token_level_rewards(results: Sequence[RolloutOutcome], *, default: bool) -> bool:
     """Whether rewards are per token, from the first successful result that has a trajectory.
 
     ``default`` (from the configuration) is used when no successful result has one.
@@ -78,7 +89,7 @@ def make_placeholder(
     token_level_rewards: bool,
     with_logprobs: bool,
     step_wise: bool,
-) -> TrajectoryOutput | StepWiseOutput:
+) -> RolloutOutput:
     """A fresh one-token trajectory that contributes neither reward nor loss.
 
     Every list is new, so later in-place edits to one placeholder never reach another.
@@ -100,15 +111,40 @@ def make_placeholder(
     return trajectory
 
 
+@overload
 def substitute_placeholders(
-    results: Sequence[Any],
+    results: Sequence[TrajectoryOutput | FailedRollout],
+    *,
+    token_id: int,
+    default_token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: Literal[False],
+) -> list[TrajectoryOutput]: ...
+
+
+@overload
+def substitute_placeholders(
+    results: Sequence[RolloutOutcome],
     *,
     token_id: int,
     default_token_level_rewards: bool,
     with_logprobs: bool,
     step_wise: bool,
-) -> list[Any]:
-    """``results`` with every :class:`FailedRollout` replaced by a placeholder, order kept."""
+) -> Sequence[RolloutOutput]: ...
+
+
+def substitute_placeholders(
+    results: Sequence[RolloutOutcome],
+    *,
+    token_id: int,
+    default_token_level_rewards: bool,
+    with_logprobs: bool,
+    step_wise: bool,
+) -> Sequence[RolloutOutput]:
+    """``results`` with every :class:`FailedRollout` replaced by a placeholder, order kept.
+
+    Trajectories in, trajectories out: outside step-wise mode a placeholder is a ``TrajectoryOutput``.
+    """
     token_level = infer_token_level_rewards(results, default=default_token_level_rewards)
     return [
         make_placeholder(
@@ -178,24 +214,32 @@ def reward_total(reward: Any) -> float:
     return float(sum(reward)) if isinstance(reward, list) else float(reward)
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each trainer row comes from: one row per rollout, or one per step (step-wise)."""
+
+    #: The rollout index of each row.
+    rollout: Sequence[int]
+    #: Whether each row ends its rollout (carries its final reward): every row, outside step-wise mode.
+    is_last: Sequence[bool]
+
+
 def apply_group_policy(
     policy: FailedRolloutPolicy,
     *,
     rewards: list[Any],
     loss_masks: list[list[int]],
-    row_trajectory: Sequence[int],
-    is_last_row: Sequence[bool],
+    layout: RowLayout,
     failed: Sequence[bool],
     groups: Sequence[str],
 ) -> None:
     """Apply a ``failed_rollout_policy`` to the flattened rows, in place.
 
-    ``row_trajectory[r]`` is the rollout index of row ``r``; ``is_last_row[r]`` marks the row that
-    carries the rollout's final reward (every row, outside step-wise mode); ``failed[i]`` and
-    ``groups[i]`` are per rollout. ``mask_group`` zeroes reward and loss mask of every row of a
-    group that contains a failure; ``fill_group_mean`` gives each failed rollout's row the mean
-    score of its group's successful rollouts, so the group baseline is what the successes alone
-    would give.
+    ``layout`` says which rollout each row comes from and which row carries its final reward;
+    ``failed[i]`` and ``groups[i]`` are per rollout. ``mask_group`` zeroes reward and loss mask of
+    every row of a group that contains a failure; ``fill_group_mean`` gives each failed rollout's
+    row the mean score of its group's successful rollouts, so the group baseline is what the
+    successes alone would give.
 
     The policy's value was checked once, by :func:`~skyrl_structured.config.resolve_resilience`.
     """
@@ -205,30 +249,24 @@ def apply_group_policy(
         return
     if policy == "mask_group":
         tainted = {groups[i] for i, f in enumerate(failed) if f}
-        for r, i in enumerate(row_trajectory):
+        for r, i in enumerate(layout.rollout):
             if groups[i] in tainted:
                 loss_masks[r] = [0] * len(loss_masks[r])
                 rewards[r] = [0.0] * len(rewards[r]) if isinstance(rewards[r], list) else 0.0
         return
     if policy == "fill_group_mean":
-        _fill_group_mean(rewards, row_trajectory, is_last_row, failed, groups)
+        _fill_group_mean(rewards, layout, failed, groups)
         return
     assert_never(policy)
 
 
-def _fill_group_mean(
-    rewards: list[Any],
-    row_trajectory: Sequence[int],
-    is_last_row: Sequence[bool],
-    failed: Sequence[bool],
-    groups: Sequence[str],
-) -> None:
+def _fill_group_mean(rewards: list[Any], layout: RowLayout, failed: Sequence[bool], groups: Sequence[str]) -> None:
     """``fill_group_mean``: each failed rollout's row gets its group's mean successful score."""
     scores: dict[str, list[float]] = defaultdict(list)
-    for r, i in enumerate(row_trajectory):
-        if is_last_row[r] and not failed[i]:
+    for r, i in enumerate(layout.rollout):
+        if layout.is_last[r] and not failed[i]:
             scores[groups[i]].append(reward_total(rewards[r]))
-    for r, i in enumerate(row_trajectory):
+    for r, i in enumerate(layout.rollout):
         if failed[i]:
             sibling_scores = scores.get(groups[i])
             mean = sum(sibling_scores) / len(sibling_scores) if sibling_scores else 0.0
@@ -264,39 +302,40 @@ class OutputSpec:
         return bool(self.generator_cfg.step_wise_trajectories)
 
 
-def collect(result: BatchResult, shape: BatchShape, spec: OutputSpec) -> GeneratorOutput:
-    """The batch's ``GeneratorOutput`` from the supervisor's results (:class:`FailedRollout` for failures).
+def collect(result: BatchResult[RolloutOutput], shape: BatchShape, spec: OutputSpec) -> GeneratorOutput:
+    """The batch's ``GeneratorOutput`` from the supervisor's outcomes (:class:`FailedRollout` for failures).
 
     ``result.over_budget`` is the supervisor's failure-budget verdict for the batch.
 
     Raises:
         RuntimeError: over the failure budget with ``failure_budget_action="raise"``.
     """
-    results = result.results
     failures = sorted(result.failures, key=lambda f: f.index)
     budget_exceeded = False
     if failures:
         budget_exceeded = check_failure_budget(
             failures,
-            len(results),
+            shape.count,
             spec.resilience.max_failed_rollout_fraction,
             exceeded=result.over_budget,
             action=spec.resilience.failure_budget_action,
         )
-        results = substitute_placeholders(
-            results,
-            token_id=spec.placeholder_token_id,
-            # Token-level rewards everywhere except with a custom chat template, which yields a float.
-            default_token_level_rewards=spec.step_wise or not spec.float_rewards,
-            with_logprobs=spec.get_logprobs,
-            step_wise=spec.step_wise,
-        )
-    fill_missing_vision(results)
-    summary = dataclasses.replace(result, results=results, failures=failures)
-    return build_generator_output(summary, shape, spec, budget_exceeded=budget_exceeded)
+    # Past the budget check, every rollout has its outcome (only a batch stopped over budget lacks some).
+    assert len(result.results) == shape.count
+    outputs = substitute_placeholders(
+        result.results,
+        token_id=spec.placeholder_token_id,
+        # Token-level rewards everywhere except with a custom chat template, which yields a float.
+        default_token_level_rewards=spec.step_wise or not spec.float_rewards,
+        with_logprobs=spec.get_logprobs,
+        step_wise=spec.step_wise,
+    )
+    fill_missing_vision(outputs)
+    summary = dataclasses.replace(result, failures=failures)
+    return build_generator_output(outputs, summary, shape, spec, budget_exceeded=budget_exceeded)
 
 
-def fill_missing_vision(results: list[Any]) -> None:
+def fill_missing_vision(results: Sequence[RolloutOutput]) -> None:
     """Image-free vision fields on every row without them, in a batch where some row has images; in place.
 
     SkyRL's trainer turns the batch's ``pixel_values`` and ``image_grid_thw`` into ``TensorList``s,
@@ -304,51 +343,61 @@ def fill_missing_vision(results: list[Any]) -> None:
     rollout whose conversation had no image, gets fresh empty ones (no rows; the width, dtype and
     device of the first rollout with images), so it adds no image to the batch.
     """
-    reference = next((r for r in results if getattr(r, "pixel_values", None) is not None), None)
+    rows = [cast(TrajectoryOutput, r) for r in results if hasattr(r, "pixel_values")]
+    reference = next((r for r in rows if r.pixel_values is not None), None)
     if reference is None:
         return
-    for row in results:
-        if not hasattr(row, "pixel_values"):
-            continue  # a step-wise output: SkyRL has no images there
+    for row in rows:  # a step-wise output has no images (nor has SkyRL's)
         if row.pixel_values is None:
             row.pixel_values = empty_rows_like(reference.pixel_values)
         if row.image_grid_thw is None and reference.image_grid_thw is not None:
             row.image_grid_thw = empty_rows_like(reference.image_grid_thw)
 
 
-class _Rows:
-    """Per-rollout outputs flattened to trainer rows: one per rollout, or one per step (step-wise)."""
+@dataclass(frozen=True)
+class _Rows(RowLayout):
+    """Per-rollout outputs flattened to trainer rows, and their layout."""
 
-    def __init__(self, outputs: list[Any], step_wise: bool) -> None:
-        self.rows: list[Any] = []
-        #: The rollout index of each row, and whether the row ends its rollout.
-        self.rollout: list[int] = []
-        self.is_last: list[bool] = []
-        for i, output in enumerate(outputs):
-            steps = output.step_outputs if step_wise else [output]
-            self.rows.extend(steps)
-            self.rollout.extend([i] * len(steps))
-            self.is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
+    rows: list[TrajectoryOutput]
+
+
+def _flatten(outputs: Sequence[RolloutOutput], step_wise: bool) -> _Rows:
+    """One row per rollout, or one per step (step-wise)."""
+    rows: list[TrajectoryOutput] = []
+    rollout: list[int] = []
+    is_last: list[bool] = []
+    for i, output in enumerate(outputs):
+        steps = (_steps(output) or []) if step_wise else [cast(TrajectoryOutput, output)]
+        rows.extend(steps)
+        rollout.extend([i] * len(steps))
+        is_last.extend(j == len(steps) - 1 for j in range(len(steps)))
+    return _Rows(rollout, is_last, rows)
 
 
 def build_generator_output(
-    result: BatchResult, shape: BatchShape, spec: OutputSpec, *, budget_exceeded: bool = False
+    outputs: Sequence[RolloutOutput],
+    result: BatchResult[RolloutOutput],
+    shape: BatchShape,
+    spec: OutputSpec,
+    *,
+    budget_exceeded: bool = False,
 ) -> GeneratorOutput:
-    """Flatten the rollouts' outputs (``result.results``, placeholders already in place) into the ``GeneratorOutput``.
+    """Flatten the rollouts' ``outputs`` (placeholders in place of ``result.failures``) into the ``GeneratorOutput``.
 
-    ``budget_exceeded``: the step is over the failure budget and returned anyway (``warn``).
+    ``result`` gives the failures and the counters. ``budget_exceeded``: the step is over the
+    failure budget and returned anyway (``warn``).
     """
-    outputs, failures = result.results, result.failures
+    failures = result.failures
     trajectory_ids = list(shape.trajectory_ids) if shape.trajectory_ids is not None else None
     env_classes = list(shape.env_classes or [])
     cfg = spec.generator_cfg
     step_wise = spec.step_wise
-    flat = _Rows(outputs, step_wise)
+    flat = _flatten(outputs, step_wise)
     rows = flat.rows
     times = [getattr(o, "e2e_time", None) for o in outputs]
     completion_times: list[float] | None = None if any(t is None for t in times) else times  # type: ignore[assignment]
     splits = [getattr(o, "time_splits", None) for o in outputs]
-    rewards = [r.reward for r in rows]
+    rewards: list[Any] = [r.reward for r in rows]
     stop_reasons = [r.stop_reason for r in rows]
     loss_masks = [r.loss_mask for r in rows]
     env_metrics = [r.env_metrics for r in rows]
@@ -365,8 +414,7 @@ def build_generator_output(
             spec.resilience.failed_rollout_policy,
             rewards=rewards,
             loss_masks=loss_masks,
-            row_trajectory=flat.rollout,
-            is_last_row=flat.is_last,
+            layout=flat,
             failed=[i in failed_index for i in range(len(outputs))],
             groups=shape.groups() or [],
         )
@@ -385,12 +433,14 @@ def build_generator_output(
         "loss_masks": loss_masks,
         "stop_reasons": stop_reasons,
         "rollout_metrics": metrics,
-        "rollout_logprobs": [r.rollout_logprobs for r in rows] if spec.get_logprobs else None,
+        # Asked for, so every row carries its logprobs.
+        "rollout_logprobs": cast(list[list[float]], [r.rollout_logprobs for r in rows]) if spec.get_logprobs else None,
         "trajectory_ids": out_trajectory_ids,
         "trajectory_generation_times": out_times,
         "trajectory_time_splits": _split_lists([splits[i] for i in flat.rollout]),
-        "rollout_expert_indices": [o.rollout_expert_indices for o in outputs] if spec.routed_experts else None,
-        "is_last_step": flat.is_last if step_wise else None,
+        # Routed experts are refused with step-wise outputs (validate.py): a row is a rollout here.
+        "rollout_expert_indices": [r.rollout_expert_indices for r in rows] if spec.routed_experts else None,
+        "is_last_step": list(flat.is_last) if step_wise else None,
         "env_metrics": env_metrics,
     }
     if any(getattr(o, "pixel_values", None) is not None for o in outputs):
@@ -400,7 +450,7 @@ def build_generator_output(
 
 
 def _metrics(
-    outputs: list[Any],
+    outputs: Sequence[RolloutOutput],
     flat: _Rows,
     failures: list[FailedRollout],
     env_classes: list[str],
@@ -419,8 +469,10 @@ def _metrics(
         [r.env_metrics for r in ok_rows],
         ok_classes,
         [r.loss_mask for r in ok_rows],
-        completion_times=[completion_times[i] for i in ok_rollouts] if completion_times is not None else None,
-        time_splits=_split_lists([splits[i] for i in ok_rollouts]),
+        TrajectoryTimes(
+            [completion_times[i] for i in ok_rollouts] if completion_times is not None else None,
+            _split_lists([splits[i] for i in ok_rollouts]),
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from skyrl_gym.metrics import aggregate_for_environment
 from .._runtime.cleanup import CleanupStats
 from ..failures import FailedRollout, StragglerCutError
 
-__all__ = ["failure_metrics", "rollout_metrics", "turn_token_counts"]
+__all__ = ["TrajectoryTimes", "failure_metrics", "rollout_metrics", "turn_token_counts"]
 
 
 def _byte_runs(loss_masks: Sequence[Sequence[int]]) -> list[int] | None:
@@ -83,18 +84,30 @@ def _time_stats(out: dict[str, Any], name: str, times: Sequence[float] | None) -
         out["generate/trajectory_completion_time_max"] = out["generate/trajectory_time_completion_max"]
 
 
+@dataclass(frozen=True)
+class TrajectoryTimes:
+    """Seconds per rollout: end to end, and by phase (``{"llm": [...], "env": [...]}``), in rollout order."""
+
+    completion: Sequence[float] | None = None
+    splits: dict[str, list[float]] | None = None
+
+
 def rollout_metrics(
     responses: Sequence[Sequence[int]],
     rewards: Sequence[Any],
     env_metrics: Sequence[dict[str, Any]] | None = None,
     env_classes: Sequence[str] | None = None,
     loss_masks: Sequence[Sequence[int]] | None = None,
-    completion_times: Sequence[float] | None = None,
-    time_splits: dict[str, list[float]] | None = None,
+    times: TrajectoryTimes | None = None,
 ) -> dict[str, Any]:
-    """Token, reward, timing and per-environment metrics, keyed as SkyRL keys them."""
+    """Token, reward, timing and per-environment metrics, keyed as SkyRL keys them.
+
+    The first four are SkyRL's ``get_rollout_metrics`` arguments.
+    """
     if not responses:
         return {}
+    completion_times = times.completion if times is not None else None
+    time_splits = times.splits if times is not None else None
     num_tokens = np.array([len(r) for r in responses])
     flat_rewards = np.array([float(np.sum(r)) if isinstance(r, list) else float(r) for r in rewards])
     positive = flat_rewards > 0.0
@@ -123,13 +136,13 @@ def rollout_metrics(
             out["generate/tokens_per_turn_max"] = np.max(arr).item()
 
     _time_stats(out, "completion", completion_times)
-    for name, times in (time_splits or {}).items():
-        _time_stats(out, name, times)
+    for name, phase in (time_splits or {}).items():
+        _time_stats(out, name, phase)
     if completion_times and time_splits:
         # Time not attributed to a named phase: tokenization, chat templating, orchestration.
         other = np.asarray(completion_times, dtype=np.float64)
-        for times in time_splits.values():
-            other = other - np.asarray(times, dtype=np.float64)
+        for phase in time_splits.values():
+            other = other - np.asarray(phase, dtype=np.float64)
         _time_stats(out, "other", other.tolist())
 
     if env_metrics is not None and env_classes is not None:

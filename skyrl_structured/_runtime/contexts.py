@@ -27,7 +27,7 @@ import anyio
 from ..config import SKYRL_SAMPLING_DEFAULTS as _DEFAULTS
 from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, failed_record, finished_record
-from ..types import ConversationType, InferenceClient, SkyRLConfig, TrajectoryID, prompt_group
+from ..types import ConversationType, InferenceClient, RolloutOutput, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
 from .pauses import PausableDeadline, PauseClock
 
@@ -230,7 +230,7 @@ class RolloutContext:
         if self.batch.observers:
             self.batch.observers.emit(event, self.ref, *args, **kwargs)
 
-    def finish(self, result: Any, *, env_class: str) -> None:
+    def finish(self, result: RolloutOutput, *, env_class: str) -> None:
         """The rollout's final events after its successful attempt: its record (where asked), then ``rollout_finished``.
 
         The one sequence for every path that runs rollouts (the supervisor, the batched path).

@@ -28,14 +28,14 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 
 import anyio
 import anyio.lowlevel
 
 from ..config import ResilienceSettings
 from ..errors import RolloutCancelledError
-from ..failures import FailedRollout, failure_budget_exceeded
+from ..failures import FailedRollout, OutputT, failure_budget_exceeded
 from ..observe import RolloutObserver, RolloutRef
 from ..types import TrajectoryID
 from .cleanup import AbandonedClose, CleanupStats
@@ -54,10 +54,14 @@ _jitter = random.Random()
 
 
 @dataclass
-class BatchResult:
-    """Results in input order (successes and :class:`FailedRollout` markers) and the counters."""
+class BatchResult(Generic[OutputT]):
+    """Each rollout's outcome in input order (its output or a :class:`FailedRollout`) and the counters.
 
-    results: list[Any]
+    Only a batch stopped once it was over its failure budget (``failure_budget_action=raise``) lacks
+    the outcomes of the rollouts it cancelled; ``over_budget`` is set then, and the collector raises.
+    """
+
+    results: list[OutputT | FailedRollout]
     failures: list[FailedRollout]
     retries: int
     cleanup: CleanupStats
@@ -177,10 +181,10 @@ def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, aband
 
 async def run_rollouts(
     shape: BatchShape,
-    rollout: Callable[[int], Awaitable[Any]],
+    rollout: Callable[[int], Awaitable[OutputT]],
     settings: ResilienceSettings,
     batch: BatchContext,
-) -> BatchResult:
+) -> BatchResult[OutputT]:
     """Run ``rollout(i)`` for each of the ``shape.count`` rollouts concurrently in one task group.
 
     Each attempt runs with its :class:`RolloutContext` active (see :func:`.contexts.activate`).
@@ -208,7 +212,7 @@ async def run_rollouts(
         raise
 
 
-async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -> BatchResult:
+async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchContext) -> BatchResult[OutputT]:
     try:
         async with anyio.create_task_group() as group:
             if batch.pauses is not None and count:
@@ -232,7 +236,8 @@ async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -
         raise supervisor.first_error
     batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
     return BatchResult(
-        results=supervisor.results,
+        # A slot is empty only for a rollout cancelled because the batch was over its budget.
+        results=[outcome for outcome in supervisor.results if outcome is not None],
         failures=supervisor.failures,
         retries=supervisor.retries,
         cleanup=batch.cleanup,
@@ -240,13 +245,13 @@ async def _supervise(supervisor: _Supervisor, count: int, batch: BatchContext) -
     )
 
 
-class _Supervisor:
+class _Supervisor(Generic[OutputT]):
     """The children of one task group and what they report back."""
 
     def __init__(
         self,
         shape: BatchShape,
-        rollout: Callable[[int], Awaitable[Any]],
+        rollout: Callable[[int], Awaitable[OutputT]],
         settings: ResilienceSettings,
         batch: BatchContext,
     ) -> None:
@@ -256,7 +261,7 @@ class _Supervisor:
         self.rollout = rollout
         self.settings = settings
         self.batch = batch
-        self.results: list[Any] = [None] * count
+        self.results: list[OutputT | FailedRollout | None] = [None] * count
         self.failures: list[FailedRollout] = []
         #: Whether the failures so far are over the budget; failures only grow, so once set it stays.
         self.over_budget = False
@@ -330,7 +335,7 @@ class _Supervisor:
             context.finish(result, env_class=self.shape.env_class(index))
             return
 
-    async def _attempt(self, index: int, context: RolloutContext) -> Any:
+    async def _attempt(self, index: int, context: RolloutContext) -> OutputT:
         borrower = object()
         if self.limiter is not None:
             await self.limiter.acquire_on_behalf_of(borrower)
@@ -345,7 +350,7 @@ class _Supervisor:
             if self.limiter is not None:
                 _release_when_closed(self.limiter, borrower, context.abandoned)
 
-    async def _within_deadline(self, index: int, context: RolloutContext) -> Any:
+    async def _within_deadline(self, index: int, context: RolloutContext) -> OutputT:
         deadline = self.settings.rollout_timeout_s
         if deadline is None:
             return await self.rollout(index)

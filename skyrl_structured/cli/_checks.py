@@ -15,7 +15,7 @@ from typing import Any
 
 from .._episode.chat import load_custom_chat_template
 from ..agents import check_agent_choice
-from ..config import SAMPLING_RANGES, NumberRule, check_number, invalid_value, resolve_resilience
+from ..config import SAMPLING_RANGES, NumberRule, invalid_value, resolve_resilience
 from ..envs._executors import env_executor_kind
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
@@ -26,9 +26,9 @@ __all__ = ["check_config"]
 
 
 def _check_number(path: str, value: Any, **rule: Any) -> None:
-    """:func:`~skyrl_structured.config.check_number`, the one wording of a refused number, as a :class:`ConfigError`."""
+    """:class:`~skyrl_structured.config.NumberRule`, the one wording of a refused number, as a :class:`ConfigError`."""
     try:
-        check_number(path, value, **rule)
+        NumberRule(**rule).check(path, value)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -219,29 +219,20 @@ class ResponseText:
     Args:
         tokenizer: the model's tokenizer (a ``tokenizers`` backend is used when it has one).
         prompt_ids: the prompt, as decoding context.
-        stop: the stop strings.
+        spec: the request's ``stop`` strings, ``include_stop_str_in_output`` (keep a stop string, and
+            a stop token's text, in the text), ``min_tokens`` (stop strings are not looked for until
+            more tokens than this were generated) and ``skip_special_tokens`` (they add no text).
         stop_token_ids: every token id that ends generation as a stop token (EOS included).
-        include_stop_str_in_output: keep a stop string (and a stop token's text) in the text.
-        min_tokens: stop strings are not looked for until more tokens than this were generated.
-        skip_special_tokens: special tokens add no text.
     """
 
     def __init__(
-        self,
-        tokenizer: Any,
-        prompt_ids: Sequence[int],
-        *,
-        stop: Sequence[str],
-        stop_token_ids: Collection[int],
-        include_stop_str_in_output: bool,
-        min_tokens: int,
-        skip_special_tokens: bool,
+        self, tokenizer: Any, prompt_ids: Sequence[int], spec: SamplingSpec, *, stop_token_ids: Collection[int]
     ) -> None:
-        self._decoder = _decoder(tokenizer, prompt_ids, skip_special_tokens)
-        self.stop = tuple(stop)
+        self._decoder = _decoder(tokenizer, prompt_ids, spec.skip_special_tokens)
+        self.stop = tuple(spec.stop)
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.include = include_stop_str_in_output
-        self.min_tokens = min_tokens
+        self.include = spec.include_stop_str_in_output
+        self.min_tokens = spec.min_tokens
         self.text = ""
         #: Tokens pushed so far.
         self.count = 0

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import SAMPLING_RANGES, SKYRL_SAMPLING_DEFAULTS, check_number, invalid_value
+from ..config import SAMPLING_RANGES, SKYRL_SAMPLING_DEFAULTS, NumberRule, invalid_value
 
 __all__ = ["SKYRL_DEFAULT_SAMPLING_PARAMS", "SamplingSpec", "default_spec", "resolve_sampling"]
 
@@ -198,19 +198,18 @@ def _parse(params: Mapping[str, Any], *, fallback_max_tokens: int) -> SamplingSp
     return spec
 
 
+#: The range of a request's ``logprobs``.
+_LOGPROBS = NumberRule(
+    integer=True, minimum=0, null_means="no logprobs", fix="0 or 1 returns the chosen token's logprob."
+)
+
+
 def _check_ranges(spec: SamplingSpec) -> None:
     """Refuse out-of-range values: :data:`~skyrl_structured.config.SAMPLING_RANGES`, the CLI's table too."""
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "min_tokens"):
         SAMPLING_RANGES[name].check(f"sampling_params.{name}", getattr(spec, name))
     # Any count of logprobs reaches the engine; the generator itself takes 0 or 1 (checked in its config).
-    check_number(
-        "sampling_params.logprobs",
-        spec.logprobs,
-        integer=True,
-        minimum=0,
-        null_means="no logprobs",
-        fix="0 or 1 returns the chosen token's logprob.",
-    )
+    _LOGPROBS.check("sampling_params.logprobs", spec.logprobs)
 
 
 def resolve_sampling(params: Mapping[str, Any] | None, defaults: SamplingSpec) -> SamplingSpec:

@@ -282,15 +282,7 @@ class TransformersEngine(AsyncResource):
             seed=seed,
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
         )
-        text = ResponseText(
-            self.tokenizer,
-            prompt_ids,
-            stop=spec.stop,
-            stop_token_ids=stop_ids,
-            include_stop_str_in_output=spec.include_stop_str_in_output,
-            min_tokens=spec.min_tokens,
-            skip_special_tokens=spec.skip_special_tokens,
-        )
+        text = ResponseText(self.tokenizer, prompt_ids, spec, stop_token_ids=stop_ids)
         criteria = StoppingCriteriaList([CancelFlagCriteria(cancel)])
         if spec.stop:  # decoded as it is generated, to stop on the token that completes a stop string
             criteria.append(StopStringCriteria(text, prompt_length=len(prompt_ids)))

@@ -20,7 +20,7 @@ from .._runtime.cleanup import CleanupStats
 from ..types import EnvHandle
 from ._adapters import AsyncEnvironment, EnvCallRunner, SyncEnvAdapter, is_async_env
 from ._adapters import has_noop_close as has_noop_close
-from ._open import env_config_for, open_env
+from ._open import EnvSettings, env_config_for, open_env
 from ._threads import EnvThreadPool, active_env_thread_calls, wait_env_thread_calls
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "CleanupStats",
     "EnvCallRunner",
     "EnvHandle",
+    "EnvSettings",
     "EnvThreadPool",
     "SyncEnvAdapter",
     "active_env_thread_calls",

@@ -56,7 +56,7 @@ from typing import Any, cast
 
 from .._runtime.cleanup import CleanupStats
 from .._runtime.pauses import PausableDeadline
-from ..config import ENV_EXECUTORS, EnvExecutorKind, invalid_value, read_knob
+from ..config import ENV_EXECUTORS, EnvExecutorKind, check_choice, invalid_value, read_knob
 from ..errors import EnvBoundaryError, EnvWorkerError
 from ..types import SkyRLConfig
 
@@ -78,7 +78,7 @@ class EnvExecutor(abc.ABC):
     """Where a generator's environments live and their blocking calls run (see the module docstring)."""
 
     #: ``"thread"``, ``"process"`` or ``"ray"``.
-    kind: str = "thread"
+    kind: EnvExecutorKind = "thread"
 
     @property
     @abc.abstractmethod
@@ -138,18 +138,13 @@ def env_executor_kind(skyrl_gym_cfg: SkyRLConfig) -> EnvExecutorKind:
     """``environment.skyrl_gym.env_executor``, ``"thread"`` when the config lacks it (SkyRL's own).
 
     Raises:
-        ValueError: a value other than ``thread``, ``process`` or ``ray``.
+        ValueError: a value other than ``thread``, ``process`` or ``ray``, worded by
+            :func:`~skyrl_structured.config.check_choice`.
     """
     kind = read_knob(skyrl_gym_cfg, "env_executor", "thread")
     if kind is None:
         return "thread"
-    if kind not in ENV_EXECUTORS:
-        raise invalid_value(
-            "environment.skyrl_gym.env_executor",
-            kind,
-            "one of 'thread', 'process', 'ray'",
-            "'thread' is SkyRL's behaviour; 'process' runs envs in killable worker processes (see docs/envs.md).",
-        )
+    check_choice("environment.skyrl_gym.env_executor", kind)
     return cast(EnvExecutorKind, kind)
 
 

@@ -4,18 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from .._runtime.cleanup import AbandonedClose, Cleanup, CleanupStats, run_cleanups
-from .._runtime.pauses import PausableDeadline
-from ..observe import CleanupOutcome, RolloutEmitter, RolloutObserver
+from .._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
+from .._runtime.contexts import RolloutContext
+from ..observe import CleanupOutcome, RolloutObserver
 from ..types import EnvHandle, SkyRLConfig
 from ._adapters import _wrap
 from ._executors import EnvExecutor
 
-#: Tells the rollout's observers ``env_opened``, ``cleanup_started`` and ``cleanup_finished``.
-EnvObserver = RolloutEmitter
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """How a generator opens and closes its environments: what :func:`open_env` takes from it.
+
+    Built once per generator (again only when a changed ``max_env_workers`` gave it a new thread pool).
+    """
+
+    #: Where env calls run: the generator's worker threads, inline, worker processes or Ray actors.
+    runner: EnvExecutor
+    #: ``generator.env_cleanup_timeout_s``: the bound of each environment's close.
+    cleanup_timeout_s: float
+    #: SkyRL's ``environment.skyrl_gym`` config, where each env class's ``env_config`` is found
+    #: (:func:`env_config_for`); None gives every env class an empty one.
+    skyrl_gym_cfg: SkyRLConfig = None
 
 
 class _OpenEnv(Cleanup):
@@ -25,26 +39,23 @@ class _OpenEnv(Cleanup):
     beyond itself.
     """
 
-    __slots__ = ("_abandoned", "_cleanup_timeout", "_env", "_env_class", "_exit", "_observe", "_stats", "_then")
+    __slots__ = ("_cleanup_timeout", "_env", "_env_class", "_exit", "_rollout", "_stats", "_then")
 
     def __init__(
         self,
         env_class: str,
         raw: object,
-        runner: EnvExecutor,
-        cleanup_timeout: float,
+        settings: EnvSettings,
         stats: CleanupStats,
-        abandoned: list[AbandonedClose] | None,
-        observe: EnvObserver | None,
+        rollout: RolloutContext | None,
         then: Cleanup | None,
     ) -> None:
         super().__init__()
         self._env_class = env_class
-        self._env = _wrap(raw, runner)
-        self._cleanup_timeout = cleanup_timeout
+        self._env = _wrap(raw, settings.runner)
+        self._cleanup_timeout = settings.cleanup_timeout_s
         self._stats = stats
-        self._abandoned = abandoned
-        self._observe = observe
+        self._rollout = rollout
         self._then = then
         self._exit: tuple[type[BaseException] | None, BaseException | None, TracebackType | None] = (None, None, None)
 
@@ -59,8 +70,8 @@ class _OpenEnv(Cleanup):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._observe is not None:
-            self._observe(RolloutObserver.cleanup_started, "env_close")
+        if self._rollout is not None:
+            self._rollout.emit(RolloutObserver.cleanup_started, "env_close")
         self._exit = (exc_type, exc, tb)
         steps: list[Cleanup] = [self] if self._then is None else [self, self._then]
         try:
@@ -86,10 +97,10 @@ class _OpenEnv(Cleanup):
         else:
             stats.env_cleanup_timeouts += 1
             late = getattr(self._env, "abandoned_close", None)
-            if late is not None and self._abandoned is not None:
-                self._abandoned.append(late)
-        if self._observe is not None:
-            self._observe(RolloutObserver.cleanup_finished, "env_close", outcome, error)
+            if late is not None and self._rollout is not None:
+                self._rollout.abandoned.append(late)
+        if self._rollout is not None:
+            self._rollout.emit(RolloutObserver.cleanup_finished, "env_close", outcome, error)
 
 
 def env_config_for(skyrl_gym_cfg: SkyRLConfig, env_class: str) -> SkyRLConfig:
@@ -102,31 +113,36 @@ def env_config_for(skyrl_gym_cfg: SkyRLConfig, env_class: str) -> SkyRLConfig:
 
 def open_env(
     env_class: str,
+    settings: EnvSettings,
     *,
-    env_config: SkyRLConfig,
     extras: dict[str, Any],
-    runner: EnvExecutor,
-    cleanup_timeout: float,
     stats: CleanupStats,
-    deadline: PausableDeadline | None = None,
-    abandoned: list[AbandonedClose] | None = None,
-    observe: EnvObserver | None = None,
-    _then: Cleanup | None = None,
+    rollout: RolloutContext | None = None,
+    then: Cleanup | None = None,
 ) -> AbstractAsyncContextManager[EnvHandle]:
     """Create an environment with ``skyrl_gym.make`` and close it exactly once on exit.
 
     ``skyrl_gym.make`` is looked up on the module at call time (as SkyRL does), so registering or
-    patching environments after import works. A close that overruns ``cleanup_timeout`` still runs
-    in its worker thread; it is appended to ``abandoned`` so the caller can keep the environment
-    counted as live until it returns. ``deadline`` is the rollout's own ``rollout_timeout_s`` (the
-    supervisor's; None without one): an env worker process or actor is killed when a call overruns
-    it, never for another scope's deadline or cancel (those get an ordinary close). ``observe``
-    hears ``env_opened`` and ``cleanup_started``/``cleanup_finished``.
-    (``_then`` is the generator's: its session's end, run right after the close in the same
-    shielded scope; should the close raise an interrupt, it is left unstarted for the caller.)
+    patching environments after import works; the env's ``env_config`` is ``settings``' for its
+    class. ``stats`` counts the opens, closes and cleanup timeouts.
+
+    ``rollout`` is the attempt the env is opened for (the generator's; None outside a rollout):
+    its observers hear ``env_opened`` and ``cleanup_started``/``cleanup_finished``; a close that
+    overruns ``settings.cleanup_timeout_s`` still runs in its worker thread and is appended to its
+    ``abandoned``, so the rollout's slot stays taken until it returns; its ``deadline`` (its own
+    ``rollout_timeout_s``) is the one for which an env worker process or actor is killed when a call
+    overruns it, never another scope's deadline or cancel (those get an ordinary close).
+    ``then`` is run right after the close in the same shielded scope (the generator's session end);
+    should the close raise an interrupt, it is left unstarted for the caller.
     """
-    raw = runner.make_env(env_class, env_config=env_config, extras=extras, stats=stats, deadline=deadline)
+    raw = settings.runner.make_env(
+        env_class,
+        env_config=env_config_for(settings.skyrl_gym_cfg, env_class),
+        extras=extras,
+        stats=stats,
+        deadline=rollout.deadline if rollout is not None else None,
+    )
     stats.envs_opened += 1
-    if observe is not None:
-        observe(RolloutObserver.env_opened)
-    return _OpenEnv(env_class, raw, runner, cleanup_timeout, stats, abandoned, observe, _then)
+    if rollout is not None:
+        rollout.emit(RolloutObserver.env_opened)
+    return _OpenEnv(env_class, raw, settings, stats, rollout, then)

@@ -14,9 +14,12 @@ import threading
 
 import skyrl_gym
 
-__all__ = ["is_import_path", "register_import_path"]
+__all__ = ["REGISTRY_LOCK", "is_import_path", "register_import_path"]
 
-_lock = threading.Lock()
+#: Held around every change this package makes to ``skyrl_gym.registry``: ``skyrl_gym.register`` walks
+#: the registry in a Python loop, which a change made from another thread meanwhile breaks
+#: ("dictionary changed size during iteration"). Reentrant: a module imported under it may register.
+REGISTRY_LOCK = threading.RLock()
 
 
 def is_import_path(env_class: str) -> bool:
@@ -31,7 +34,7 @@ def register_import_path(env_class: str) -> None:
     Raises:
         ValueError: the module cannot be imported, or has no such class (one line, naming both).
     """
-    with _lock:
+    with REGISTRY_LOCK:
         if env_class in skyrl_gym.registry:
             return
         module_name, _, attribute = env_class.partition(":")

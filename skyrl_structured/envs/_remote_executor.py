@@ -20,7 +20,7 @@ import skyrl_gym
 from .._runtime.cleanup import CleanupStats
 from .._runtime.pauses import PausableDeadline
 from ..types import SkyRLConfig
-from ._executors import EnvExecutor
+from ._executors import EnvExecutor, EnvExecutorKind
 from ._pool import WorkerPool
 from ._remote import WorkerEnv
 from ._worker import MAIN_KEYS, EnvRecipe
@@ -84,7 +84,7 @@ def env_recipe(env_class: str) -> EnvRecipe:
     return env_class, target, kwargs
 
 
-def check_picklable(env_class: str, what: str, value: Any, executor: str) -> None:
+def check_picklable(env_class: str, what: str, value: Any, executor: EnvExecutorKind) -> None:
     """Refuse ``value`` (an env's config or extras) that cannot be sent to a worker; one line with the fix."""
     try:
         pickle.dumps(value, pickle.HIGHEST_PROTOCOL)

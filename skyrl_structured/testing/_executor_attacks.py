@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import skyrl_gym
@@ -43,7 +43,8 @@ from .._runtime.origin import describe_with_origin
 from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
 from ..envs._remote_executor import env_recipe
 from ..generator import StructuredGymGenerator
-from .engines import Reply, ScriptedEngine, replies_by_turn
+from ._matrix import Setup
+from .engines import ScriptedEngine, replies_by_turn
 
 __all__ = ["ATTACKED_ENV", "EXECUTOR_ATTACKS", "AttackedEnv", "run_executor_attacks"]
 
@@ -157,23 +158,13 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-async def _attack_case(
-    attack: str,
-    env_executor: str,
-    env_class: str,
-    prompts: Sequence[Any],
-    extras: Sequence[Mapping[str, Any]],
-    tokenizer: Any,
-    replies: Sequence[Reply | str],
-    max_turns: int,
-    env_config: Any,
-    target: int,
-) -> list[str]:
+async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup) -> list[str]:
+    prompts, extras, tokenizer, target = setup.prompts, setup.extras, setup.tokenizer, setup.target
     root = Path(tempfile.mkdtemp(prefix="skyrl-structured-attack-"))
-    recipe = env_recipe(env_class)
+    recipe = env_recipe(setup.env_class)
     workers = len(prompts)
     cfg = GeneratorConfig(
-        max_turns=max_turns,
+        max_turns=setup.generator_overrides["max_turns"],
         skip_failed_rollouts=True,
         failure_budget_action="warn",  # one prompt: the attacked row is the whole batch, and must come back
         rollout_timeout_s=_DEADLINE_S,
@@ -181,10 +172,10 @@ async def _attack_case(
     )
     gym = SkyRLGymConfig(
         max_env_workers=workers,
-        env_executor=cast(EnvExecutorKind, env_executor),
-        env_configs={ATTACKED_ENV: env_config or {}},
+        env_executor=env_executor,
+        env_configs={ATTACKED_ENV: setup.env_config or {}},
     )
-    gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*replies)), tokenizer)
+    gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*setup.replies)), tokenizer)
 
     def batch(attacked: bool) -> Any:
         rows = [
@@ -243,28 +234,20 @@ async def _attack_case(
 
 
 def run_executor_attacks(
-    env_executor: str,
-    env_class: str,
-    backends: Sequence[str],
-    prompts: Sequence[Any],
-    extras: Sequence[Mapping[str, Any]],
-    tokenizer: Any,
-    replies: Sequence[Reply | str],
-    max_turns: int,
-    env_config: Any,
+    env_executor: EnvExecutorKind, setup: Setup, backends: Sequence[str]
 ) -> list[tuple[str, str, list[str], float]]:
-    """Every attack under every backend: ``(attack, backend, problems, seconds)``."""
+    """Every attack under every backend: ``(attack, backend, problems, seconds)``.
+
+    ``setup`` is the check's: the env class, prompts, extras, tokenizer, replies, ``max_turns`` (among
+    its generator overrides), env config and target rollout.
+    """
     _register()
-    target = 1 if len(prompts) > 1 else 0
     results = []
     for backend in backends:
         for attack in EXECUTOR_ATTACKS:
             started = time.monotonic()
             try:
-                problems = anyio.run(
-                    _attack_case, attack, env_executor, env_class, prompts, extras, tokenizer, replies, max_turns,
-                    env_config, target, backend=backend,
-                )  # fmt: skip
+                problems = anyio.run(_attack_case, attack, env_executor, setup, backend=backend)
             except Exception as exc:
                 problems = [f"the case raised {type(exc).__name__}: {exc}"]
             results.append((attack, backend, problems, time.monotonic() - started))

@@ -183,7 +183,6 @@ def _expected_error(case: Case, trap: Trap) -> tuple[str, Callable[[BaseExceptio
 
 
 async def _run_fault(
-    case: Case,
     setup: Setup,
     gen: StructuredGymGenerator,
     batch: GeneratorInput,
@@ -192,6 +191,7 @@ async def _run_fault(
     own: OwnCloseErrors,
 ) -> list[str]:
     problems: list[str] = []
+    case = trap.case
     output, error = await _generate(gen, batch)
     target = setup.target
     stage = case.stage
@@ -440,7 +440,7 @@ async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -
             elif case.kind == "hang":
                 problems += await _run_hang(setup, gen, batch, trap, tracker, own)
             else:
-                problems += await _run_fault(case, setup, gen, batch, trap, tracker, own)
+                problems += await _run_fault(setup, gen, batch, trap, tracker, own)
         if deadline.cancelled_caught:
             problems.append(f"the case did not finish within case_timeout_s={setup.case_timeout_s:g}s")
         trap.release_all()

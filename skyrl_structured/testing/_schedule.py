@@ -37,7 +37,7 @@ from ._matrix import Case, Setup, Trap
 from ._report import CaseResult, ConcurrencyReport
 from ._runners import KIT_THREAD_PREFIX, run_case
 
-__all__ = ["Calibration", "run_all"]
+__all__ = ["Calibration", "RunOptions", "run_all"]
 
 #: The kit's default case timeout; a calibrated one is never shorter.
 DEFAULT_CASE_TIMEOUT_S = 20.0
@@ -210,31 +210,35 @@ class _Progress:
         self._bar.close()
 
 
-def run_all(
-    setup: Setup,
-    backends: Sequence[str],
-    cases: Sequence[Case],
-    *,
-    jobs: int | None,
-    case_timeout_given: bool,
-    progress: bool,
-    quiet: bool,
-) -> ConcurrencyReport:
+@dataclass(frozen=True)
+class RunOptions:
+    """How one check runs its cases: on which event loops, how many at once, and what it shows."""
+
+    backends: Sequence[str]
+    #: How many cases run at once (None: chosen from the baselines, see :func:`lanes_for`).
+    jobs: int | None
+    #: Whether the caller set ``case_timeout_s`` (else the baselines fit it, see :func:`scaled`).
+    case_timeout_given: bool
+    progress: bool
+    quiet: bool
+
+
+def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> ConcurrencyReport:
     """Every case on every backend: the baselines first (they calibrate), then the rest in lanes."""
     report = ConcurrencyReport(setup.env_class)
-    order = [(backend, case) for backend in backends for case in cases]
-    bar = _Progress(setup.env_class, len(order), progress)
+    order = [(backend, case) for backend in options.backends for case in cases]
+    bar = _Progress(setup.env_class, len(order), options.progress)
     results: dict[int, CaseResult] = {}
     setups: dict[int, Setup] = {}
-    with quiet_logs(quiet):
+    with quiet_logs(options.quiet):
         calibrations: dict[int, Calibration] = {}
         for position, (backend, case) in enumerate(order):
             if case.kind == "baseline" and case.max_env_workers not in calibrations:
                 results[position], calibrations[case.max_env_workers] = calibrate(backend, case, setup)
                 bar.advance(results[position])
-        lanes = lanes_for(list(calibrations.values()), jobs, len(order) - len(results))
+        lanes = lanes_for(list(calibrations.values()), options.jobs, len(order) - len(results))
         for workers, calibration in calibrations.items():
-            setups[workers] = scaled(setup, calibration, case_timeout_given=case_timeout_given, lanes=lanes)
+            setups[workers] = scaled(setup, calibration, case_timeout_given=options.case_timeout_given, lanes=lanes)
         pending = [p for p in range(len(order)) if p not in results]
         shared = lanes > 1
         lane_setups: dict[int, dict[int, Setup]] = {}

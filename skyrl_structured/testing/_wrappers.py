@@ -27,6 +27,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv
 from skyrl_gym.metrics import default_aggregate_metrics
 
 from ..envs import is_async_env
+from ..envs._registration import REGISTRY_LOCK
 from .envs import EnvLedger, next_env_key
 
 __all__ = ["ENV_STAGES", "TAG_KEY", "EnvHook", "register_wrapper_env", "unregister_wrapper_env"]
@@ -256,20 +257,24 @@ def register_wrapper_env(
     if env_id is None:
         with _names_lock:
             env_id = f"{inner_env_class}+{kind}-{next(_names)}"
-    existing = skyrl_gym.registry.get(env_id)
-    if existing is not None:
-        if not isinstance(existing.entry_point, _WrapperFactory):
-            raise ValueError(
-                f"`env_id` {env_id!r} is already registered for another environment; choose another id "
-                "or leave env_id=None for a fresh one"
-            )
-        del skyrl_gym.registry[env_id]
-    skyrl_gym.register(id=env_id, entry_point=_WrapperFactory(inner_env_class, hooks, ledgers))
+    factory = _WrapperFactory(inner_env_class, hooks, ledgers)
+    # The check's cases register and unregister wrappers from several threads at once.
+    with REGISTRY_LOCK:
+        existing = skyrl_gym.registry.get(env_id)
+        if existing is not None:
+            if not isinstance(existing.entry_point, _WrapperFactory):
+                raise ValueError(
+                    f"`env_id` {env_id!r} is already registered for another environment; choose another id "
+                    "or leave env_id=None for a fresh one"
+                )
+            del skyrl_gym.registry[env_id]
+        skyrl_gym.register(id=env_id, entry_point=factory)
     return env_id
 
 
 def unregister_wrapper_env(env_id: str) -> None:
     """Remove a wrapper id registered by this kit (other ids are left alone)."""
-    spec = skyrl_gym.registry.get(env_id)
-    if spec is not None and isinstance(spec.entry_point, _WrapperFactory):
-        del skyrl_gym.registry[env_id]
+    with REGISTRY_LOCK:
+        spec = skyrl_gym.registry.get(env_id)
+        if spec is not None and isinstance(spec.entry_point, _WrapperFactory):
+            del skyrl_gym.registry[env_id]

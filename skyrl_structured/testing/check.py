@@ -42,12 +42,12 @@ from typing import Any
 
 import skyrl_gym
 
-from ..config import GeneratorConfig
+from ..config import EnvExecutorKind, GeneratorConfig, check_choice
 from ..envs._registration import is_import_path, register_import_path
 from ..generator import StructuredGymGenerator
 from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup
 from ._report import CaseResult, ConcurrencyReport
-from ._schedule import DEFAULT_CASE_TIMEOUT_S, default_quiet, run_all
+from ._schedule import DEFAULT_CASE_TIMEOUT_S, RunOptions, default_quiet, run_all
 from .engines import Reply
 
 __all__ = [
@@ -97,6 +97,14 @@ def _tiny_tokenizer() -> Any:
 
 
 def _cases(stages: Sequence[str], matrices: Sequence[str], workers: Sequence[int]) -> list[Case]:
+    bad_stages = [s for s in stages if s not in FAULT_STAGES]
+    if bad_stages:
+        raise ValueError(f"`stages` must be drawn from {', '.join(FAULT_STAGES)}; got {bad_stages!r}")
+    bad_matrices = [m for m in matrices if m not in MATRICES]
+    if bad_matrices:
+        raise ValueError(f"`matrices` must be drawn from {MATRICES!r}; got {bad_matrices!r}")
+    if not workers or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in workers):
+        raise ValueError(f"`max_env_workers` must be a non-empty sequence of integers >= 0, got {workers!r}")
     cases = []
     for count in workers:
         cases.append(Case("baseline", None, False, count))
@@ -114,19 +122,13 @@ def _cases(stages: Sequence[str], matrices: Sequence[str], workers: Sequence[int
     return cases
 
 
-def _check_arguments(
+def _rows(
     env_class: str,
     prompts: Sequence[Any],
     extras: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-    backends: Sequence[str],
-    stages: Sequence[str],
-    matrices: Sequence[str],
-    max_env_workers: Sequence[int],
     replies: Sequence[Reply | str],
-    case_timeout_s: float | None,
-    leak_grace_s: float,
-    jobs: int | None,
 ) -> list[Mapping[str, Any]]:
+    """Each rollout's env extras, once the env class, the prompts and the replies are checked."""
     if isinstance(env_class, str) and env_class not in skyrl_gym.registry and is_import_path(env_class):
         register_import_path(env_class)  # as the generator and the CLI do; its ValueError names the fix
     if not isinstance(env_class, str) or env_class not in skyrl_gym.registry:
@@ -136,15 +138,21 @@ def _check_arguments(
         )
     if not prompts:
         raise ValueError("`prompts` must hold at least one conversation (a list of chat messages)")
+    if not replies:
+        raise ValueError("`engine_replies` must hold at least one reply")
     if isinstance(extras, Mapping):
-        per_rollout = [extras] * len(prompts)
-    else:
-        per_rollout = list(extras)
-        if len(per_rollout) != len(prompts):
-            raise ValueError(
-                f"`env_extras` has {len(per_rollout)} entries for {len(prompts)} prompts; give one dict per "
-                "prompt, or a single dict for all"
-            )
+        return [extras] * len(prompts)
+    per_rollout = list(extras)
+    if len(per_rollout) != len(prompts):
+        raise ValueError(
+            f"`env_extras` has {len(per_rollout)} entries for {len(prompts)} prompts; give one dict per "
+            "prompt, or a single dict for all"
+        )
+    return per_rollout
+
+
+def _check_run(backends: Sequence[str], case_timeout_s: float | None, leak_grace_s: float, jobs: int | None) -> None:
+    """Refuse run options the kit cannot honour: an unknown backend, trio missing, a bad bound."""
     unknown = [b for b in backends if b not in ("asyncio", "trio")]
     if unknown or not backends:
         raise ValueError(f"`backends` must be a non-empty subset of ('asyncio', 'trio'), got {tuple(backends)!r}")
@@ -155,60 +163,22 @@ def _check_arguments(
             raise ImportError(
                 "the trio backend needs trio: pip install 'skyrl-structured[trio]', or pass backends=('asyncio',)"
             ) from exc
-    bad_stages = [s for s in stages if s not in FAULT_STAGES]
-    if bad_stages:
-        raise ValueError(f"`stages` must be drawn from {', '.join(FAULT_STAGES)}; got {bad_stages!r}")
-    bad_matrices = [m for m in matrices if m not in MATRICES]
-    if bad_matrices:
-        raise ValueError(f"`matrices` must be drawn from {MATRICES!r}; got {bad_matrices!r}")
-    if not max_env_workers or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in max_env_workers):
-        raise ValueError(f"`max_env_workers` must be a non-empty sequence of integers >= 0, got {max_env_workers!r}")
-    if not replies:
-        raise ValueError("`engine_replies` must hold at least one reply")
     if case_timeout_s is not None and not case_timeout_s > 0:
         raise ValueError(f"`case_timeout_s` must be > 0 (or None: fitted to the baseline), got {case_timeout_s!r}")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"`jobs` must be an integer >= 1 (or None: chosen from the baseline), got {jobs!r}")
     if not leak_grace_s >= 0:
         raise ValueError(f"`leak_grace_s` must be >= 0, got {leak_grace_s!r}")
-    return per_rollout
 
 
-def _build_setup(
-    env_class: str,
-    prompts: Sequence[Any],
-    per_rollout: list[Mapping[str, Any]],
-    tokenizer: Any,
-    replies: Sequence[Reply | str],
-    max_turns: int,
-    env_config: Any,
-    generator_overrides: Mapping[str, Any] | None,
-    generator_class: type[StructuredGymGenerator],
-    case_timeout_s: float | None,
-    leak_grace_s: float,
-) -> Setup:
-    """What every case shares; the generator overrides are checked against ``GeneratorConfig`` here.
-
-    Without a ``case_timeout_s`` the kit's default stands until the baseline calibrates it.
-    """
+def _overrides(generator_overrides: Mapping[str, Any] | None, max_turns: int) -> dict[str, Any]:
+    """The ``GeneratorConfig`` fields every case sets, checked against ``GeneratorConfig`` here."""
     overrides = {**(generator_overrides or {}), "max_turns": max_turns}
     try:
         GeneratorConfig(**overrides)
     except TypeError as exc:
         raise ValueError(f"`generator_overrides` names a field GeneratorConfig does not have: {exc}") from exc
-    return Setup(
-        env_class=env_class,
-        prompts=list(prompts),
-        extras=per_rollout,
-        tokenizer=tokenizer if tokenizer is not None else _tiny_tokenizer(),
-        replies=list(replies),
-        generator_class=generator_class,
-        generator_overrides=overrides,
-        env_config=env_config,
-        case_timeout_s=DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s,
-        leak_grace_s=leak_grace_s,
-        target=1 if len(prompts) > 1 else 0,
-    )
+    return overrides
 
 
 def check_structured_concurrency(
@@ -232,7 +202,7 @@ def check_structured_concurrency(
     progress: bool = True,
     quiet: bool | None = None,
     raise_on_failure: bool = True,
-    env_executor: str = "thread",
+    env_executor: EnvExecutorKind = "thread",
 ) -> ConcurrencyReport:
     """Run ``env_class`` through the fault, cancellation and attack matrices; see the module docstring.
 
@@ -279,35 +249,36 @@ def check_structured_concurrency(
         ValueError: an argument is malformed (the message names it).
         ImportError: ``"trio"`` requested but trio is not installed.
     """
-    per_rollout = _check_arguments(
-        env_class, prompts, env_extras, backends, stages, matrices, max_env_workers, engine_replies, case_timeout_s,
-        leak_grace_s, jobs,
-    )  # fmt: skip
-    if env_executor != "thread":
-        report = _executor_report(env_executor, env_class, backends, prompts, per_rollout, tokenizer,
-                                  engine_replies, max_turns, env_config)  # fmt: skip
-    else:
-        setup = _build_setup(env_class, prompts, per_rollout, tokenizer, engine_replies, max_turns, env_config,
-                             generator_overrides, generator_class, case_timeout_s, leak_grace_s)  # fmt: skip
-        cases = _cases(stages, matrices, max_env_workers)
-        report = _run_matrices(setup, backends, cases, jobs, case_timeout_s is not None, progress, quiet)
-    return _verdict(report, raise_on_failure=raise_on_failure)
-
-
-def _run_matrices(
-    setup: Setup,
-    backends: Sequence[str],
-    cases: list[Case],
-    jobs: int | None,
-    case_timeout_given: bool,
-    progress: bool,
-    quiet: bool | None,
-) -> ConcurrencyReport:
-    """The thread executor's cases: the baseline first (it calibrates the deadlines), then the matrices."""
-    quiet = default_quiet() if quiet is None else quiet
-    return run_all(
-        setup, backends, cases, jobs=jobs, case_timeout_given=case_timeout_given, progress=progress, quiet=quiet
+    check_choice("environment.skyrl_gym.env_executor", env_executor, named="env_executor")
+    per_rollout = _rows(env_class, prompts, env_extras, engine_replies)
+    cases = _cases(stages, matrices, max_env_workers)
+    _check_run(backends, case_timeout_s, leak_grace_s, jobs)
+    # What every case shares. Without a case_timeout_s the kit's default stands until the baseline calibrates it.
+    setup = Setup(
+        env_class=env_class,
+        prompts=list(prompts),
+        extras=per_rollout,
+        tokenizer=tokenizer if tokenizer is not None else _tiny_tokenizer(),
+        replies=list(engine_replies),
+        generator_class=generator_class,
+        generator_overrides=_overrides(generator_overrides, max_turns),
+        env_config=env_config,
+        case_timeout_s=DEFAULT_CASE_TIMEOUT_S if case_timeout_s is None else case_timeout_s,
+        leak_grace_s=leak_grace_s,
+        target=1 if len(prompts) > 1 else 0,
     )
+    if env_executor != "thread":
+        report = _executor_report(env_executor, setup, backends)
+    else:
+        options = RunOptions(
+            backends,
+            jobs,
+            case_timeout_given=case_timeout_s is not None,
+            progress=progress,
+            quiet=default_quiet() if quiet is None else quiet,
+        )
+        report = run_all(setup, cases, options)
+    return _verdict(report, raise_on_failure=raise_on_failure)
 
 
 def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> ConcurrencyReport:
@@ -317,28 +288,15 @@ def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> Concurrenc
     return report
 
 
-def _executor_report(
-    env_executor: str,
-    env_class: str,
-    backends: Sequence[str],
-    prompts: Sequence[Any],
-    extras: Sequence[Mapping[str, Any]],
-    tokenizer: Any,
-    replies: Sequence[Reply | str],
-    max_turns: int,
-    env_config: Any,
-) -> ConcurrencyReport:
+def _executor_report(env_executor: EnvExecutorKind, setup: Setup, backends: Sequence[str]) -> ConcurrencyReport:
     from ._executor_attacks import run_executor_attacks
 
-    if env_executor not in ("process", "ray"):
-        raise ValueError(f"`env_executor` must be one of 'thread', 'process', 'ray'; got {env_executor!r}")
-    tokenizer = tokenizer if tokenizer is not None else _tiny_tokenizer()
-    results = run_executor_attacks(
-        env_executor, env_class, backends, prompts, extras, tokenizer, replies, max_turns, env_config
-    )
-    report = ConcurrencyReport(env_class)
+    results = run_executor_attacks(env_executor, setup, backends)
+    report = ConcurrencyReport(setup.env_class)
     for attack, backend, problems, seconds in results:
-        case = CaseResult(f"{env_executor}: {attack}", backend, "executor", None, True, len(prompts), problems, seconds)
+        case = CaseResult(
+            f"{env_executor}: {attack}", backend, "executor", None, True, len(setup.prompts), problems, seconds
+        )
         case.variant = env_executor
         report.cases.append(case)
     return report

@@ -13,6 +13,7 @@ import torch
 from skyrl_structured import InferenceEngineInput
 from skyrl_structured.engines import TransformersEngine
 from skyrl_structured.engines._hf_sampling import ResponseText
+from skyrl_structured.engines.sampling import SamplingSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -175,15 +176,13 @@ async def test_out_of_vocabulary_prompt_tokens_are_refused_before_generating(any
 
 
 def response_text(tokenizer, prompt, tokens, **kwargs):
-    text = ResponseText(
-        tokenizer,
-        prompt,
-        stop=kwargs.pop("stop", ()),
-        stop_token_ids=kwargs.pop("stop_token_ids", (tokenizer.eos_token_id,)),
+    spec = SamplingSpec(
+        stop=tuple(kwargs.pop("stop", ())),
         include_stop_str_in_output=kwargs.pop("include", False),
         min_tokens=kwargs.pop("min_tokens", 0),
         skip_special_tokens=kwargs.pop("skip_special_tokens", True),
     )
+    text = ResponseText(tokenizer, prompt, spec, stop_token_ids=kwargs.pop("stop_token_ids", (tokenizer.eos_token_id,)))
     assert not kwargs
     text.extend(tokens)
     return text

@@ -20,8 +20,8 @@ def test_process_executor_passes_every_executor_attack_on_both_backends():
 
 
 def test_an_unknown_executor_is_refused():
-    with pytest.raises(ValueError, match=r"`env_executor` must be one of 'thread', 'process', 'ray'; got 'fork'"):
-        check_structured_concurrency(register_trouble_env(), env_executor="fork", prompts=PROMPTS)
+    with pytest.raises(ValueError, match=r"`env_executor` must be one of thread, process, ray; got 'fork'"):
+        check_structured_concurrency(register_trouble_env(), env_executor="fork", prompts=PROMPTS)  # type: ignore[arg-type]
 
 
 def test_an_import_path_env_id_is_accepted_as_the_generator_accepts_it():

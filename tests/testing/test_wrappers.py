@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any, ClassVar
 
 import anyio
@@ -175,3 +177,36 @@ async def test_environment_metrics_are_aggregated_by_the_inner_class(tokenizer, 
     # GSM8kMultiTurnEnv.aggregate_metrics names its average "avg_steps": reached through the wrapper.
     assert out["rollout_metrics"] is not None
     assert out["rollout_metrics"]["environment/avg_steps"] == 2.0
+
+
+def test_wrappers_registered_and_unregistered_from_many_threads_at_once_never_break_the_registry():
+    # The check's lanes register a wrapper per case from their own threads. skyrl_gym.register walks the
+    # registry in a Python loop, so an unguarded change from another thread broke it once in a loaded run
+    # ("the case crashed: RuntimeError: dictionary changed size during iteration"). Switching threads as
+    # often as CPython allows, over a registry a few hundred entries long, made that happen in seconds.
+    fillers = [f"tests_wrapper_race_filler_{i}" for i in range(300)]
+    for env_id in fillers:
+        skyrl_gym.register(id=env_id, entry_point=ExtrasSpy)
+    errors: list[BaseException] = []
+
+    def lane() -> None:
+        try:
+            for _ in range(2000):
+                unregister_wrapper_env(register_wrapper_env(SCRIPTED_ENV, kind="race"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        lanes = [threading.Thread(target=lane) for _ in range(4)]
+        for thread in lanes:
+            thread.start()
+        for thread in lanes:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        for env_id in fillers:
+            del skyrl_gym.registry[env_id]
+    assert errors == []
+    assert not [env_id for env_id in skyrl_gym.registry if "+race-" in env_id]
