@@ -19,6 +19,7 @@ import pytest
 
 from skyrl_structured import validate_generator_output
 from skyrl_structured.cli import main
+from tests.trace_check import spans_by_track
 
 #: A small step: 2 prompts x 2 samples, short replies, so a run takes seconds of generation.
 SMALL = ("data.max_prompts=2", "generator.n_samples_per_prompt=2", "generator.sampling_params.max_generate_length=8")
@@ -84,8 +85,14 @@ def test_the_default_agent_runs_offline_and_reports_calls_branches_tools_and_rew
     assert re.fullmatch(r"\d\.\d{3} \(\d+ of 4 rollouts rewarded\)", _row(proc.stdout, "mean reward"))
     assert "environments" not in proc.stdout  # no environment ran
     assert [row["reward"] for row in trajectories] == [r[-1] if isinstance(r, list) else r for r in output["rewards"]]
-    assert summary["rollout_attempts"] == 0  # agent rollouts report to no observer yet
-    assert not (tmp_path / "out" / "trace.json").exists()
+    # Agent rollouts are observed like gym ones: one attempt each, one engine span per chat call.
+    assert summary["rollout_attempts"] == ROLLOUTS
+    trace = json.loads((tmp_path / "out" / "trace.json").read_text())
+    tracks = spans_by_track(trace)
+    assert sorted(tid for _, tid in tracks) == list(range(ROLLOUTS))
+    engine_spans = [s for spans in tracks.values() for s in spans if s["name"] == "engine"]
+    assert len(engine_spans) == summary["agent_calls"]
+    assert not any(s["args"].get("unfinished") for spans in tracks.values() for s in spans)
 
 
 AGENT_MODULE = textwrap.dedent(
@@ -138,7 +145,6 @@ def test_a_module_function_agent_runs_on_trio(tmp_path):
             ["agent=default", "generator.vision_language_generator=true"],
             "`agent` and `generator.vision_language_generator=true` both pick the generator",
         ),
-        (["agent=default", "run.metrics_port=0"], "`run.metrics_port` serves the gym generator's live metrics"),
     ],
 )
 def test_a_bad_agent_setting_is_one_line_and_exit_status_2(capsys, tmp_path, args, message):

@@ -696,7 +696,7 @@ async def test_generator_agent_goes_from_the_override_entrypoint_to_a_validated_
     generator = integration.structured_generator(cfg, tokenizer, engine, "policy")
     assert type(generator) is StructuredAgentGenerator
     assert generator.model == "policy"
-    assert (generator.skip_failed_rollouts, generator.rollout_timeout_s) == (True, 120)
+    assert (generator.resilience.skip_failed_rollouts, generator.resilience.rollout_timeout_s) == (True, 120)
     output = await generator.generate(_arithmetic_batch(8, 7, 9))
     load_upstream_validator()(3, output)  # SkyRL's trainer's own check
     assert output["stop_reasons"] == ["stop", "rollout_error", "stop"]

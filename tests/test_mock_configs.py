@@ -194,12 +194,16 @@ async def test_a_magicmock_section_with_the_agent_key_builds_the_agent_generator
     )
     assert type(gen) is StructuredAgentGenerator
     assert gen.agent is default_agent
-    assert (gen.rollout_timeout_s, gen.skip_failed_rollouts, gen.sampling_params) == (None, False, None)
+    assert (gen.resilience.rollout_timeout_s, gen.resilience.skip_failed_rollouts, gen.sampling_params) == (
+        None,
+        False,
+        None,
+    )
     b = {
         "prompts": [[{"role": "user", "content": "Add 3 and 5."}]],
         "env_classes": ["gsm8k"],
         "env_extras": [{"reward_spec": {"method": "rule", "ground_truth": "8"}}],
     }
     output = await gen.generate(b)  # type: ignore[arg-type]  # a minimal GeneratorInput
-    assert output["rewards"][0][-1] == 1.0
+    assert output["rewards"][0] == [0.0] * (len(output["response_ids"][0]) - 1) + [1.0]
     assert (output["rollout_metrics"] or {})["generate/agent_calls"] == 3

@@ -175,11 +175,6 @@ def _check_agent(cfg: RolloutConfig) -> None:
             f"`chaos.stage={chaos.stage}` drills environment faults, and an agent's rollouts have no environment: "
             "drill the engine (chaos.stage=generate) with `agent`"
         )
-    if cfg.run.metrics_port is not None:
-        raise ConfigError(
-            "`run.metrics_port` serves the gym generator's live metrics, which agent rollouts do not report yet: "
-            "leave it null with `agent` (summary.json has the step's metrics)"
-        )
 
 
 def _check_chaos_executor(cfg: RolloutConfig) -> None:

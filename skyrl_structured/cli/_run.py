@@ -253,8 +253,7 @@ async def run_step(
         env_classes=list(batch["env_classes"]),
         trajectory_ids=batch.get("trajectory_ids"),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        # Agent rollouts report to no observer yet: no trace to record.
-        trace=TraceRecorder() if cfg.run.trace and cfg.agent is None else None,
+        trace=TraceRecorder() if cfg.run.trace else None,
         agent_counts=AgentCounts() if cfg.agent is not None else None,
     )
     work = anyio.CancelScope()
@@ -300,21 +299,14 @@ async def _load_and_generate(
     if on_engine is not None:
         on_engine(setup)
     async with setup.engine:
-        if cfg.agent is not None:
-            await _generate_with_agent(cfg, batch, setup, result)
-            return
-        generator_class = (
-            StructuredVLMGymGenerator if cfg.generator.vision_language_generator else StructuredGymGenerator
-        )
-        generator = generator_class(
-            cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
-        )
+        generator = _build_generator(cfg, setup, result)
         generator.observers.append(result.tally)
         if result.trace is not None:
             generator.observers.append(result.trace)
         if result.metrics is not None:
             generator.observers.append(result.metrics)
-            result.metrics.count_env_workers(lambda: env_workers_alive(generator))
+            if isinstance(generator, StructuredGymGenerator):
+                result.metrics.count_env_workers(lambda: env_workers_alive(generator))
         if result.trajectories is not None:
             result.trajectories.tokenizer = setup.tokenizer
             generator.observers.append(result.trajectories)
@@ -322,7 +314,8 @@ async def _load_and_generate(
         result.started_generating = True
         started = time.monotonic()
         try:
-            start_local_ray_if_needed(cfg.environment.skyrl_gym)
+            if cfg.agent is None:
+                start_local_ray_if_needed(cfg.environment.skyrl_gym)
             result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
         finally:
             result.generate_s = time.monotonic() - started
@@ -330,22 +323,15 @@ async def _load_and_generate(
                 await generator.aclose()  # env worker processes / actors
 
 
-async def _generate_with_agent(
-    cfg: RolloutConfig, batch: GeneratorInput, setup: EngineSetup, result: RunResult
-) -> None:
-    """``agent=...``: the step through :class:`~skyrl_structured.agents.StructuredAgentGenerator` (no environments).
-
-    Its rollouts report to no observer yet, so ``trajectories.jsonl`` is written from the output once
-    the step completes, and an interrupted step keeps none.
-    """
-    assert cfg.agent is not None
-    assert result.agent_counts is not None
-    agent = result.agent_counts.counting(resolve_agent(cfg.agent, key="agent"))  # checked in _checks
-    generator = StructuredAgentGenerator.from_config(cfg.generator, setup.client, setup.tokenizer, agent)
-    result.tokenizer = setup.tokenizer
-    result.started_generating = True
-    started = time.monotonic()
-    try:
-        result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
-    finally:
-        result.generate_s = time.monotonic() - started
+def _build_generator(
+    cfg: RolloutConfig, setup: EngineSetup, result: RunResult
+) -> StructuredGymGenerator | StructuredAgentGenerator:
+    """The step's generator: the gym one (or its vision-language variant), or with ``agent=...`` the agent one."""
+    if cfg.agent is not None:
+        assert result.agent_counts is not None
+        agent = result.agent_counts.counting(resolve_agent(cfg.agent, key="agent"))  # checked in _checks
+        return StructuredAgentGenerator.from_config(cfg.generator, setup.client, setup.tokenizer, agent)
+    generator_class = StructuredVLMGymGenerator if cfg.generator.vision_language_generator else StructuredGymGenerator
+    return generator_class(
+        cfg.generator, cfg.environment.skyrl_gym, setup.client, setup.tokenizer, policy_model_name=None
+    )
