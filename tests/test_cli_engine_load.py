@@ -19,7 +19,7 @@ import pytest
 from skyrl_structured import tiny
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import build_batch, load_dataset
-from skyrl_structured.cli._run import run_step
+from skyrl_structured.cli._run import StepHooks, run_step
 from skyrl_structured.cli._summary import summarize
 from skyrl_structured.cli._table import format_summary
 
@@ -48,7 +48,7 @@ async def test_a_run_stopped_while_the_engine_loads_reports_the_time_it_spent(an
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(stop_once_loading)
-            result = await run_step(cfg, batch, None, say=said.append)
+            result = await run_step(cfg, batch, None, StepHooks(say=said.append))
     finally:
         release.set()
     assert result.status == "interrupted", (said, result.error)

@@ -389,27 +389,19 @@ class Capture:
 
 
 def chat_completion_body(
-    *,
-    completion_id: str,
-    model: str,
-    created: int,
-    text: str,
-    stop_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    parse_tools: bool,
+    call: CallRecord, *, completion_id: str, model: str, created: int, parse_tools: bool
 ) -> dict[str, Any]:
     """OpenAI's ``chat.completion`` object for one captured call (tool calls parsed when tools were offered)."""
-    content: str | None = text
+    content: str | None = call.text
     tool_calls: list[dict[str, Any]] = []
     if parse_tools:
-        content, tool_calls = parse_tool_calls(text, id_prefix=f"call_{completion_id}")
+        content, tool_calls = parse_tool_calls(call.text, id_prefix=f"call_{completion_id}")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
         finish_reason = "tool_calls"
     else:
-        finish_reason = "length" if stop_reason == "length" else "stop"
+        finish_reason = "length" if call.stop_reason == "length" else "stop"
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -417,9 +409,9 @@ def chat_completion_body(
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
         "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens": len(call.prompt_ids),
+            "completion_tokens": len(call.sampled_ids),
+            "total_tokens": len(call.prompt_ids) + len(call.sampled_ids),
         },
     }
 

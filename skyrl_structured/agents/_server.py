@@ -295,15 +295,12 @@ class CaptureServer:
             finally:
                 session._request_ended(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
-                session.capture.record(prepared, sampled, logprobs, stop_reason, text)
+                call = session.capture.record(prepared, sampled, logprobs, stop_reason, text)
                 completion = chat_completion_body(
+                    call,
                     completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
                     model=str(body.get("model") or self.model),
                     created=int(time.time()),
-                    text=text,
-                    stop_reason=stop_reason,
-                    prompt_tokens=len(prepared.prompt_ids),
-                    completion_tokens=len(sampled),
                     parse_tools=bool(body.get("tools")),
                 )
                 if body.get("stream"):

@@ -33,7 +33,7 @@ from ._help import keys_help
 from ._live import MetricsPortError
 from ._logs import AggregatingHandler, configure_logging
 from ._outputs import write_outputs, write_summary_json
-from ._run import RunResult, is_duplicate, run_step
+from ._run import RunResult, StepHooks, is_duplicate, run_step
 from ._schema import RolloutConfig
 from ._summary import agent_line, batch_line, environments_line, summarize
 from ._table import format_summary
@@ -258,10 +258,12 @@ def _run(plan: _Plan, debug: bool, finishing: _Finishing, argv: Sequence[str]) -
         cfg,
         plan.batch,
         plan.policy,
-        say=_status,
-        on_engine=engine_ready,
-        after_signals=functools.partial(_hold_repeats, finishing=finishing),
-        on_exit_now=_exit_now_writer(plan, argv),
+        StepHooks(
+            say=_status,
+            on_engine=engine_ready,
+            after_signals=functools.partial(_hold_repeats, finishing=finishing),
+            on_exit_now=_exit_now_writer(plan, argv),
+        ),
     )
     try:
         return anyio.run(step, backend=cfg.run.backend)

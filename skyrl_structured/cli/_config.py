@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,39 +56,43 @@ def _interpolated(value: Any) -> bool:
     return False
 
 
-def _assign(
-    tree: dict[str, Any],
-    specs: Mapping[str, KeySpec],
-    pending: _Pending,
-    key: str,
-    value: Any,
-    raw: str | None,
-    where: str,
-) -> None:
-    spec = specs.get(key)
-    if spec is None:
-        raise unknown_key(key, specs, where)
-    for stale in [p for p in pending if p == key or p.startswith(f"{key}.")]:
-        del pending[stale]  # a later layer replaces it
-    if spec.section is None:
-        if _interpolated(value):
-            pending[key] = (spec, value, where)
-            _place(tree, key, value)  # as written, so that other interpolations can refer to it
-        else:
-            _place(tree, key, coerce(spec, value, raw, where))
-        return
-    if value is None:
-        if not spec.optional:
-            raise ConfigError(f"`{key}`{where} is a section and cannot be null; set its keys, e.g. `{key}.<name>=...`")
-        _place(tree, key, None)
-        return
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"`{key}`{where} is a section: set its keys one by one (`{key}.<name>=...`) or give a mapping "
-            f"(`{key}={{name: value}}`); got {format_value(value)!r}"
-        )
-    for name, sub_value in value.items():
-        _assign(tree, specs, pending, f"{key}.{name}", sub_value, None, where)
+@dataclass
+class _Layers:
+    """The configuration being built, layer by layer: the values placed so far and the interpolations pending."""
+
+    specs: Mapping[str, KeySpec]
+    tree: dict[str, Any] = field(default_factory=dict)
+    pending: _Pending = field(default_factory=dict)
+
+    def assign(self, key: str, value: Any, raw: str | None, where: str) -> None:
+        """Place ``key = value`` (``raw``: its text as typed, where it came from the command line)."""
+        spec = self.specs.get(key)
+        if spec is None:
+            raise unknown_key(key, self.specs, where)
+        pending = self.pending
+        for stale in [p for p in pending if p == key or p.startswith(f"{key}.")]:
+            del pending[stale]  # a later layer replaces it
+        if spec.section is None:
+            if _interpolated(value):
+                pending[key] = (spec, value, where)
+                _place(self.tree, key, value)  # as written, so that other interpolations can refer to it
+            else:
+                _place(self.tree, key, coerce(spec, value, raw, where))
+            return
+        if value is None:
+            if not spec.optional:
+                raise ConfigError(
+                    f"`{key}`{where} is a section and cannot be null; set its keys, e.g. `{key}.<name>=...`"
+                )
+            _place(self.tree, key, None)
+            return
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"`{key}`{where} is a section: set its keys one by one (`{key}.<name>=...`) or give a mapping "
+                f"(`{key}={{name: value}}`); got {format_value(value)!r}"
+            )
+        for name, sub_value in value.items():
+            self.assign(f"{key}.{name}", sub_value, None, where)
 
 
 def _merged(base: Any, top: Any) -> Any:
@@ -174,15 +179,13 @@ def load_config(overrides: Sequence[str], config_file: str | None = None) -> Rol
         ConfigError: an unknown key, a value of the wrong type or outside its choices, a malformed
             override, or an unreadable YAML file; the message names the key and what it accepts.
     """
-    specs = key_specs()
-    tree: dict[str, Any] = {}
-    pending: _Pending = {}
+    layers = _Layers(key_specs())
     for key, value in CLI_PRESET.items():
-        _assign(tree, specs, pending, key, value, None, "")
+        layers.assign(key, value, None, "")
     if config_file is not None:
         where = f" (in {config_file})"
         for key, value in _read_yaml(Path(config_file)).items():
-            _assign(tree, specs, pending, str(key), value, None, where)
+            layers.assign(str(key), value, None, where)
     for text in overrides:
         key, sep, raw = text.partition("=")
         key = key.strip()
@@ -191,8 +194,9 @@ def load_config(overrides: Sequence[str], config_file: str | None = None) -> Rol
         if key.startswith("+"):
             raise ConfigError(f"`{key}`: the '+' prefix is not supported; every key already exists (see --help)")
         # A `${...}` value stays text until it is resolved, then it is read like any other value.
-        _assign(tree, specs, pending, key, raw if "${" in raw else parse_value(raw), raw, "")
-    _resolve_interpolations(tree, pending)
+        layers.assign(key, raw if "${" in raw else parse_value(raw), raw, "")
+    tree = layers.tree
+    _resolve_interpolations(tree, layers.pending)
     try:
         cfg: RolloutConfig = _build(RolloutConfig, tree)
     except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refusing a combination

@@ -155,15 +155,17 @@ def _pictures_wanted(result: RunResult) -> list[str]:
 
 
 def _draw(name: str, output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig, result: RunResult) -> bool:
-    from ._plots import write_summary_png
+    from ._plots import SummaryPlot, write_summary_png
     from ._timeline import draw_timeline
 
     timeline = Timeline.of(result.trace.events) if result.trace is not None else None
     if name == TIMELINE_FILE:
         return timeline is not None and draw_timeline(output_dir / TIMELINE_FILE, timeline)
     limit = cfg.generator.sampling_params.max_generate_length
-    plot = dict(_plot_data(summary, result), max_generate_length=limit, timeline=timeline)
-    return write_summary_png(output_dir / PLOT_FILE, title=_plot_title(summary), **plot)
+    plot = SummaryPlot(
+        title=_plot_title(summary), max_generate_length=limit, timeline=timeline, **_plot_data(summary, result)
+    )
+    return write_summary_png(output_dir / PLOT_FILE, plot)
 
 
 def write_summary_json(output_dir: Path, summary: dict[str, Any], cfg: RolloutConfig) -> None:

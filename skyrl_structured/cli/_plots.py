@@ -11,27 +11,32 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ._timeline import Timeline, draw_concurrency
 
-__all__ = ["degenerate_sentences", "write_summary_png"]
+__all__ = ["SummaryPlot", "degenerate_sentences", "write_summary_png"]
 
 
-def write_summary_png(
-    path: Path,
-    *,
-    title: str,
-    prompt_rewards: Sequence[tuple[str, float]],
-    turns: Sequence[int],
-    response_lengths: Sequence[int],
-    failures: dict[str, int],
-    rewards: Sequence[float] = (),
-    rollouts: int | None = None,
-    max_generate_length: int | None = None,
-    timeline: Timeline | None = None,
-) -> bool:
+@dataclass(frozen=True)
+class SummaryPlot:
+    """What ``summary.png`` shows: the step's rewards, turns, lengths, failures and (optionally) its timeline."""
+
+    title: str
+    prompt_rewards: Sequence[tuple[str, float]]
+    turns: Sequence[int]
+    response_lengths: Sequence[int]
+    failures: dict[str, int]
+    rewards: Sequence[float] = ()
+    #: How many rollouts the step ran (default: one per entry of ``turns``).
+    rollouts: int | None = None
+    max_generate_length: int | None = None
+    timeline: Timeline | None = None
+
+
+def write_summary_png(path: Path, plot: SummaryPlot) -> bool:
     """Draw the summary picture to ``path``; False (and nothing written) when matplotlib is missing.
 
     A panel whose values are all the same says so in a sentence instead of drawing one bar (or an
@@ -46,22 +51,23 @@ def write_summary_png(
     except ImportError:
         return False
 
-    total = rollouts if rollouts is not None else len(turns)
+    prompt_rewards, timeline, failures = plot.prompt_rewards, plot.timeline, plot.failures
+    total = plot.rollouts if plot.rollouts is not None else len(plot.turns)
     rows = 3 if timeline is not None and timeline.rows else 2
     figure = Figure(figsize=(11, 3.75 * rows), layout="constrained")
     FigureCanvasAgg(figure)
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(plot.title, fontsize=10)
     grid = figure.add_gridspec(rows, 2)
     rewards_ax, turns_ax = figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1])
     lengths_ax, failures_ax = figure.add_subplot(grid[1, 0]), figure.add_subplot(grid[1, 1])
 
     said = degenerate_sentences(
         prompt_rewards=prompt_rewards,
-        rewards=rewards,
-        turns=turns,
-        response_lengths=response_lengths,
+        rewards=plot.rewards,
+        turns=plot.turns,
+        response_lengths=plot.response_lengths,
         rollouts=total,
-        max_generate_length=max_generate_length,
+        max_generate_length=plot.max_generate_length,
     )
     labels = [label for label, _ in prompt_rewards]
     rewards_ax.set_title("mean reward per prompt")
@@ -73,8 +79,8 @@ def write_summary_png(
         if len(labels) <= 40:
             rewards_ax.set_xticks(range(len(labels)), labels, fontsize=7)
     for axes, key, values, title, label, integer in (
-        (turns_ax, "turns", turns, "turns per rollout", "turns", True),
-        (lengths_ax, "length", response_lengths, "response length per rollout", "tokens", False),
+        (turns_ax, "turns", plot.turns, "turns per rollout", "turns", True),
+        (lengths_ax, "length", plot.response_lengths, "response length per rollout", "tokens", False),
     ):
         sentence = said[key]
         if sentence is not None:

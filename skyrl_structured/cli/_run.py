@@ -43,6 +43,7 @@ __all__ = [
     "STILL_WAITING_AFTER_S",
     "AgentCounts",
     "RunResult",
+    "StepHooks",
     "Tally",
     "is_duplicate",
     "run_step",
@@ -228,24 +229,28 @@ async def _watch_signals(
                 os._exit(128 + signum)
 
 
-async def run_step(
-    cfg: RolloutConfig,
-    batch: GeneratorInput,
-    policy: Any | None,
-    *,
-    say: Callable[[str], None],
-    on_engine: Callable[[EngineSetup], None] | None = None,
-    after_signals: Callable[[RunResult], None] | None = None,
-    on_exit_now: Callable[[RunResult], None] | None = None,
-) -> RunResult:
+@dataclass(frozen=True)
+class StepHooks:
+    """What :func:`run_step` tells its caller, and when."""
+
+    #: Prints a status line (to stderr).
+    say: Callable[[str], None]
+    #: Told once the engine has loaded.
+    on_engine: Callable[[EngineSetup], None] | None = None
+    #: Called the moment the signal receiver is gone (the signals' handlers are the defaults again),
+    #: so that the caller can keep a repeated stop from killing what follows.
+    after_signals: Callable[[RunResult], None] | None = None
+    #: Called when a second stop exits the process without waiting for cleanup (to write what can be
+    #: written first).
+    on_exit_now: Callable[[RunResult], None] | None = None
+
+
+async def run_step(cfg: RolloutConfig, batch: GeneratorInput, policy: Any | None, hooks: StepHooks) -> RunResult:
     """Load the engine, run ``generate()`` once, and return how it ended; never raises ``Exception``.
 
-    ``say`` prints a status line (to stderr). ``on_engine`` is told once the engine has loaded.
-    ``after_signals`` is called the moment the signal receiver is gone (the signals' handlers are
-    the defaults again), so that the caller can keep a repeated stop from killing what follows.
-    ``on_exit_now`` is called when a second stop exits the process without waiting for cleanup
-    (to write what can be written first). The caller closes ``result.metrics``.
+    ``hooks`` say what to tell the caller along the way. The caller closes ``result.metrics``.
     """
+    say, on_exit_now = hooks.say, hooks.on_exit_now
     tally = Tally()
     result = RunResult(
         status="ok",
@@ -264,7 +269,7 @@ async def run_step(
                 try:
                     result.trajectories = TrajectoryLog(Path(cfg.run.output_dir) / TRAJECTORIES_FILE)
                     result.metrics = serve_metrics(cfg.run.metrics_port, cfg.run.metrics_host, say)
-                    await _load_and_generate(cfg, batch, policy, result, on_engine)
+                    await _load_and_generate(cfg, batch, policy, result, hooks.on_engine)
                 except Exception as exc:
                     result.status = "failed"
                     result.error = exc
@@ -272,8 +277,8 @@ async def run_step(
                     if result.trajectories is not None:
                         result.trajectories.close()
             watchers.cancel_scope.cancel()
-    if after_signals is not None:
-        after_signals(result)
+    if hooks.after_signals is not None:
+        hooks.after_signals(result)
     if result.signal is not None and work.cancelled_caught:
         result.status = "interrupted"
         result.output = None

@@ -34,11 +34,11 @@ from .._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
 from .._runtime.pauses import PausableDeadline
 from .._runtime.wakers import LoopWaker, current_waker
 from ..observe import CleanupOutcome
-from ..types import ConversationType, EnvStepOutput, SkyRLConfig
+from ..types import ConversationType, EnvStepOutput
 from ._abandon import KillWorker, close_after_in_flight, kill_worker
 from ._executors import EnvWorkerError
 from ._pool import Reply, Transport, WorkerPool
-from ._worker import WorkerOp
+from ._worker import MakePayload, WorkerOp
 
 __all__ = ["WorkerEnv"]
 
@@ -54,9 +54,7 @@ class WorkerEnv:
         self,
         pool: WorkerPool,
         env_class: str,
-        recipe: Any,
-        env_config: SkyRLConfig,
-        extras: dict[str, Any],
+        make: MakePayload,
         stats: CleanupStats,
         deadline: PausableDeadline | None = None,
     ) -> None:
@@ -64,7 +62,8 @@ class WorkerEnv:
         #: The rollout's own ``rollout_timeout_s``: the only deadline a running call kills its worker for.
         self._deadline = deadline
         self._pool = pool
-        self._make: Any = (recipe, env_config, extras)
+        #: Sent with the ``make`` request, then dropped (None) once the env exists.
+        self._make: MakePayload | None = make
         self._stats = stats
         self._key = next(_keys)
         self._worker: Transport | None = None
@@ -76,16 +75,19 @@ class WorkerEnv:
     # ------------------------------------------------------------------ the async env protocol
 
     async def __aenter__(self) -> WorkerEnv:
+        make = self._make
+        if make is None:
+            raise RuntimeError(f"environment {self.env_class!r} in a worker is entered once only")
         worker = self._worker = self._pool.place()
         try:
             # The worker's start is the pool's time, not the rollout's (env_worker_start_timeout_s bounds it).
-            await self._pool.prepared(worker, needs_main=self._make[0][1].startswith("__main__:"))
+            await self._pool.prepared(worker, needs_main=make[0][1].startswith("__main__:"))
         except BaseException as exc:
             self._release()
             if isinstance(exc, EnvWorkerError) and worker.claim_crash():
                 self._stats.env_worker_crashes += 1
             raise
-        reply = self._submit(worker, "make", self._make)
+        reply = self._submit(worker, "make", make)
         try:
             await self._await(worker, reply)
         except BaseException as exc:

@@ -140,4 +140,4 @@ class RemoteEnvExecutor(EnvExecutor):
         stats: CleanupStats,
         deadline: PausableDeadline | None = None,
     ) -> WorkerEnv:
-        return WorkerEnv(self.pool, env_class, self._recipe(env_class), env_config, extras, stats, deadline)
+        return WorkerEnv(self.pool, env_class, (self._recipe(env_class), env_config, extras), stats, deadline)

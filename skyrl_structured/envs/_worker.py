@@ -37,12 +37,14 @@ from typing import Any, Literal
 
 import skyrl_gym
 
-__all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "Request", "WorkerOp", "process_main"]
+__all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "MakePayload", "Request", "WorkerOp", "process_main"]
 
 logger = logging.getLogger(__name__)
 
 #: ``(registry id, "module:attribute" entry point, registry kwargs)``: how a worker rebuilds an env class.
 EnvRecipe = tuple[str, str, dict[str, Any]]
+#: A ``make`` request's payload: the env's recipe, its ``env_config`` and the rollout's env extras.
+MakePayload = tuple[EnvRecipe, Any, dict[str, Any]]
 
 #: The worker protocol's operations: ``ping`` (the start's first request), ``main`` (import the
 #: generator's ``__main__``), ``make``/``init``/``step``/``close`` (one env's calls, by env key),
