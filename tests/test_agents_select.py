@@ -171,7 +171,16 @@ async def test_the_default_agent_makes_its_own_tool_call_when_the_model_does_not
     assert agent.results["q1_0"] == {"reward": 0.0, "tool_calls": 1, "model_tool_calls": 0}
     sessions = _by_session(engine)
     assert sorted(len(calls) for calls in sessions.values()) == [3, 3]
-    for row, (truth, calls) in enumerate(zip((8, 9), sessions.values(), strict=True)):
+
+    def row_of(calls: list[Any]) -> int:
+        # The sessions' order is the order their first calls reached the engine: find each one's row
+        # by the question its first prompt carries.
+        first = tokenizer.decode(calls[0].prompt_token_ids)
+        (row,) = [r for r, t in enumerate((8, 9)) if f"Tom has {t - 5} apples" in first]
+        return row
+
+    in_rows = sorted(sessions.values(), key=row_of)
+    for row, (truth, calls) in enumerate(zip((8, 9), in_rows, strict=True)):
         second = tokenizer.decode(calls[1].prompt_token_ids)
         # The agent's own call adds the task's first two numbers; its result went back as a tool turn.
         assert f"<|im_start|>tool\n{truth}<|im_end|>\n<|im_start|>assistant\n" in second
