@@ -30,6 +30,7 @@ from types import TracebackType
 import anyio
 
 __all__ = [
+    "Pausable",
     "PausableDeadline",
     "PauseClock",
     "PausedBlock",
@@ -56,9 +57,11 @@ class PauseClock:
         self.warn_after_s = warn_after_s
         self._depth = 0
         self._deadlines: set[PausableDeadline] = set()
-        #: Pause number (1, 2, ...) and when the current one began (``time.monotonic``).
+        #: Pause number (1, 2, ...) and when the current one began (``time.monotonic``, and the event
+        #: loop's clock where one runs: :meth:`watch` waits on that clock, which a test may mock).
         self._pauses = 0
         self._since: float | None = None
+        self._since_on_loop: float | None = None
         self._warned = 0
         #: Events set on every change (pause or resume), for :meth:`watch`.
         self._watchers: set[anyio.Event] = set()
@@ -80,6 +83,7 @@ class PauseClock:
             return
         self._pauses += 1
         self._since = time.monotonic()
+        self._since_on_loop = _loop_time()
         if self._deadlines:
             now = anyio.current_time()
             for deadline in self._deadlines:
@@ -97,7 +101,7 @@ class PauseClock:
         self._depth -= 1
         if self._depth > 0:
             return
-        self._since = None
+        self._since = self._since_on_loop = None
         if self._deadlines:
             now = anyio.current_time()
             for deadline in self._deadlines:
@@ -107,6 +111,12 @@ class PauseClock:
     def paused_for(self) -> float:
         """Seconds the current pause has lasted (0.0 when running)."""
         return 0.0 if self._since is None else time.monotonic() - self._since
+
+    def _paused_on_loop(self) -> float:
+        """:meth:`paused_for` on the event loop's clock (the one :meth:`watch` sleeps on)."""
+        if self._since_on_loop is None:  # paused from outside any event loop: real time
+            return self.paused_for()
+        return anyio.current_time() - self._since_on_loop
 
     def deadline(self, seconds: float | None) -> PausableDeadline:
         """A cancel scope that is cancelled once ``seconds`` of unpaused time have passed (None: never)."""
@@ -131,7 +141,7 @@ class PauseClock:
                 if not self.paused or self._warned == self._pauses:
                     await changed.wait()
                     continue
-                with anyio.move_on_after(max(self.warn_after_s - self.paused_for(), 0.0)):
+                with anyio.move_on_after(max(self.warn_after_s - self._paused_on_loop(), 0.0)):
                     await changed.wait()
                     continue
             finally:
@@ -142,9 +152,17 @@ class PauseClock:
                     "the generator has been paused for %.0fs (%d pause(s) held) and not resumed: rollout deadlines, "
                     "HTTPEngine request timeouts and the straggler grace stay stopped until resume() is called "
                     "as often as pause() was",
-                    self.paused_for(),
+                    self._paused_on_loop(),
                     self._depth,
                 )
+
+
+def _loop_time() -> float | None:
+    """The running event loop's clock, or None outside one (``pause()`` from a synchronous caller)."""
+    try:
+        return anyio.current_time()
+    except RuntimeError:  # sniffio: no async library is running here
+        return None
 
 
 class PausedBlock:
@@ -162,6 +180,36 @@ class PausedBlock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._clock.resume()
+
+
+class Pausable:
+    """A generator's pause methods over its :class:`PauseClock`, ``pauses`` (one home for every generator).
+
+    SkyRL's weight-sync hook (``integrations/_weight_sync.py``) and users call them around a sync.
+    """
+
+    pauses: PauseClock
+
+    def pause(self) -> None:
+        """Stop the clocks of ``rollout_timeout_s``, ``HTTPEngine``'s request timeout and the straggler grace.
+
+        Rollouts keep running (env, agent and engine calls in flight go on); only their deadlines
+        stop. Pauses nest: the clocks run again once :meth:`resume` has been called as often. Call it
+        from the event loop's thread.
+        """
+        self.pauses.pause()
+
+    def resume(self) -> None:
+        """Release one :meth:`pause`.
+
+        Raises:
+            RuntimeError: the generator is not paused.
+        """
+        self.pauses.resume()
+
+    def paused(self) -> PausedBlock:
+        """``async with generator.paused():`` holds one pause for the block."""
+        return PausedBlock(self.pauses)
 
 
 class PausableDeadline:
