@@ -36,7 +36,7 @@ from ._runtime.contexts import (
     seed_scope,
 )
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from ._runtime.pauses import PauseClock, PausedBlock
+from ._runtime.pauses import Pausable, PauseClock
 from ._runtime.sessions import SessionEnd
 from ._runtime.slots import RolloutSlots
 from ._runtime.supervisor import run_rollouts
@@ -63,7 +63,7 @@ __all__ = ["StructuredGymGenerator"]
 logger = logging.getLogger(__name__)
 
 
-class StructuredGymGenerator(ChatAttributes):
+class StructuredGymGenerator(ChatAttributes, Pausable):
     """Multi-turn rollouts against ``skyrl_gym`` environments, one task group per batch.
 
     Args:
@@ -182,29 +182,6 @@ class StructuredGymGenerator(ChatAttributes):
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
         return self._rollout_slots.current(self.resilience.max_concurrent_rollouts)
-
-    # ------------------------------------------------------------------ pauses (weight sync)
-
-    def pause(self) -> None:
-        """Stop the clocks of ``rollout_timeout_s``, ``HTTPEngine``'s request timeout and the straggler grace.
-
-        Rollouts keep running (env and engine calls in flight go on); only their deadlines stop.
-        Pauses nest: the clocks run again once :meth:`resume` has been called as often. Call it from
-        the event loop's thread.
-        """
-        self.pauses.pause()
-
-    def resume(self) -> None:
-        """Release one :meth:`pause`.
-
-        Raises:
-            RuntimeError: the generator is not paused.
-        """
-        self.pauses.resume()
-
-    def paused(self) -> PausedBlock:
-        """``async with generator.paused():`` holds one pause for the block."""
-        return PausedBlock(self.pauses)
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""

@@ -30,7 +30,7 @@ from .._runtime.contexts import (
     seed_scope,
 )
 from .._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from .._runtime.pauses import PauseClock, PausedBlock
+from .._runtime.pauses import Pausable, PauseClock
 from .._runtime.slots import RolloutSlots
 from .._runtime.supervisor import run_rollouts
 from ..config import ResilienceSettings, invalid_value, read_knob, resolve_resilience
@@ -153,7 +153,7 @@ def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputCon
     return settings, AgentOutputConfig(**flags)
 
 
-class StructuredAgentGenerator:
+class StructuredAgentGenerator(Pausable):
     """SkyRL's ``GeneratorInterface`` for OpenAI-API agents: one capture session per attempt, token-exact output.
 
     Args:
@@ -239,24 +239,6 @@ class StructuredAgentGenerator:
             chat_template_kwargs=dict(kwargs) if kwargs else None,
             **knobs,
         )
-
-    # ------------------------------------------------------------------ pauses (weight sync)
-
-    def pause(self) -> None:
-        """Stop the clocks of ``rollout_timeout_s``, the straggler grace and ``HTTPEngine``'s request timeout.
-
-        The agents and their engine calls go on; only the deadlines stop. Pauses nest, as on
-        :meth:`StructuredGymGenerator.pause <skyrl_structured.StructuredGymGenerator.pause>`.
-        """
-        self.pauses.pause()
-
-    def resume(self) -> None:
-        """Release one :meth:`pause` (``RuntimeError`` when not paused)."""
-        self.pauses.resume()
-
-    def paused(self) -> PausedBlock:
-        """``async with generator.paused():`` holds one pause for the block."""
-        return PausedBlock(self.pauses)
 
     # ------------------------------------------------------------------ a batch
 
