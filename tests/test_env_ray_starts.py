@@ -57,7 +57,11 @@ async def test_an_actor_ray_cannot_place_fails_its_rollouts_past_the_start_bound
 
     hog = Hog.remote()  # type: ignore[attr-defined]
     ray.get(hog.ready.remote())  # every CPU of the cluster is taken from here on
-    gen = make_gen(tokenizer, workers=1, num_cpus=1.0, env_worker_start_timeout_s=2.0)
+    with anyio.fail_after(120):  # and the GCS's view says so (it hears from the raylet periodically)
+        while ray.available_resources().get("CPU", 0.0) > 0:  # noqa: ASYNC110 - Ray's state: no event to await
+            await anyio.sleep(0.05)
+    # 5 s: the start's bound, and the time Ray has to report the actor's pending demand to its GCS.
+    gen = make_gen(tokenizer, workers=1, num_cpus=1.0, env_worker_start_timeout_s=5.0)
     try:
         with anyio.fail_after(120), pytest.raises(RuntimeError, match="All 2 rollouts failed") as info:
             await gen.generate(batch(2, tmp_path), disable_tqdm=True)
@@ -67,7 +71,7 @@ async def test_an_actor_ray_cannot_place_fails_its_rollouts_past_the_start_bound
     cause = info.value.__cause__
     assert isinstance(cause, EnvWorkerError), info.value
     message = str(cause)
-    assert "could not start: not ready after 2s (environment.skyrl_gym.env_worker_start_timeout_s)" in message
+    assert "could not start: not ready after 5s (environment.skyrl_gym.env_worker_start_timeout_s)" in message
     # Ray's own account: the actor's state in its GCS and the scheduler's pending demand for it.
     assert "Ray has not placed it (Ray reports actor state PENDING_CREATION, pending demands {CPU: 1} x1" in message
     assert "it asks for 1 CPU, the cluster has 0 of 2 CPUs free" in message

@@ -90,9 +90,10 @@ def _starts(tmp_path: Path) -> int:
 
 async def hold_start(tmp_path: Path, hold: Path, starts: int, for_s: float) -> None:
     """Once ``starts`` worker starts have reached the blocked import, keep them blocked ``for_s`` more."""
-    with anyio.fail_after(HANG_S):
+    with anyio.move_on_after(HANG_S):
         while _starts(tmp_path) < starts:  # noqa: ASYNC110 - a file another process writes: no event to await
             await anyio.sleep(0.02)
+    assert _starts(tmp_path) >= starts, f"{_starts(tmp_path)} worker start(s) within {HANG_S:g}s, expected {starts}"
     await anyio.sleep(for_s)
     os.unlink(hold)
 
@@ -100,8 +101,12 @@ async def hold_start(tmp_path: Path, hold: Path, starts: int, for_s: float) -> N
 async def test_a_slow_start_never_eats_the_rollout_deadline_and_a_kill_does_not_spiral(
     anyio_backend, tokenizer, tmp_path, monkeypatch
 ):
-    # Each start lasts twice the rollout's deadline (the test holds it); the rollouts wait off the clock.
-    deadline_s = 3.0
+    # Each start outlasts the rollout's deadline by 2 s (the test holds it); the rollouts wait off the
+    # clock. The deadline also bounds the healthy rollouts (3 cheap turns each): 8 s is a bound only a
+    # hang reaches, on a loaded machine too (at 3 s this test failed in 2 of 4 full-suite runs with both
+    # cores busy).
+    deadline_s = 8.0
+    held_s = deadline_s + 2.0
     env_id, hold = slow_env(tmp_path, monkeypatch, "spiral")
     ledger = tmp_path / "ledger"
     ledger.mkdir()
@@ -109,19 +114,19 @@ async def test_a_slow_start_never_eats_the_rollout_deadline_and_a_kill_does_not_
     try:
         hold.touch()
         async with anyio.create_task_group() as group:
-            group.start_soon(hold_start, tmp_path, hold, 2, 2 * deadline_s)
+            group.start_soon(hold_start, tmp_path, hold, 2, held_s)
             first = await gen.generate(slow_batch(env_id, 2, ledger), disable_tqdm=True)
         killed = await gen.generate(slow_batch(env_id, 2, ledger, {1: {"on_step": {1: "hang"}}}), disable_tqdm=True)
         hold.touch()  # the replacement's start is as slow
         async with anyio.create_task_group() as group:
-            group.start_soon(hold_start, tmp_path, hold, 3, 2 * deadline_s)
+            group.start_soon(hold_start, tmp_path, hold, 3, held_s)
             after = await gen.generate(slow_batch(env_id, 2, ledger), disable_tqdm=True)
     finally:
         hold.unlink(missing_ok=True)
         await gen.aclose()
     assert first["stop_reasons"] == ["stop", "stop"], metrics(first)
-    assert killed["stop_reasons"] == ["stop", "rollout_error"]
-    assert metrics(killed)["generate/env_workers_killed"] == 1
+    assert killed["stop_reasons"] == ["stop", "rollout_error"], metrics(killed)
+    assert metrics(killed)["generate/env_workers_killed"] == 1, metrics(killed)
     assert after["stop_reasons"] == ["stop", "stop"], metrics(after)
     assert metrics(after)["generate/num_failed_rollouts"] == 0
     # The killed worker was replaced once (the generator's own metrics import the env class too).
