@@ -5,8 +5,8 @@
     python -m benchmarks.agents --only cpu --backends trio --json out.json
 
 An agent here is a three-call chat loop: it sends the conversation, appends the reply and a user
-observation, and sends it again. Three contenders run the same agents in one process and one event
-loop, in rotation, each batch after a garbage collection:
+observation, and sends it again. Four contenders run the same agents, in rotation, each batch after
+a garbage collection; the first three in one process and one event loop:
 
 - ``direct``: the agent renders the conversation with the chat template, tokenizes it and calls the
   ``InferenceClient`` itself (what an agent without an endpoint would have to do; no HTTP);
@@ -14,22 +14,27 @@ loop, in rotation, each batch after a garbage collection:
   and its agent POSTs raw JSON to the session's ``/chat/completions`` with its own
   ``httpx.AsyncClient`` (one keep-alive connection), as a light Python agent would;
 - ``openai``: the same with the official ``openai.AsyncOpenAI`` client (one per agent, over the
-  agent's ``httpx`` client), as most agent frameworks send their requests.
+  agent's ``httpx`` client), as most agent frameworks send their requests;
+- ``remote``: the ``httpx`` agents in a child process (:mod:`benchmarks._agent_process`, one event
+  loop on the same backend), as agents run as commands are: this process then runs the endpoint and
+  the engine alone, so its CPU is the endpoint's side of each exchange, and the latency is still
+  what the agents observe (their own client's work included, on the machine's other core).
 
 (a) ``cpu``: 1,024 rollouts x 3 calls, all at once, against an engine that answers at once. Process
     CPU time (``time.process_time``) of a whole batch, timed inside the event loop; the figure is
-    ``(median(endpoint) - median(direct)) / calls``: the CPU the endpoint adds per call. It includes
-    both ends of the HTTP exchange (the agents' client runs in the same process): the client's
-    request building and response parsing (and its client's creation, once per rollout), the
-    server's HTTP/1.1 parsing (h11) and JSON, the capture's render, prefix check and tail
-    tokenization, the decode of the sampled ids, and the session's open and close, less what the
-    direct agent spends rendering and tokenizing the whole conversation. Goal: at most 1.5 ms per
-    call.
+    ``(median(endpoint) - median(direct)) / calls``: the CPU the endpoint adds per call. For
+    ``httpx`` and ``openai`` it includes both ends of the HTTP exchange (the agents' client runs in
+    the same process): the client's request building and response parsing (and its client's
+    creation, once per rollout), the server's HTTP/1.1 parsing (h11) and JSON, the capture's render,
+    prefix check and tail tokenization, the decode of the sampled ids, and the session's open and
+    close, less what the direct agent spends rendering and tokenizing the whole conversation. For
+    ``remote`` it is the server's end alone (a child's CPU is not this process's). Goal: at most
+    1.5 ms per call (``meets_goal``: ``httpx``; ``remote_meets_goal``: ``remote``).
 (b) ``latency``: 256 agents at once x 3 calls against an engine that answers every request after
     200 ms (no batch limit). Per call, the latency the agent observes (``perf_counter`` around its
     request) minus 200 ms: p50, p90, p99 and max over every call of every repeat. The ``direct``
-    row is the floor (the event loop waking 256 sleepers). Goals (``httpx``): p50 at most 20 ms,
-    p99 at most 100 ms.
+    row is the floor (the event loop waking 256 sleepers). Goals: p50 at most 20 ms, p99 at most
+    100 ms (``meets_goal``: ``httpx``; ``remote_meets_goal``: ``remote``).
 
 Every batch is checked: each rollout made its three calls, and on the endpoint each call after the
 first extended its session's one branch (the ids reused, not re-rendered). Not part of
@@ -39,11 +44,14 @@ first extended its session's one branch (the ids reused, not re-rendered). Not p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
 import os
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from pathlib import Path
@@ -62,7 +70,11 @@ from .workload import InstantEngine, LatencyEngine, ReplyPool, question
 TURNS = 3
 LATENCY_S = 0.2
 GOALS = {"cpu_added_ms_per_call": 1.5, "latency_added_p50_ms": 20.0, "latency_added_p99_ms": 100.0}
-CONTENDERS = ("direct", "httpx", "openai")
+CONTENDERS = ("direct", "httpx", "openai", "remote")
+#: Where ``python -m benchmarks._agent_process`` runs (the repository root).
+_ROOT = Path(__file__).resolve().parent.parent
+#: The contenders whose agents go through the endpoint.
+ENDPOINT_CONTENDERS = CONTENDERS[1:]
 _OBSERVATION = "Observation {turn} for rollout {row}: the tool returned {value}. Continue."
 
 
@@ -155,12 +167,39 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-async def _run_batch(kind: str, engine: Any, tokenizer: Any, rows: int) -> _Batch:
+async def _remote_rollouts(server: CaptureServer, rows: int, batch: _Batch, backend: str) -> None:
+    """Every row's session open here, its agent in the child process (:mod:`benchmarks._agent_process`)."""
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(server.session(f"r{row}")) for row in range(rows)]
+        done = await anyio.run_process(
+            [sys.executable, "-m", "benchmarks._agent_process", backend],
+            input=json.dumps([session.base_url for session in sessions]).encode(),
+            cwd=_ROOT,
+            stderr=subprocess.PIPE,
+            check=False,
+        )
+        if done.returncode:
+            tail = done.stderr.decode()[-2000:]
+            raise RuntimeError(f"remote: the agents' process exited with {done.returncode}: {tail}")
+        result = json.loads(done.stdout)
+        batch.latencies = result["latencies"]
+        if result["calls"] != sum(len(session.calls) for session in sessions):
+            raise AssertionError(f"remote: the agents made {result['calls']} calls, the endpoint captured fewer")
+        for session in sessions:
+            batch.calls += len(session.calls)
+            batch.extended += sum(1 for c in session.calls if c.extended)
+            batch.branches += len(session.capture.branches)
+
+
+async def _run_batch(kind: str, engine: Any, tokenizer: Any, rows: int, backend: str) -> _Batch:
     batch = _Batch()
     if kind == "direct":
         async with anyio.create_task_group() as group:
             for row in range(rows):
                 group.start_soon(_direct_rollout, engine, tokenizer, row, batch)
+    elif kind == "remote":
+        async with serve_capture(engine, tokenizer, model="bench") as server:
+            await _remote_rollouts(server, rows, batch, backend)
     else:
         async with serve_capture(engine, tokenizer, model="bench") as server, anyio.create_task_group() as group:
             for row in range(rows):
@@ -178,10 +217,10 @@ def _check(kind: str, batch: _Batch, rows: int, engine: Any) -> None:
         raise AssertionError(f"{kind}: {batch.extended} calls extended a branch, {batch.branches} branches")
 
 
-async def _measure(kind: str, engine: Any, tokenizer: Any, rows: int) -> tuple[float, float, _Batch]:
+async def _measure(kind: str, engine: Any, tokenizer: Any, rows: int, backend: str) -> tuple[float, float, _Batch]:
     """(wall s, process CPU s, batch) of one batch, timed inside the event loop."""
     wall, cpu = time.perf_counter(), time.process_time()
-    batch = await _run_batch(kind, engine, tokenizer, rows)
+    batch = await _run_batch(kind, engine, tokenizer, rows, backend)
     return time.perf_counter() - wall, time.process_time() - cpu, batch
 
 
@@ -197,7 +236,7 @@ def _rotate(
 
     def run(kind: str) -> tuple[float, float, _Batch]:
         settle()
-        return anyio.run(_measure, kind, make_engine(), tokenizer, rows, backend=backend)
+        return anyio.run(_measure, kind, make_engine(), tokenizer, rows, backend, backend=backend)
 
     for kind in CONTENDERS if not args.quick else ():
         run(kind)
@@ -217,13 +256,14 @@ def bench_cpu(tokenizer: Any, args: argparse.Namespace, backend: str) -> dict[st
         row[f"{kind}_cpu_s"] = median([cpu for _, cpu, _ in runs])
         row[f"{kind}_wall_s"] = median([wall for wall, _, _ in runs])
         row[f"{kind}_calls"] = [batch.calls for _, _, batch in runs]
-    for kind in CONTENDERS[1:]:
+    for kind in ENDPOINT_CONTENDERS:
         added = (row[f"{kind}_cpu_s"] - row["direct_cpu_s"]) / calls
         row[f"{kind}_cpu_added_ms_per_call"] = 1e3 * added
         row[f"{kind}_cpu_ratio"] = row[f"{kind}_cpu_s"] / row["direct_cpu_s"]
         row[f"{kind}_extended_calls"] = [batch.extended for _, _, batch in results[kind]]
         row[f"{kind}_branches"] = [batch.branches for _, _, batch in results[kind]]
-    row["meets_goal"] = row["httpx_cpu_added_ms_per_call"] <= GOALS["cpu_added_ms_per_call"]
+    for key, kind in (("meets_goal", "httpx"), ("remote_meets_goal", "remote")):
+        row[key] = row[f"{kind}_cpu_added_ms_per_call"] <= GOALS["cpu_added_ms_per_call"]
     return row
 
 
@@ -247,10 +287,9 @@ def bench_latency(tokenizer: Any, args: argparse.Namespace, backend: str) -> dic
         added = [latency - LATENCY_S for _, _, batch in runs for latency in batch.latencies]
         row[f"{kind}_added"] = _percentiles(added)
         row[f"{kind}_calls"] = [batch.calls for _, _, batch in runs]
-    added = row["httpx_added"]
-    row["meets_goal"] = (
-        added["p50_ms"] <= GOALS["latency_added_p50_ms"] and added["p99_ms"] <= GOALS["latency_added_p99_ms"]
-    )
+    for key, kind in (("meets_goal", "httpx"), ("remote_meets_goal", "remote")):
+        added = row[f"{kind}_added"]
+        row[key] = added["p50_ms"] <= GOALS["latency_added_p50_ms"] and added["p99_ms"] <= GOALS["latency_added_p99_ms"]
     return row
 
 
@@ -263,7 +302,8 @@ def _print(name: str, row: dict[str, Any]) -> None:
             f"cpu     {row['backend']:7s} {row['rollouts']} rollouts x {TURNS} calls: "
             f"direct {row['direct_cpu_s']:.3f} s CPU; "
             f"httpx +{row['httpx_cpu_added_ms_per_call']:.3f} ms/call (x{row['httpx_cpu_ratio']:.2f}); "
-            f"openai +{row['openai_cpu_added_ms_per_call']:.3f} ms/call (x{row['openai_cpu_ratio']:.2f})",
+            f"openai +{row['openai_cpu_added_ms_per_call']:.3f} ms/call (x{row['openai_cpu_ratio']:.2f}); "
+            f"remote (server side) +{row['remote_cpu_added_ms_per_call']:.3f} ms/call (x{row['remote_cpu_ratio']:.2f})",
             flush=True,
         )
     else:

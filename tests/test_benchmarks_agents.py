@@ -1,8 +1,9 @@
 """Smoke test of the capture endpoint benchmark (``benchmarks/agents.py``) at toy sizes: shape and counts only.
 
 No figure is asserted (rule 20). What is asserted: both parts ran on both backends with every
-contender, every rollout made its three calls, and on the endpoint every call after a session's first
-extended its one branch (so the endpoint rows time the real capture path, not a branch per call).
+contender (``remote`` included: its agents in a child process), every rollout made its three calls,
+and on the endpoint every call after a session's first extended its one branch (so the endpoint rows
+time the real capture path, not a branch per call).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ def test_quick_run_measures_every_contender_on_both_backends(tmp_path, capsys):
         for kind in agents.CONTENDERS:
             assert row[f"{kind}_calls"] == [48] * row["repeats"]
             assert row[f"{kind}_cpu_s"] > 0
-        for kind in ("httpx", "openai"):
+        assert agents.ENDPOINT_CONTENDERS == ("httpx", "openai", "remote")
+        for kind in agents.ENDPOINT_CONTENDERS:
             assert row[f"{kind}_extended_calls"] == [16 * 2] * row["repeats"]
             assert row[f"{kind}_branches"] == [16] * row["repeats"]
             added = (row[f"{kind}_cpu_s"] - row["direct_cpu_s"]) / row["calls"]
             assert row[f"{kind}_cpu_added_ms_per_call"] == pytest.approx(1e3 * added)
         assert isinstance(row["meets_goal"], bool)
+        assert isinstance(row["remote_meets_goal"], bool)
 
     latency = results["latency"]
     assert [row["backend"] for row in latency] == ["asyncio", "trio"]
@@ -45,6 +48,7 @@ def test_quick_run_measures_every_contender_on_both_backends(tmp_path, capsys):
             assert added["n"] == row["agents"] * 3 * row["repeats"]
             assert added["p50_ms"] <= added["p90_ms"] <= added["p99_ms"] <= added["max_ms"]
         assert isinstance(row["meets_goal"], bool)
+        assert isinstance(row["remote_meets_goal"], bool)
 
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in printed] == [
