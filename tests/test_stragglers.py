@@ -29,21 +29,31 @@ CUT: dict[str, Any] = {"skip_failed_rollouts": True, "failure_budget_action": "w
 
 
 class Stragglers:
-    """An engine handler: ``hung`` sessions never answer (until cancelled); ``held`` ones wait for ``release``."""
+    """An engine handler: ``hung`` sessions never answer (until cancelled); ``held`` ones wait for ``release``.
 
-    def __init__(self, hung: Collection[str] = (), held: Collection[str] = ()) -> None:
+    With ``hung_first``, every other session's request waits until each hung one has reached the
+    engine, so the stragglers are cut with a request in flight however slow the machine is.
+    """
+
+    def __init__(self, hung: Collection[str] = (), held: Collection[str] = (), *, hung_first: bool = False) -> None:
         self.hung = set(hung)
         self.held = set(held)
         self.release = anyio.Event()
+        self.hung_first = hung_first
+        self.hung_in = anyio.Event()
         self.aborted: list[Any] = []
         self.entered: set[Any] = set()
         self.replies = turn_replies("first #### 7", "second #### 8")
 
     async def __call__(self, call: EngineCall) -> str:
         self.entered.add(call.session_id)
+        if self.hung <= self.entered:
+            self.hung_in.set()
         try:
             if call.session_id in self.hung:
                 await anyio.sleep_forever()
+            if self.hung_first:
+                await self.hung_in.wait()
             if call.session_id in self.held:
                 await self.release.wait()
         except BaseException:
@@ -75,7 +85,7 @@ def test_threshold_is_the_ceiling_of_the_share_without_float_noise():
 
 
 async def test_batch_cutoff_cuts_the_stragglers_into_exact_placeholders(tokenizer, anyio_backend):
-    handler = Stragglers(hung={"q4_0", "q4_1"})
+    handler = Stragglers(hung={"q4_0", "q4_1"}, hung_first=True)
     engine = ScriptedEngine(tokenizer, handler)
     gen = make_generator(tokenizer, engine, straggler_cutoff=0.8, **CUT)
     observed = Failures()
