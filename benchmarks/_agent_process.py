@@ -4,35 +4,25 @@
 
 Reads a JSON list of session base URLs on stdin (one agent each, row ``i`` for URL ``i``), runs
 every agent at once in one event loop on ``BACKEND`` (``asyncio`` or ``trio``), each with its own
-``httpx.AsyncClient`` as in the in-process ``httpx`` contender, and writes
-``{"latencies": [...], "calls": N}`` on stdout: the per-call latencies as these agents observe
-them. Run by :mod:`benchmarks.agents`, so that the parent's CPU time is the endpoint's alone (the
-clients' share is spent here, as an agent run as a command spends it in its own process).
+``httpx.AsyncClient`` as in the in-process ``httpx`` contender, and writes the JSON list of
+per-call latencies, as these agents observe them, on stdout. Run by :mod:`benchmarks.agents`, so
+that the parent's CPU time is the endpoint's alone (the clients' share is spent here, as an agent
+run as a command spends it in its own process).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
 import anyio
-import httpx
 
-from .agents import _agent, _Batch, _tls
+from .agents import _agent, _Batch, _http_client, _httpx_call
 
 
 async def _rollout(base_url: str, row: int, batch: _Batch) -> None:
-    async with httpx.AsyncClient(verify=_tls(), trust_env=False, timeout=600.0) as http:
-        url = f"{base_url}/chat/completions"
-
-        async def call(messages: list[dict[str, Any]]) -> str:
-            response = await http.post(url, json={"model": "bench", "messages": messages})
-            response.raise_for_status()
-            batch.calls += 1
-            return str(response.json()["choices"][0]["message"]["content"])
-
-        await _agent(call, row, batch)
+    async with _http_client() as http:
+        await _agent(_httpx_call(http, base_url), row, batch)
 
 
 async def _run(urls: list[str]) -> _Batch:
@@ -47,7 +37,7 @@ def main() -> int:
     backend = sys.argv[1] if len(sys.argv) > 1 else "asyncio"
     urls = json.loads(sys.stdin.read())
     batch = anyio.run(_run, urls, backend=backend)
-    json.dump({"latencies": batch.latencies, "calls": batch.calls}, sys.stdout)
+    json.dump(batch.latencies, sys.stdout)
     return 0
 
 

@@ -61,7 +61,7 @@ import anyio
 import httpx
 import openai
 
-from skyrl_structured.agents import CaptureServer, serve_capture
+from skyrl_structured.agents import CaptureServer, CaptureSession, serve_capture
 
 from .harness import median, settle
 from .tokenizer import load_tokenizer
@@ -128,37 +128,55 @@ async def _direct_rollout(engine: Any, tokenizer: Any, row: int, batch: _Batch) 
         await engine.finish_session(session)
 
 
+def _http_client() -> httpx.AsyncClient:
+    """One agent's own HTTP client (one keep-alive connection), as separate agents have.
+
+    Not one shared client: httpx's connection pool scans every connection and waiting request at
+    each event, so one pool shared by 1,024 agents measures the pool.
+    """
+    return httpx.AsyncClient(verify=_tls(), trust_env=False, timeout=600.0)
+
+
+def _httpx_call(http: httpx.AsyncClient, base_url: str) -> Call:
+    """The light agent's chat call: raw JSON POSTed to the session's ``/chat/completions``."""
+    url = f"{base_url}/chat/completions"
+
+    async def call(messages: list[dict[str, Any]]) -> str:
+        response = await http.post(url, json={"model": "bench", "messages": messages})
+        response.raise_for_status()
+        return str(response.json()["choices"][0]["message"]["content"])
+
+    return call
+
+
+def _tally(batch: _Batch, session: CaptureSession) -> None:
+    """Add a finished session's captured calls, extended calls and branches to ``batch``."""
+    batch.calls += len(session.calls)
+    batch.extended += sum(1 for c in session.calls if c.extended)
+    batch.branches += len(session.capture.branches)
+
+
+def _openai_call(http: httpx.AsyncClient, session: CaptureSession) -> Call:
+    """The framework agent's chat call: the official client (one per agent) over the agent's ``http``."""
+    client = openai.AsyncOpenAI(
+        base_url=session.base_url,
+        api_key=session.api_key,
+        http_client=http,  # type: ignore[arg-type]  # openai >= 3 takes httpx2's or (legacy) httpx's
+        max_retries=0,
+    )
+
+    async def call(messages: list[dict[str, Any]]) -> str:
+        completion = await client.chat.completions.create(model="bench", messages=messages)  # type: ignore[arg-type]
+        return completion.choices[0].message.content or ""
+
+    return call
+
+
 async def _endpoint_rollout(server: CaptureServer, kind: str, row: int, batch: _Batch) -> None:
-    # One HTTP client per agent, as separate agents have: httpx's connection pool scans every
-    # connection and waiting request at each event, so one pool shared by 1,024 agents measures the pool.
-    async with (
-        server.session(f"r{row}") as session,
-        httpx.AsyncClient(verify=_tls(), trust_env=False, timeout=600.0) as http,
-    ):
-        if kind == "openai":
-            client = openai.AsyncOpenAI(
-                base_url=session.base_url,
-                api_key=session.api_key,
-                http_client=http,  # type: ignore[arg-type]  # openai >= 3 takes httpx2's or (legacy) httpx's
-                max_retries=0,
-            )
-
-            async def call(messages: list[dict[str, Any]]) -> str:
-                completion = await client.chat.completions.create(model="bench", messages=messages)  # type: ignore[arg-type]
-                return completion.choices[0].message.content or ""
-
-        else:
-            url = f"{session.base_url}/chat/completions"
-
-            async def call(messages: list[dict[str, Any]]) -> str:
-                response = await http.post(url, json={"model": "bench", "messages": messages})
-                response.raise_for_status()
-                return str(response.json()["choices"][0]["message"]["content"])
-
+    async with server.session(f"r{row}") as session, _http_client() as http:
+        call = _openai_call(http, session) if kind == "openai" else _httpx_call(http, session.base_url)
         await _agent(call, row, batch)
-        batch.calls += len(session.calls)
-        batch.extended += sum(1 for c in session.calls if c.extended)
-        batch.branches += len(session.capture.branches)
+        _tally(batch, session)
 
 
 @functools.cache
@@ -181,14 +199,9 @@ async def _remote_rollouts(server: CaptureServer, rows: int, batch: _Batch, back
         if done.returncode:
             tail = done.stderr.decode()[-2000:]
             raise RuntimeError(f"remote: the agents' process exited with {done.returncode}: {tail}")
-        result = json.loads(done.stdout)
-        batch.latencies = result["latencies"]
-        if result["calls"] != sum(len(session.calls) for session in sessions):
-            raise AssertionError(f"remote: the agents made {result['calls']} calls, the endpoint captured fewer")
+        batch.latencies = json.loads(done.stdout)  # one per call the agents made (_check counts them)
         for session in sessions:
-            batch.calls += len(session.calls)
-            batch.extended += sum(1 for c in session.calls if c.extended)
-            batch.branches += len(session.capture.branches)
+            _tally(batch, session)
 
 
 async def _run_batch(kind: str, engine: Any, tokenizer: Any, rows: int, backend: str) -> _Batch:
