@@ -131,8 +131,11 @@ async def _cancel_when_received(server: Any, capture: Any, k: int) -> tuple[Any,
         with anyio.CancelScope() as rollout:
             async with capture.session(f"t{k}_0", sampling_params=LONG) as session:
                 agents.start_soon(_answer, answers, session)
-                while "Received request" not in server.log_text()[log_before:]:  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
+                # Wait for vLLM's scheduler to hold the request, not only for the API server's
+                # "Received request" line: a cancel between the two ends the request before it
+                # reaches the engine, and vLLM then has nothing to abort (failed once in CI).
+                while not await anyio.to_thread.run_sync(in_flight, server):
+                    await anyio.sleep(0.02)
                 rollout.cancel()
                 await anyio.sleep_forever()
     # vLLM notices the closed connection and aborts the request: nothing is left running.
@@ -140,8 +143,15 @@ async def _cancel_when_received(server: Any, capture: Any, k: int) -> tuple[Any,
     while left:
         await anyio.sleep(0.1)
         left = await anyio.to_thread.run_sync(in_flight, server)
+    # vLLM writes its "Aborted request(s)" line once the abort is sent to the engine, which may be
+    # after the scheduler's gauge reads 0: read the log until the line is there (the test's
+    # fail_after bounds a line that never comes).
+    aborted = server.aborted_requests(since=log_before)
+    while not aborted:
+        await anyio.sleep(0.1)
+        aborted = server.aborted_requests(since=log_before)
     (answer,) = answers
-    return answer, server.aborted_requests(since=log_before), left
+    return answer, aborted, left
 
 
 async def _answer(answers: list[Any], session: Any) -> None:
