@@ -134,15 +134,24 @@ class EnvCall(Completion[T]):
         except BaseException as exc:
             error = exc
         finally:
-            with self._lock:
-                self._state = _DONE
-                callbacks = self._finish(value, error)
-                follower, self._then = self._then, None
-            if follower is None:
-                _count_running(-1)
-            self._notify(callbacks)
+            follower = self._report(value, error)
         if follower is not None:
             follower.run(counted=True)
+
+    def _report(self, value: T | None, error: BaseException | None) -> EnvCall[Any] | None:
+        """Settle the call and hand its outcome to the loop; returns the follower to run next.
+
+        A method of its own so that a thread inside it is seen handing off, not running env code
+        (``skyrl_structured.testing``'s thread census tells the two apart by the innermost frame).
+        """
+        with self._lock:
+            self._state = _DONE
+            callbacks = self._finish(value, error)
+            follower, self._then = self._then, None
+        if follower is None:
+            _count_running(-1)
+        self._notify(callbacks)
+        return follower
 
 
 class EnvThreadPool:

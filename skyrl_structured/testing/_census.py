@@ -4,10 +4,12 @@ Tasks: on asyncio, ``asyncio.all_tasks()``; on trio, every task reachable from t
 through ``child_nurseries`` (system tasks included). Outside an event loop there are none to see.
 
 Threads: a thread is a *pool worker* when its outermost frames are a known thread pool's loop:
-anyio's asyncio worker (``WorkerThread.run``), trio's thread cache (``WorkerThread._work``) or a
-``concurrent.futures`` executor (``_worker``). A pool worker is *idle* when, below that loop, it
-only waits inside ``threading``/``queue``; otherwise it is *busy*, and ``where`` names the
-innermost frame of the code it runs. Reading other threads' stacks uses ``sys._current_frames``.
+anyio's asyncio worker (``WorkerThread.run``), trio's thread cache (``WorkerThread._work``), a
+``concurrent.futures`` executor (``_worker``) or the generator's env pool. A pool worker is *idle*
+when, below that loop, it only waits inside ``threading``/``queue``, or (the env pool) only hands a
+finished call's outcome back to the event loop; otherwise it is *busy*, and ``where`` names the
+innermost frame of the code it runs. Reading other threads' stacks uses ``sys._current_frames``,
+once per census: every state, and the stack it keeps, comes from the same instant.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
+from .._runtime import completion as _completion
+from .._runtime import wakers as _wakers
 from ..envs import _threads as _env_threads
 
 __all__ = ["ThreadState", "current_backend", "describe_task", "live_tasks", "loop_identity", "thread_states"]
@@ -128,6 +132,16 @@ def _is_plumbing(code: CodeType) -> bool:
     return any(part in path for part in _PLUMBING)
 
 
+# The env pool's own code after an env call returned: settling the call and waking the loop (a
+# worker found there under load is handing off, not running the environment). EnvCall.run is not
+# among them: it is where the env call itself runs.
+_HAND_OFF_FILES = {m.__file__ for m in (_env_threads, _completion, _wakers)}
+
+
+def _is_hand_off(code: CodeType) -> bool:
+    return code.co_filename in _HAND_OFF_FILES and code is not _env_threads.EnvCall.run.__code__
+
+
 def _pool_of(code: CodeType) -> str | None:
     path = code.co_filename.replace("\\", "/")
     for (suffix, qualname), pool in _POOL_LOOPS.items():
@@ -144,6 +158,8 @@ class ThreadState:
     pool: str | None
     busy: bool
     where: str
+    #: Its frames when the census was taken, innermost first (to read more from the same instant).
+    stack: tuple[FrameType, ...] = field(default=(), repr=False, compare=False)
 
     def describe(self) -> str:
         kind = f"{self.pool} pool worker" if self.pool else ("daemon thread" if self.thread.daemon else "thread")
@@ -165,8 +181,11 @@ def thread_states() -> list[ThreadState]:
             frame = frame.f_back
         pool = next((p for p in (_pool_of(f.f_code) for f in reversed(stack)) if p is not None), None)
         working = next((f for f in stack if f.f_code.co_filename not in _WAIT_FILES), None)
-        busy = pool is not None and working is not None and _pool_of(working.f_code) is None
         # Name the innermost frame of the code the thread runs for someone, not the libraries' plumbing.
         own = next((f for f in stack if f.f_code.co_filename not in _WAIT_FILES and not _is_plumbing(f.f_code)), None)
-        states.append(ThreadState(thread, pool, busy, _where(own or working or (stack[0] if stack else None))))
+        busy = pool is not None and working is not None and _pool_of(working.f_code) is None
+        if busy and own is not None and _is_hand_off(own.f_code):
+            busy = False
+        where = _where(own or working or (stack[0] if stack else None))
+        states.append(ThreadState(thread, pool, busy, where, tuple(stack)))
     return states

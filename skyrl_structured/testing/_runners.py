@@ -8,7 +8,6 @@ and the traps are described in :mod:`._matrix`.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +23,7 @@ from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput
 from ..validate import validate_generator_output
 from ..vlm_generator import StructuredVLMGymGenerator
-from ._census import thread_states
+from ._census import ThreadState, thread_states
 from ._matrix import (
     ROLLOUT_STAGES,
     THREAD_HOLD_S,
@@ -35,7 +34,7 @@ from ._matrix import (
 )
 from ._wrappers import _Instrumentation, register_wrapper_env, unregister_wrapper_env
 from .engines import ScriptedEngine, replies_by_turn
-from .leaks import LeakTracker, _is_tqdm_monitor
+from .leaks import LeakTracker, _is_thread_leak, _is_tqdm_monitor
 from .vision import ScriptedVLMEngine
 
 __all__ = ["KIT_THREAD_PREFIX", "CaseTracker", "run_case"]
@@ -48,14 +47,16 @@ def _is_kit_thread(thread: threading.Thread) -> bool:
     return thread.name.startswith(KIT_THREAD_PREFIX)
 
 
-def _wrapper_ledgers(thread: threading.Thread) -> tuple[Any, ...] | None:
-    """The ledgers of the wrapped environment call ``thread`` is inside, or None (not in one)."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
+def _wrapper_ledgers(state: ThreadState) -> tuple[Any, ...] | None:
+    """The ledgers of the wrapped environment call the thread was inside at the census, or None.
+
+    Read from the census's own frames: a fresh look could find the thread past that call (its
+    owner's close just returned) and blame its hand-off on whichever case is looking.
+    """
+    for frame in state.stack:
         if frame.f_code is _Instrumentation.call.__code__:
             owner = frame.f_locals.get("self")
             return tuple(getattr(owner, "ledgers", ()))
-        frame = frame.f_back
     return None
 
 
@@ -84,7 +85,7 @@ class CaseTracker(LeakTracker):
             if state.pool is not None:
                 if not state.busy or state.thread in self._busy:
                     continue
-                owners = _wrapper_ledgers(state.thread)
+                owners = _wrapper_ledgers(state)
                 if owners is not None and self.ledger not in owners:
                     continue  # another case's environment call
                 leaks.append(f"thread still busy: {state.describe()}")
@@ -398,8 +399,10 @@ async def _settle(tracker: CaseTracker, setup: Setup, leaks: list[str]) -> tuple
 
     Returns the leaks left, and the slow verdict's line (naming ``leak_grace_s``) if the wait cleared them.
     """
-    if not leaks or setup.settle_s <= setup.leak_grace_s or not tracker.thread_leaks():
+    if setup.settle_s <= setup.leak_grace_s or not any(_is_thread_leak(line) for line in leaks):
         return leaks, []
+    # No early return when the threads are idle by now: they were busy past leak_grace_s, so the
+    # verdict is slow (a second look below), never the lines seen a moment ago.
     started = time.monotonic()
     with anyio.move_on_after(setup.settle_s - setup.leak_grace_s):
         # Worker threads change this state, with no event to wait on: poll.

@@ -36,6 +36,7 @@ import anyio
 from ._matrix import Case, Setup, Trap
 from ._report import CaseResult, ConcurrencyReport
 from ._runners import KIT_THREAD_PREFIX, run_case
+from .leaks import _is_thread_leak
 
 __all__ = ["Calibration", "RunOptions", "run_all"]
 
@@ -51,7 +52,7 @@ CPU_BOUND_FRACTION = 0.5
 #: The most lanes the check opens by itself.
 MAX_LANES = 8
 #: Problems another case running at the same time could have caused: confirmed by a rerun alone.
-_SHARED_STATE_PROBLEMS = ("thread ", "hung:", "the case did not finish")
+_SHARED_STATE_PROBLEMS = ("hung:", "the case did not finish")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Calibration:
 
 
 def _is_shared_state(problem: str) -> bool:
-    return problem.startswith(_SHARED_STATE_PROBLEMS) or "environment calls are still running" in problem
+    return problem.startswith(_SHARED_STATE_PROBLEMS) or _is_thread_leak(problem)
 
 
 def run_isolated(backend: str, case: Case, setup: Setup, *, shared: bool = False) -> CaseResult:

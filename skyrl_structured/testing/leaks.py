@@ -45,6 +45,11 @@ from .envs import EnvLedger
 __all__ = ["LeakTracker", "TrackedEngine"]
 
 
+def _is_thread_leak(line: str) -> bool:
+    """Whether ``line`` is one of :meth:`LeakTracker.thread_leaks`' (a thread busy or alive, a call running)."""
+    return line.startswith("thread ") or "environment calls are still running" in line
+
+
 def _is_tqdm_monitor(thread: threading.Thread) -> bool:
     monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
     return monitor is not None and isinstance(thread, monitor)
@@ -230,7 +235,8 @@ class LeakTracker:
             while threads:
                 await anyio.sleep(0.01)
                 threads = self.thread_leaks()
-        return self._static_leaks() + tasks + self.thread_leaks()
+        # The last look decides: one more could catch a worker in passing after an idle look.
+        return self._static_leaks() + tasks + threads
 
     def _report(self, leaks: list[str]) -> None:
         self.checked = True

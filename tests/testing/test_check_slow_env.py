@@ -16,13 +16,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from skyrl_structured.generator import StructuredGymGenerator
 from skyrl_structured.testing import SCRIPTED_ENV, check_structured_concurrency
+from skyrl_structured.testing._matrix import Setup
+from skyrl_structured.testing._runners import CaseTracker, _settle
 from skyrl_structured.testing._schedule import (
     DEFAULT_CASE_TIMEOUT_S,
     MAX_LANES,
@@ -80,6 +84,28 @@ def test_a_slow_close_is_slow_not_leaked_and_the_kit_fits_its_deadlines_to_it():
     assert {c.verdict for c in report.cases if c.kind != "hang"} == {"passed"}
     head = report.summary().splitlines()[0]
     assert head == f"check_structured_concurrency({ENV_ID!r}): {len(report.cases)} cases, 0 failed, 2 slow (not leaked)"
+
+
+@pytest.mark.anyio
+async def test_threads_idle_by_the_second_look_make_the_case_slow_not_failed(anyio_backend):
+    """Threads busy at the end of ``leak_grace_s`` and idle a moment later: slow, never those stale lines.
+
+    Under load the moment can be long; the kit once reported the lines seen at the end of the grace as
+    leaks, and failed a case whose threads had gone idle meanwhile.
+    """
+    tracker = CaseTracker(shared=False)  # this process, now: no thread of the test's is busy
+    setup = Setup(ENV_ID, [], [], None, [], StructuredGymGenerator, {}, None, 30.0, leak_grace_s=1.0, target=0)
+    slow_setup = replace(setup, settle_s=8.0)
+    seen = ["1 environment calls are still running in worker threads", "thread still busy: worker 'w' at env.py:9"]
+    problems, slow = await _settle(tracker, slow_setup, seen)
+    assert problems == []
+    (line,) = slow
+    assert line.startswith("slow, not leaked: the environment's worker threads were still busy after leak_grace_s=1s")
+    # Without a slow baseline there is no wait (the lines stand), and a leak that is not a thread's is
+    # never slowness.
+    assert await _settle(tracker, setup, seen) == (seen, [])
+    unclosed = ["1 of 4 environments were never closed"]
+    assert await _settle(tracker, slow_setup, unclosed) == (unclosed, [])
 
 
 def test_a_leak_grace_long_enough_accepts_the_slow_close():

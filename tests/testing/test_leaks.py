@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -13,6 +15,7 @@ import skyrl_gym
 from tqdm import tqdm
 from tqdm._monitor import TMonitor
 
+from skyrl_structured._runtime.wakers import LoopWaker
 from skyrl_structured.envs import EnvThreadPool
 from skyrl_structured.envs._threads import EnvCall
 from skyrl_structured.testing import SCRIPTED_ENV, ChaosPolicy, LeakTracker, ScriptedEngine, register_chaos_env
@@ -235,6 +238,64 @@ async def test_thread_states_know_the_env_thread_pool(anyio_backend):
         release.set()
     with anyio.fail_after(10):
         await call.wait()
+
+
+@pytest.mark.anyio
+async def test_an_env_worker_handing_its_result_back_is_idle_and_its_stack_is_the_censuss(anyio_backend):
+    """A worker whose env call returned and that is waking the loop runs no env code: not busy.
+
+    Under load a worker can wait there a while (for the waker's lock, or the CPU). The check used to
+    count it busy and blame it on whichever concurrent case looked; here the hand-off is held open
+    by holding its waker's lock. The state's ``stack`` is the census's own instant: it still shows
+    the hand-off after the worker has moved on.
+    """
+    waker = LoopWaker(anyio.lowlevel.current_token())  # this call's alone: holding its lock blocks nothing else
+    pool = EnvThreadPool(1, name="tests-census-handoff")
+    call = EnvCall(lambda: 7, waker=waker)
+
+    def handing_off() -> list[Any]:
+        return [
+            s
+            for s in thread_states()
+            if s.thread.name.startswith("tests-census-handoff")
+            and any(f.f_code is LoopWaker.__call__.__code__ for f in s.stack)
+        ]
+
+    results: list[int] = []
+
+    async def wait() -> None:
+        await call.wait()
+        results.append(call.result())
+
+    with anyio.fail_after(30):  # only a hang takes this long
+        async with anyio.create_task_group() as group:
+            group.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()  # waiting: the worker will have a wake-up to deliver
+            waker._lock.acquire()
+            try:
+                pool.submit(call)
+                while not (states := handing_off()):  # noqa: ASYNC110 - a thread's stack has no event to await
+                    await anyio.sleep(0.005)
+                (state,) = states
+                assert state.pool == "skyrl-structured env"
+                assert not state.busy
+                assert state.where.endswith("in LoopWaker.__call__")
+            finally:
+                waker._lock.release()
+        assert results == [7]
+        while any(f.f_code is LoopWaker.__call__.__code__ for f in current_stack(state.thread)):  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+    # Gone from the hand-off now, and the state taken then still shows it there.
+    assert any(f.f_code is LoopWaker.__call__.__code__ for f in state.stack)
+
+
+def current_stack(thread: threading.Thread) -> list[Any]:
+    frames = []
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
 
 
 @pytest.mark.anyio
