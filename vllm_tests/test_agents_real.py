@@ -128,9 +128,9 @@ async def _cancel_while_running(server: Any, capture: Any, k: int) -> tuple[str,
     The trigger is vLLM's "Added request" log line, written once the request is in the engine, so
     that cancelling it from then on goes through vLLM's abort. Not its "Received request" line: a
     cancel between the two ends the request before it reaches the engine, leaving vLLM nothing to
-    abort (failed once in CI). Nor the running-requests gauge, which can still read 1 from the
-    engine's last step, nor the generated-tokens counter, which is not updated while a request
-    runs (both seen in loaded runs). A request vLLM finished before a poll saw it added is tried again,
+    abort (failed once in CI). Nor vLLM's metrics: in loaded runs here, a wait on the
+    running-requests gauge never saw a request run, and the generated-tokens counter did not move
+    during a 7 s request. A request vLLM finished before a poll saw it added is tried again,
     in a new session. The agent runs outside the rollout's scope (as its worker thread does in a
     generator) and is answered by the session's close. Returns the session id, the agent's answer,
     the request ids vLLM logged as aborted, its requests in flight afterwards (polled until 0), and
