@@ -303,6 +303,19 @@ class VLLMServer:
                 ids.extend(i for i in rest.strip().rstrip(".").split(",") if i)
         return ids
 
+    def cancelled_requests(self, since: int = 0) -> list[str]:
+        """The ids of the requests whose handling the server logged as cancelled (``Request <id> aborted.``).
+
+        vLLM writes that line when a request's ``generate()`` is cancelled, after aborting it in the
+        engine if the engine already held it; :meth:`aborted_requests` sees only that second case.
+        """
+        ids: list[str] = []
+        for line in self.log_text()[since:].splitlines():
+            _, found, rest = line.partition("] Request ")
+            if found and rest.rstrip().endswith(" aborted."):
+                ids.append(rest.split(" ", 1)[0])
+        return ids
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 

@@ -141,29 +141,15 @@ async def _cancel_when_received(server: Any, capture: Any, k: int) -> tuple[Any,
     while left:
         await anyio.sleep(0.1)
         left = await anyio.to_thread.run_sync(in_flight, server)
-    # The line comes once vLLM's handling of the cancel is done (the test's fail_after bounds it).
-    cancelled = cancelled_in_vllm(server, since=log_before)
+    # vLLM's "Request <id> aborted." comes whether or not its engine held the request yet (its
+    # "Aborted request(s)" only if it did, and the trigger is logged before that): read it until it
+    # is written (the test's fail_after bounds it).
+    cancelled = server.cancelled_requests(since=log_before)
     while not cancelled:
         await anyio.sleep(0.1)
-        cancelled = cancelled_in_vllm(server, since=log_before)
+        cancelled = server.cancelled_requests(since=log_before)
     (answer,) = answers
     return answer, cancelled, left
-
-
-def cancelled_in_vllm(server: Any, since: int) -> list[str]:
-    """The requests whose handling vLLM logged as cancelled (``Request <id> aborted.``) after ``since``.
-
-    vLLM writes that line when the request's ``generate()`` is cancelled, after aborting it in the
-    engine if the engine already held it. Its ``Aborted request(s)`` line comes only in that second
-    case, and "Received request" (the trigger) is logged before the request reaches the engine, so a
-    cancel can land first: that left the last stop's CI with no ``Aborted request(s)`` line to count.
-    """
-    ids = []
-    for line in server.log_text()[since:].splitlines():
-        _, found, rest = line.partition("] Request ")
-        if found and rest.rstrip().endswith(" aborted."):
-            ids.append(rest.split(" ", 1)[0])
-    return ids
 
 
 async def _answer(answers: list[Any], session: Any) -> None:
