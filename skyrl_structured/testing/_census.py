@@ -7,9 +7,10 @@ Threads: a thread is a *pool worker* when its outermost frames are a known threa
 anyio's asyncio worker (``WorkerThread.run``), trio's thread cache (``WorkerThread._work``), a
 ``concurrent.futures`` executor (``_worker``) or the generator's env pool. A pool worker is *idle*
 when, below that loop, it only waits inside ``threading``/``queue``, or (the env pool) only hands a
-finished call's outcome back to the event loop; otherwise it is *busy*, and ``where`` names the
-innermost frame of the code it runs. Reading other threads' stacks uses ``sys._current_frames``,
-once per census: every state, and the stack it keeps, comes from the same instant.
+finished call's outcome back to the event loop with no call chained after it; otherwise it is
+*busy*, and ``where`` names the innermost frame of the code it runs. Reading other threads' stacks
+uses ``sys._current_frames``, once per census: every state, and the stack it keeps, comes from the
+same instant.
 """
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ def _is_hand_off(code: CodeType) -> bool:
     return code.co_filename in _HAND_OFF_FILES and code is not _env_threads.EnvCall.run.__code__
 
 
+def _hands_on_a_follower(stack: list[FrameType]) -> bool:
+    """True when the call being handed off has a call chained after it (an abandoned env's close).
+
+    That close runs in this thread next: until it has, the env is open and the worker is its, so the
+    hand-off is busy. Read from the hand-off's frame: the chained call is on the call (``_then``)
+    until the hand-off takes it into its local ``follower``, which it does before waking the loop.
+    """
+    for frame in stack:
+        if frame.f_code is _env_threads.EnvCall._report.__code__:
+            # ``_then`` first: the hand-off stores ``follower`` before it clears ``_then``, so a
+            # thread switch between the two reads cannot hide the follower from both.
+            chained = getattr(frame.f_locals.get("self"), "_then", None)
+            return chained is not None or frame.f_locals.get("follower") is not None
+    return False
+
+
 def _pool_of(code: CodeType) -> str | None:
     path = code.co_filename.replace("\\", "/")
     for (suffix, qualname), pool in _POOL_LOOPS.items():
@@ -184,7 +201,7 @@ def thread_states() -> list[ThreadState]:
         # Name the innermost frame of the code the thread runs for someone, not the libraries' plumbing.
         own = next((f for f in stack if f.f_code.co_filename not in _WAIT_FILES and not _is_plumbing(f.f_code)), None)
         busy = pool is not None and working is not None and _pool_of(working.f_code) is None
-        if busy and own is not None and _is_hand_off(own.f_code):
+        if busy and own is not None and _is_hand_off(own.f_code) and not _hands_on_a_follower(stack):
             busy = False
         where = _where(own or working or (stack[0] if stack else None))
         states.append(ThreadState(thread, pool, busy, where, tuple(stack)))

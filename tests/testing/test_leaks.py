@@ -20,6 +20,7 @@ from skyrl_structured.envs import EnvThreadPool
 from skyrl_structured.envs._threads import EnvCall
 from skyrl_structured.testing import SCRIPTED_ENV, ChaosPolicy, LeakTracker, ScriptedEngine, register_chaos_env
 from skyrl_structured.testing._census import thread_states
+from skyrl_structured.testing._runners import CaseTracker
 
 from ._helpers import batch, generator
 
@@ -287,6 +288,59 @@ async def test_an_env_worker_handing_its_result_back_is_idle_and_its_stack_is_th
             await anyio.sleep(0.005)
     # Gone from the hand-off now, and the state taken then still shows it there.
     assert any(f.f_code is LoopWaker.__call__.__code__ for f in state.stack)
+
+
+@pytest.mark.anyio
+async def test_an_env_worker_handing_off_a_step_with_a_close_chained_after_it_is_busy(anyio_backend):
+    """Cleanup gave up on a stuck step and chained the env's close after it: the hand-off is not idle.
+
+    The close runs in that thread next, and until it has the env is open. Counted idle, a check that
+    shares its process with other cases (``jobs>1``) found no busy worker and no running call of its
+    own in that instant, and reported the env "never closed" (a CI failure: a trio hang-at-step case).
+    """
+    waker = LoopWaker(anyio.lowlevel.current_token())
+    pool = EnvThreadPool(1, name="tests-census-chained")
+    release = threading.Event()
+    step = EnvCall(release.wait, 30, waker=waker)
+    closed: list[str] = []
+    close = EnvCall(closed.append, "closed", skippable=False, waker=waker)
+    tracker = CaseTracker(shared=True)
+
+    def handing_off() -> list[Any]:
+        return [
+            s
+            for s in thread_states()
+            if s.thread.name.startswith("tests-census-chained")
+            and any(f.f_code is LoopWaker.__call__.__code__ for f in s.stack)
+        ]
+
+    def in_step() -> bool:
+        return any(s.busy for s in thread_states() if s.thread.name.startswith("tests-census-chained"))
+
+    with anyio.fail_after(30):  # only a hang takes this long
+        async with anyio.create_task_group() as group:
+            group.start_soon(step.wait)
+            await anyio.wait_all_tasks_blocked()  # waiting: the hand-off will have a wake-up to deliver
+            pool.submit(step)
+            while not in_step():  # noqa: ASYNC110 - a thread's stack has no event to await
+                await anyio.sleep(0.005)
+            step.then(close, pool)  # what ChainClose.abandon does when env_cleanup_timeout_s runs out
+            waker._lock.acquire()
+            try:
+                release.set()
+                while not (states := handing_off()):  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+                (state,) = states
+                assert state.busy
+                assert closed == []
+                assert [line for line in tracker.thread_leaks() if "tests-census-chained" in line] == [
+                    f"thread still busy: skyrl-structured env pool worker {state.thread.name!r} at {state.where}"
+                ]
+            finally:
+                waker._lock.release()
+        await close.wait()
+    assert closed == ["closed"]
+    assert step.result() is True
 
 
 def current_stack(thread: threading.Thread) -> list[Any]:
