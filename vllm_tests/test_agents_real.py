@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import openai
 import pytest
 
 from skyrl_structured.agents import serve_capture
@@ -143,12 +144,21 @@ class Attempt:
     request_id: str
     #: What the agent got: the response, or the ``APIStatusError``.
     answer: Any
-    #: True when vLLM had finished the request before the cancel reached it (the attempt is run again).
-    completed: bool
     #: The ids vLLM logged as aborted (``Request <id> aborted.``) during the attempt.
     aborted: list[str]
+    #: vLLM counted a request finished during the attempt.
+    finished_in_vllm: bool
     #: Requests in flight in vLLM afterwards (polled until 0).
     left: float
+
+    @property
+    def answered_first(self) -> bool:
+        """The agent got its completion before the cancel: the whole decode outran the test's poll.
+
+        Such an attempt tests nothing and is run again. A cancelled agent (499) whose request vLLM
+        finished anyway is no such case: it fails the test.
+        """
+        return not isinstance(self.answer, openai.APIStatusError)
 
 
 async def _cancel_in_engine(server: Any, capture: Any, k: int) -> Attempt:
@@ -157,9 +167,9 @@ async def _cancel_in_engine(server: Any, capture: Any, k: int) -> Attempt:
     Cancelled on "Received request" instead, the cancel can land before vLLM's handler hands the
     request to its engine: then nothing is added, nothing is aborted and vLLM logs no abort at all
     (the lane once waited its 240 s for one). Once "Added request" is logged, vLLM either aborts the
-    request (``Request <id> aborted.``) or, if the whole decode ended before the cancel reached it,
-    counts it finished: the attempt waits for one of the two. The agent runs outside the rollout's
-    scope (as its worker thread does in a generator) and is answered by the session's close.
+    request (``Request <id> aborted.``) or counts it finished: the attempt waits for one of the two.
+    The agent runs outside the rollout's scope (as its worker thread does in a generator) and is
+    answered by the session's close.
     """
     log_before = len(server.log_text())
     finished_before = await anyio.to_thread.run_sync(finished, server)
@@ -184,13 +194,13 @@ async def _cancel_in_engine(server: Any, capture: Any, k: int) -> Attempt:
     # Aborted or finished: vLLM logs the one, counts the other (the test's fail_after bounds the wait).
     while True:
         aborted = server.cancelled_requests(since=log_before)
-        completed = await anyio.to_thread.run_sync(finished, server) > finished_before
-        if aborted or completed:
+        finished_in_vllm = await anyio.to_thread.run_sync(finished, server) > finished_before
+        if aborted or finished_in_vllm:
             break
         await anyio.sleep(0.1)
     (answer,) = answers
     assert request_id is not None
-    return Attempt(f"t{k}_0", request_id, answer, completed and not aborted, aborted, left)
+    return Attempt(f"t{k}_0", request_id, answer, aborted, finished_in_vllm, left)
 
 
 async def _answer(answers: list[Any], session: Any) -> None:
@@ -207,19 +217,24 @@ async def test_cancelling_a_rollout_answers_its_agent_499_and_aborts_the_vllm_re
             HTTPEngine(vllm_server.url, vllm_server.model) as engine,
             serve_capture(engine, tokenizer, model=vllm_server.model) as capture,
         ):
-            while sum(not a.completed for a in attempts) < ROLLOUTS:
-                assert len(attempts) < ATTEMPTS, [(a.rollout, a.request_id, a.completed) for a in attempts]
+            while sum(not a.answered_first for a in attempts) < ROLLOUTS:
+                assert len(attempts) < ATTEMPTS, attempts
                 attempts.append(await _cancel_in_engine(vllm_server, capture, len(attempts)))
             assert capture.open_sessions == 0
             assert engine.router.active_sessions == 0  # each closed session finished its engine session
-    cancelled = [a for a in attempts if not a.completed]
+    cancelled = [a for a in attempts if not a.answered_first]
     for attempt in cancelled:
         assert attempt.answer.status_code == 499, attempt
         error = error_of(attempt.answer)
         assert attempt.rollout in error["message"]
         assert "was in flight" in error["message"]
         assert attempt.aborted == [attempt.request_id], attempt  # its request, aborted inside vLLM
+        assert not attempt.finished_in_vllm, attempt
         assert attempt.left == 0
-    # No cancelled request ran to its end (470 tokens): vLLM finished only the ones it had done first.
-    completed = len(attempts) - len(cancelled)
-    assert await anyio.to_thread.run_sync(finished, vllm_server) == finished_before + completed
+    for attempt in attempts:
+        if attempt.answered_first:
+            assert attempt.finished_in_vllm, attempt
+            assert attempt.aborted == [], attempt
+    # No cancelled request ran to its end (470 tokens): vLLM finished only the ones it answered first.
+    answered_first = len(attempts) - len(cancelled)
+    assert await anyio.to_thread.run_sync(finished, vllm_server) == finished_before + answered_first
