@@ -85,7 +85,9 @@ async def test_a_crashed_actor_fails_one_rollout(anyio_backend, tokenizer, tmp_p
     assert any("died while running `step`" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.timeout(900)  # six cases of three batches, each starting actors: minutes on a loaded machine
+# Six cases of three batches, each starting actors: minutes on a loaded machine (461 s and 601 s in
+# two loaded full-suite runs, the second beside the vLLM lane), so the bound is one only a hang reaches.
+@pytest.mark.timeout(1800)
 def test_the_kit_in_ray_mode_names_an_envs_raising_close():
     # Issue 27 item 5, on actors: the user's close is named with its file:line (recorded in the actor),
     # not read as the kit's crash-in-close attack failing.
