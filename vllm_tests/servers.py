@@ -294,6 +294,20 @@ class VLLMServer:
         except FileNotFoundError:
             return ""
 
+    def added_requests(self, since: int = 0) -> list[str]:
+        """The ids vLLM logged as added to its engine after character ``since`` of its log.
+
+        ``Added request <id>.``: the engine holds the request, so a cancel from then on goes through
+        vLLM's abort. The id is the handler's (``Received request <id>``) with a suffix of vLLM's.
+        vLLM's gauges lag this line by up to a whole decode on a loaded machine.
+        """
+        ids: list[str] = []
+        for line in self.log_text()[since:].splitlines():
+            _, found, rest = line.partition("] Added request ")
+            if found:
+                ids.append(rest.strip().rstrip("."))
+        return ids
+
     def aborted_requests(self, since: int = 0) -> list[str]:
         """The ids of the requests the server logged as aborted after character ``since`` of its log."""
         ids: list[str] = []

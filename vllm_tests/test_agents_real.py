@@ -131,11 +131,6 @@ def received_id(log: str) -> str | None:
     return found.group(1) if found else None
 
 
-def in_engine(log: str, request_id: str) -> bool:
-    """vLLM logged that its engine holds the request (``Added request <id>-<suffix>.``)."""
-    return f"Added request {request_id}-" in log or f"Added request {request_id}." in log
-
-
 @dataclass
 class Attempt:
     """One rollout cancelled while vLLM's engine held its agent's request."""
@@ -175,15 +170,15 @@ async def _cancel_in_engine(server: Any, capture: Any, k: int) -> Attempt:
     finished_before = await anyio.to_thread.run_sync(finished, server)
     answers: list[Any] = []
     request_id: str | None = None
-    log = ""
     async with anyio.create_task_group() as agents:
         with anyio.CancelScope() as rollout:
             async with capture.session(f"t{k}_0", sampling_params=LONG) as session:
                 agents.start_soon(_answer, answers, session)
-                while request_id is None or not in_engine(log, request_id):
+                added: list[str] = []
+                while request_id is None or not any(a.startswith(f"{request_id}-") for a in added):
                     await anyio.sleep(0.005)
-                    log = server.log_text()[log_before:]
-                    request_id = request_id or received_id(log)
+                    request_id = request_id or received_id(server.log_text()[log_before:])
+                    added = server.added_requests(since=log_before)
                 rollout.cancel()
                 await anyio.sleep_forever()
     # vLLM notices the closed connection and aborts the request: nothing is left running.

@@ -136,11 +136,32 @@ async def open_engine(kind: str, resources: dict[str, Any]) -> AsyncIterator[tup
             yield opened
     elif kind == "vllm-http":
         server: VLLMServer = resources["server"]
+        log_start = len(server.log_text())
+        finished_start = await anyio.to_thread.run_sync(server.metric, "vllm:request_success_total") or 0.0
+        seen = {"added": 0, "finished": 0.0}
+
+        def on_server_now() -> int:
+            # vLLM's log says at once that its engine took a request ("Added request") or aborted
+            # one; /metrics is answered by the same busy API server, and on a loaded machine no
+            # /metrics request was answered during a whole 400-token decode (the cancellation
+            # check then saw all 5 tries finish first). So a request newly added is reported in
+            # flight from the log alone, once; a log that accounts for every request reports 0;
+            # only otherwise is /metrics read (the gauges, and the success counter for the
+            # requests that finished).
+            added = len(server.added_requests(since=log_start))
+            aborted = len(server.cancelled_requests(since=log_start))
+            if added > seen["added"]:
+                seen["added"] = added
+                return added - aborted - int(seen["finished"])
+            if added - aborted - seen["finished"] <= 0:
+                return 0
+            text = server.metrics_text()
+            gauges = int(_metric(text, "vllm:num_requests_running") + _metric(text, "vllm:num_requests_waiting"))
+            seen["finished"] = (parse_metric(text, "vllm:request_success_total") or 0.0) - finished_start
+            return max(gauges, added - aborted - int(seen["finished"]))
 
         async def on_server() -> int:
-            text = await anyio.to_thread.run_sync(server.metrics_text)
-            running = [_metric(text, "vllm:num_requests_running"), _metric(text, "vllm:num_requests_waiting")]
-            return int(sum(running))
+            return await anyio.to_thread.run_sync(on_server_now)
 
         async with HTTPEngine(server.url, server.model, tokenizer=resources["tokenizer"]) as engine:
             yield engine, on_server
