@@ -142,9 +142,9 @@ async def open_engine(kind: str, resources: dict[str, Any]) -> AsyncIterator[tup
 
         def on_server_now() -> int:
             # vLLM's log says at once that its engine took a request ("Added request") or aborted
-            # one; /metrics is answered by the same busy API server, and on a loaded machine no
-            # /metrics request was answered during a whole 400-token decode (the cancellation
-            # check then saw all 5 tries finish first). So a request newly added is reported in
+            # one. /metrics is an HTTP round trip to the busy server: in a loaded lane no /metrics
+            # answer came between a request's "Added request" and its end (400 tokens in under a
+            # second), so the cancellation check saw all 5 tries finish first. So a request newly added is reported in
             # flight from the log alone, once; a log that accounts for every request reports 0;
             # only otherwise is /metrics read (the gauges, and the success counter for the
             # requests that finished).
