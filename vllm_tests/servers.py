@@ -294,28 +294,31 @@ class VLLMServer:
         except FileNotFoundError:
             return ""
 
+    def _after(self, marker: str, since: int) -> list[str]:
+        """What follows ``marker`` on each line of the log after character ``since`` that has it."""
+        found = []
+        for line in self.log_text()[since:].splitlines():
+            _, hit, rest = line.partition(marker)
+            if hit:
+                found.append(rest.strip())
+        return found
+
+    def received_requests(self, since: int = 0) -> list[str]:
+        """The ids vLLM's handler logged as received (``Received request <id>: ...``), before its engine has them."""
+        return [rest.split(":", 1)[0] for rest in self._after("] Received request ", since)]
+
     def added_requests(self, since: int = 0) -> list[str]:
         """The ids vLLM logged as added to its engine after character ``since`` of its log.
 
         ``Added request <id>.``: the engine holds the request, so a cancel from then on goes through
         vLLM's abort. The id is the handler's (``Received request <id>``) with a suffix of vLLM's.
-        vLLM's gauges lag this line by up to a whole decode on a loaded machine.
+        On a loaded machine ``/metrics`` can miss a whole decode; this line comes at once.
         """
-        ids: list[str] = []
-        for line in self.log_text()[since:].splitlines():
-            _, found, rest = line.partition("] Added request ")
-            if found:
-                ids.append(rest.strip().rstrip("."))
-        return ids
+        return [rest.rstrip(".") for rest in self._after("] Added request ", since)]
 
     def aborted_requests(self, since: int = 0) -> list[str]:
         """The ids of the requests the server logged as aborted after character ``since`` of its log."""
-        ids: list[str] = []
-        for line in self.log_text()[since:].splitlines():
-            _, found, rest = line.partition("Aborted request(s) ")
-            if found:
-                ids.extend(i for i in rest.strip().rstrip(".").split(",") if i)
-        return ids
+        return [i for rest in self._after("Aborted request(s) ", since) for i in rest.rstrip(".").split(",") if i]
 
     def cancelled_requests(self, since: int = 0) -> list[str]:
         """The ids of the requests whose handling the server logged as cancelled (``Request <id> aborted.``).
@@ -323,12 +326,7 @@ class VLLMServer:
         vLLM writes that line when a request's ``generate()`` is cancelled, after aborting it in the
         engine if the engine already held it; :meth:`aborted_requests` sees only that second case.
         """
-        ids: list[str] = []
-        for line in self.log_text()[since:].splitlines():
-            _, found, rest = line.partition("] Request ")
-            if found and rest.rstrip().endswith(" aborted."):
-                ids.append(rest.split(" ", 1)[0])
-        return ids
+        return [rest.split(" ", 1)[0] for rest in self._after("] Request ", since) if rest.endswith(" aborted.")]
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
