@@ -26,7 +26,9 @@ MODEL_SEED = 0
 #: greedy decoding varies from token to token and often ends with EOS, so that comparing engines
 #: token for token means something; top-1/top-2 logit gaps stay far above float32 noise.
 MODEL_INIT_STD = 0.2
-MAX_MODEL_LEN = 512
+#: The tiny model's positions, all of them: room for a decode far longer than any poll interval
+#: (``tests/engines/contract.py``'s LONG_DECODE_TOKENS), which the cancellation checks cancel mid-flight.
+MAX_MODEL_LEN = 4096
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "300"))
 MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
 OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")

@@ -61,7 +61,7 @@ def engine(vllm_model_dir: Path, threads_before: set[str]) -> Iterator[VLLMEngin
 
 
 def long_params(**overrides: Any) -> dict[str, Any]:
-    return contract.params(temperature=1.0, max_tokens=400, min_tokens=400, seed=3, **overrides)
+    return contract.long_params(seed=3, **overrides)
 
 
 async def test_token_exact_with_logprobs_against_the_server(anyio_backend, engine, tokenizer, reference):

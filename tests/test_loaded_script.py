@@ -1,0 +1,50 @@
+"""``scripts/test-loaded``: the test command under load, stopping exactly the load it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "test-loaded"
+
+pytestmark = pytest.mark.skipif(
+    not (SCRIPT.parents[1] / ".venv" / "bin" / "python").exists(), reason="needs the checkout's .venv (scripts/setup)"
+)
+
+
+def _run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(body)
+    env = dict(os.environ, LOAD_PROCS="2")
+    done = subprocess.run(
+        [str(SCRIPT), str(test_file), "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    started = re.search(r"test-loaded: 2 busy process\(es\) beside the suite \(pids ([\d ]+)\)", done.stderr)
+    assert started, done.stderr
+    return done, [int(p) for p in started.group(1).split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_run_prints_pytests_summary_keeps_its_status_and_stops_its_load(tmp_path: Path) -> None:
+    done, pids = _run(tmp_path, "def test_passes():\n    pass\n\n\ndef test_fails():\n    assert False\n")
+    assert done.returncode == 1, done.stdout + done.stderr  # pytest's own status
+    assert re.search(r"^1 failed, 1 passed in [\d.]+s", done.stdout, re.MULTILINE), done.stdout
+    assert len(pids) == 2
+    assert all(_gone(pid) for pid in pids)  # killed and waited for by the script: no zombie either
+    assert done.stderr.rstrip().endswith(f"stopped the load (pids {' '.join(map(str, pids))})")
