@@ -19,7 +19,9 @@ from .trace_check import children, spans_by_track
 
 pytestmark = pytest.mark.slow
 
-ROLLOUTS = 48
+#: 4 prompts x 4 samples: every kind of span and fault shows, at a third of the default run's cost.
+ROLLOUTS = 16
+SMALL_RUN = "data.max_prompts=4"
 
 
 def test_the_trace_of_a_chaos_run(tmp_path: Path) -> None:
@@ -32,6 +34,7 @@ def test_the_trace_of_a_chaos_run(tmp_path: Path) -> None:
             "rollout",
             f"run.output_dir={out}",
             "run.progress=false",
+            SMALL_RUN,
             "chaos.failure_rate=0.3",
             "generator.skip_failed_rollouts=true",
             "generator.max_rollout_retries=1",
@@ -103,6 +106,7 @@ def test_metrics_port_serves_live_metrics_while_the_step_runs(tmp_path: Path) ->
         "rollout",
         f"run.output_dir={tmp_path / 'out'}",
         "run.progress=false",
+        SMALL_RUN,
         "run.metrics_port=0",  # any free port; the command says which
         "run.metrics_host=127.0.0.1",
         "chaos.slow_rate=1.0",  # every engine call waits, so rollouts are seen in flight
