@@ -21,7 +21,7 @@ def _run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], l
     test_file.write_text(body)
     env = dict(os.environ, LOAD_PROCS="2")
     done = subprocess.run(
-        [str(SCRIPT), str(test_file), "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"],
+        [str(SCRIPT), str(test_file), "-q", "-n", "0", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"],
         env=env,
         capture_output=True,
         text=True,
@@ -48,3 +48,15 @@ def test_the_run_prints_pytests_summary_keeps_its_status_and_stops_its_load(tmp_
     assert len(pids) == 2
     assert all(_gone(pid) for pid in pids)  # killed and waited for by the script: no zombie either
     assert done.stderr.rstrip().endswith(f"stopped the load (pids {' '.join(map(str, pids))})")
+
+
+def test_the_readme_ci_and_the_loaded_run_use_one_test_command() -> None:
+    root = SCRIPT.parents[1]
+    (readme_line,) = [
+        line
+        for line in (root / "README.md").read_text().splitlines()
+        if line.startswith("./scripts/setup && ") and "pytest" in line
+    ]
+    pytest_command = readme_line.removeprefix("./scripts/setup && ")
+    assert readme_line in (root / ".ci" / "run").read_text().splitlines()
+    assert f'{pytest_command} "$@" || status=$?' in SCRIPT.read_text().splitlines()
