@@ -408,7 +408,8 @@ async def serve_capture(
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as group:
-            for one in listener.listeners:
+            for one in listener.listeners:  # one per address the host resolves to
+                assert isinstance(one, anyio.abc.SocketListener)  # create_tcp_listener's
                 group.start_soon(partial(accept_forever, one, connections.handle, group, what="capture endpoint"))
             try:
                 yield server

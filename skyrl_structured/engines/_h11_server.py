@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -138,8 +138,8 @@ class Connections:
 
 
 async def accept_forever(
-    listener: anyio.abc.Listener[anyio.abc.ByteStream],
-    handle: Callable[[anyio.abc.ByteStream], Awaitable[None]],
+    listener: anyio.abc.SocketListener,
+    handle: Callable[[anyio.abc.SocketStream], Coroutine[Any, Any, None]],
     group: anyio.abc.TaskGroup,
     *,
     what: str,
