@@ -18,12 +18,14 @@ from typing import Any, Literal, get_args
 from .types import SkyRLConfig
 
 __all__ = [
+    "AGENT_ENDPOINT_KNOBS",
     "CHOICE_KNOBS",
     "ENV_EXECUTORS",
     "ENV_KNOBS",
     "FAILED_ROLLOUT_POLICIES",
     "FAILURE_BUDGET_ACTIONS",
     "STRAGGLER_CUTOFF_SCOPES",
+    "AgentEndpointSettings",
     "ChatTemplateConfig",
     "EnvExecutorKind",
     "GeneratorConfig",
@@ -33,6 +35,7 @@ __all__ = [
     "SkyRLGymConfig",
     "check_choice",
     "read_knob",
+    "resolve_agent_endpoint",
     "resolve_resilience",
     "routed_experts_enabled",
 ]
@@ -128,6 +131,67 @@ class ResilienceSettings:
 
 
 _KNOB_DEFAULTS = ResilienceSettings()
+
+#: The hosts that mean "every address": agents cannot be sent there, so the advertised URL must be given.
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+@dataclass(frozen=True)
+class AgentEndpointSettings:
+    """Where :class:`~skyrl_structured.agents.StructuredAgentGenerator`'s capture endpoint listens, and the URL
+    it gives agents: the ``generator.agent_endpoint_*`` knobs, checked at construction.
+
+    The single source of their defaults (loopback only, a free port). Beyond loopback each
+    session's key is the only credential: see docs/agents.md, "Agents on other machines".
+    """
+
+    agent_endpoint_host: str = "127.0.0.1"
+    agent_endpoint_port: int = 0
+    agent_endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        host, port, url = self.agent_endpoint_host, self.agent_endpoint_port, self.agent_endpoint_url
+        if not isinstance(host, str) or not host.strip():
+            raise invalid_value(
+                "generator.agent_endpoint_host",
+                host,
+                "an address to listen on (127.0.0.1, a machine's address, 0.0.0.0 for all)",
+                with_type=True,
+            )
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise invalid_value(
+                "generator.agent_endpoint_port", port, "a port number from 0 to 65535 (0: a free one)", with_type=True
+            )
+        if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+            raise invalid_value(
+                "generator.agent_endpoint_url",
+                url,
+                "an http:// or https:// URL (where {port} stands for the port bound), or null",
+                with_type=True,
+            )
+        if url is None and host in _WILDCARD_HOSTS:
+            raise invalid_value(
+                "generator.agent_endpoint_url",
+                url,
+                f"the URL agents reach this machine at when generator.agent_endpoint_host={host!r} (every address)",
+                "Set it, e.g. generator.agent_endpoint_url=http://10.0.0.5:{port} ({port} becomes the port bound).",
+            )
+
+
+#: The knobs of :class:`AgentEndpointSettings`, in their order.
+AGENT_ENDPOINT_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AgentEndpointSettings))
+_ENDPOINT_DEFAULTS = AgentEndpointSettings()
+
+
+def resolve_agent_endpoint(generator_cfg: SkyRLConfig) -> AgentEndpointSettings:
+    """Read and check the ``agent_endpoint_*`` knobs from ``generator_cfg`` (any config object, or a mapping).
+
+    Raises:
+        ValueError: a knob has the wrong type or range, or a wildcard host comes without a URL.
+    """
+    return AgentEndpointSettings(
+        **{name: read_knob(generator_cfg, name, getattr(_ENDPOINT_DEFAULTS, name)) for name in AGENT_ENDPOINT_KNOBS}
+    )
 
 
 @dataclass
@@ -244,6 +308,21 @@ class GeneratorConfig:
         "What straggler_cutoff counts: 'batch' (all rollouts of the generate() call) or 'group' (each prompt "
         "group, the rollouts sharing trajectory_ids[i].instance_id, on its own).",
         _KNOB_DEFAULTS.straggler_cutoff_scope,
+    )
+    agent_endpoint_host: str = _help(
+        "With an agent: the address StructuredAgentGenerator's capture endpoint listens on. The default is "
+        "loopback only; another address (0.0.0.0 for all) serves agents on other machines, each session's key "
+        "then being its only credential over plain HTTP (docs/agents.md).",
+        _ENDPOINT_DEFAULTS.agent_endpoint_host,
+    )
+    agent_endpoint_port: int = _help(
+        "With an agent: the capture endpoint's port; 0 takes a free one.", _ENDPOINT_DEFAULTS.agent_endpoint_port
+    )
+    agent_endpoint_url: str | None = _help(
+        "With an agent: the URL agents are given for the capture endpoint (a session's base URL is this URL "
+        "followed by /sessions/KEY/v1), where {port} stands for the port bound; null: http://HOST:PORT. Required "
+        "with a wildcard host (0.0.0.0).",
+        _ENDPOINT_DEFAULTS.agent_endpoint_url,
     )
 
     def __post_init__(self) -> None:

@@ -101,6 +101,16 @@ def error_of(exc: Any) -> dict[str, Any]:
     return dict(error)
 
 
+def assert_rollout_ended(answer: Any, rollout: str) -> None:
+    """``answer`` is the endpoint's answer to a request on an ended session: a 404 that no client retries
+    (``x-should-retry: false``), of type ``rollout_ended``, naming the rollout."""
+    error = error_of(answer)
+    assert answer.status_code == 404
+    assert answer.response.headers["x-should-retry"] == "false"
+    assert error["type"] == "rollout_ended"
+    assert f"rollout {rollout} has ended" in error["message"]
+
+
 def one_call_agent(
     rewards: Mapping[str, float] | None = None, *, fails: str | None = None
 ) -> Callable[[Any], Awaitable[float]]:

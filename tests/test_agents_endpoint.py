@@ -14,7 +14,16 @@ import pytest
 
 from skyrl_structured.agents import check_capture, serve_capture
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
-from tests._agents import ADD_TOOL, chat, client, error_of, hermes_template, in_thread, with_template
+from tests._agents import (
+    ADD_TOOL,
+    assert_rollout_ended,
+    chat,
+    client,
+    error_of,
+    hermes_template,
+    in_thread,
+    with_template,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -186,7 +195,7 @@ async def test_a_field_that_cannot_be_honoured_is_refused_with_a_400_naming_it(
     assert engine.calls == []
 
 
-async def test_unknown_ended_and_unnamed_sessions_get_404_or_410(tokenizer, anyio_backend):
+async def test_unknown_ended_and_unnamed_sessions_get_a_404_no_client_retries(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "ok")
     async with serve_capture(engine, tokenizer) as server:
         async with server.session("t3_1") as session:
@@ -198,12 +207,12 @@ async def test_unknown_ended_and_unnamed_sessions_get_404_or_410(tokenizer, anyi
         unnamed = await chat(f"{server.url}/v1", api_key="nope", messages=USER)
         models = await in_thread(lambda: client(f"{server.url}/sessions/nope/v1").models.list())
     for answer in (gone, gone_by_key):
-        assert answer.status_code == 410
-        error = error_of(answer)
-        assert "t3_1" in error["message"]
-        assert session.id in error["message"]
+        assert_rollout_ended(answer, "t3_1")
+        assert session.id in error_of(answer)["message"]  # the public id, not the key
+        assert session.api_key not in error_of(answer)["message"]
     for answer in (unknown, unnamed):
         assert answer.status_code == 404
+        assert answer.response.headers["x-should-retry"] == "false"
         assert "`nope`" in error_of(answer)["message"]
     assert [m.id for m in models.data] == ["skyrl-agent"]
     assert len(engine.calls) == 1
@@ -246,7 +255,7 @@ async def test_closing_the_session_answers_its_in_flight_request_499_and_cancels
     assert "t7_0" in error_of(answer)["message"]
     assert session.closes == 1
     assert session.close_reason == "cancelled"
-    assert late.status_code == 410
+    assert_rollout_ended(late, "t7_0")
     assert len(engine.calls) == 1
 
 
@@ -266,7 +275,7 @@ async def test_a_client_that_disconnects_cancels_its_engine_request(tokenizer, a
     engine = ScriptedEngine(tokenizer, blocked)
     async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
         body = json.dumps({"model": "m", "messages": USER}).encode()
-        path = f"/sessions/{session.id}/v1/chat/completions"
+        path = f"/sessions/{session.api_key}/v1/chat/completions"
         head = (
             f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
         )
@@ -367,7 +376,7 @@ async def _raw(port: int, method: str, path: str, body: bytes = b"") -> tuple[in
 async def test_malformed_requests_get_openai_error_bodies(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, "ok")
     async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
-        base = f"/sessions/{session.id}/v1"
+        base = f"/sessions/{session.api_key}/v1"
         answers = {
             "not json": await _raw(server.port, "POST", f"{base}/chat/completions", b"{nope"),
             "not an object": await _raw(server.port, "POST", f"{base}/chat/completions", b"[1]"),

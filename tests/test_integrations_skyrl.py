@@ -34,7 +34,7 @@ from skyrl_structured import (
     TrajectoryID,
     validate_generator_output,
 )
-from skyrl_structured.config import ENV_KNOBS
+from skyrl_structured.config import ENV_KNOBS, AgentEndpointSettings
 from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image
 from skyrl_structured.testing.envs import SCRIPTED_ENV
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
@@ -165,13 +165,16 @@ def test_knobs_match_skyrl_structured_generator_config():
     ours = _added_fields(GeneratorConfig, skyrl_generator)
     added = _added_fields(integration.StructuredGeneratorConfig, skyrl_generator)
     knobs = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
-    assert tuple(ours) == integration.STRUCTURED_KNOBS == knobs
+    endpoint = tuple(f.name for f in dataclasses.fields(AgentEndpointSettings))
+    assert knobs == integration.STRUCTURED_KNOBS
+    assert tuple(ours) == (*knobs, *endpoint)
     assert tuple(added) == (*knobs, *integration.AGENT_KNOBS)  # the agent is the integration's choice of generator
+    assert ("agent", *endpoint) == integration.AGENT_KNOBS
     library = GeneratorConfig()
     subclassed = integration.StructuredGeneratorConfig()
     our_types = typing.get_type_hints(GeneratorConfig)
     their_types = typing.get_type_hints(integration.StructuredGeneratorConfig)
-    for name in knobs:
+    for name in (*knobs, *endpoint):
         if name == "failure_budget_action":
             # Unset (None) in SkyRL's config, so the integration can pick warn for the fully-async trainer.
             assert subclassed.failure_budget_action is None

@@ -4,26 +4,33 @@ Design
 ======
 
 **The capture endpoint** (:func:`serve_capture`, :class:`CaptureServer`). One OpenAI-compatible HTTP
-server on 127.0.0.1 per generator (per ``generate()`` call, or one across calls inside
-``StructuredAgentGenerator.serving()``), running in the caller's event loop on anyio + h11, so it
-works under asyncio and trio alike and adds no server dependency. It serves, under a session's base
-URL ``http://127.0.0.1:PORT/sessions/<id>/v1``:
+server per generator (per ``generate()`` call, or one across calls inside
+``StructuredAgentGenerator.serving()``), on 127.0.0.1 unless ``agent_endpoint_host`` / ``_url`` say
+otherwise, running in the caller's event loop on anyio + h11, so it works under asyncio and trio
+alike and adds no server dependency. It serves, under a session's base URL
+``http://127.0.0.1:PORT/sessions/<key>/v1``:
 
 - ``POST /chat/completions``, non-streaming. ``n`` must be 1; ``temperature``, ``top_p``,
   ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed`` (and vLLM's ``top_k``, ``min_p``,
   ``repetition_penalty``) are laid over the generator's sampling parameters; every other field that
   would change sampling or the answer (``stream=true``, ``logprobs=true``, penalties, ``logit_bias``,
   a forced ``tool_choice``, a non-text ``response_format``, an unknown field) is refused with a 400
-  naming it, never silently dropped. The request's ``model`` is not checked (agents hard-code names).
+  naming it, never silently dropped; fields that cannot change the answer (``user``, ``metadata``,
+  ``store``, ``service_tier``, ...) are accepted and ignored. The request's ``model`` is not checked
+  (agents hard-code names).
 - ``GET /models``: the served model name.
 
-The same routes answer under ``/v1`` with ``Authorization: Bearer <id>``: a session's API key is its
-id, for agents that cannot change their base URL's path. Errors are OpenAI error bodies
-``{"error": {"message", "type", "param", "code"}}``: no session named or an id never opened → 404;
-a session whose rollout has ended → 410 naming the rollout (ended sessions are remembered, by id and
-rollout name only, up to a fixed count; older ones answer 404); a request in flight when its rollout
-ends or is cancelled → 499 naming the rollout, and the engine request's task is cancelled. A client
-that disconnects mid-request cancels its engine request too.
+The same routes answer under ``/v1`` with ``Authorization: Bearer <key>``, for agents that cannot
+change their base URL's path. A session has a public id (the engine's session id) and a secret key,
+its only credential, each 128+ bits from :mod:`secrets`; a request reaches exactly one session.
+Every request gets an answer, an OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}`` when it fails (4xx with ``x-should-retry: false``): no session named or an unknown key →
+404; a key in the URL and another session's as bearer → 403; a session whose rollout has ended → 404
+of type ``rollout_ended`` naming the rollout, a status no agent's client retries (ended sessions are
+remembered by key, up to a fixed count); a request in flight when its rollout ends or is cancelled →
+499 naming the rollout, and the engine request's task is cancelled; a template that refuses the
+messages or a lone surrogate → 400; a fault of the endpoint itself → 500 naming the rollout. A
+client that disconnects mid-request cancels its engine request too.
 
 **The session is a scope** (:meth:`CaptureServer.session`, an async context manager): opened when the
 rollout starts, closed exactly once when its block exits, on every path (return, error, deadline,
@@ -61,7 +68,7 @@ in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its 
 its stdout, the whole group killed when it exits or its rollout ends. The rollouts run on the gym
 generator's supervisor (``_runtime.supervisor.run_rollouts``) and are collected by its collector, so
 every guarantee holds for them: each *attempt* is one session and one run of the agent (a retry,
-``max_rollout_retries``, starts from scratch in a fresh session; the old one answers 410);
+``max_rollout_retries``, starts from scratch in a fresh session; the old one answers 404);
 ``rollout_timeout_s`` stops while the generator is paused (:meth:`~StructuredAgentGenerator.pause`);
 a deadline, a straggler cut (``straggler_cutoff``) or the caller's cancel closes the session, which
 answers the agent's in-flight request with 499 and cancels its engine request, and kills a command

@@ -20,6 +20,7 @@ __all__ = [
     "Prepared",
     "chat_completion_body",
     "chat_completion_stream",
+    "check_encodable",
     "engine_sampling_params",
     "parse_tool_calls",
     "render_text",
@@ -27,7 +28,11 @@ __all__ = [
 
 
 class APIError(Exception):
-    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``.
+
+    A 4xx answer also says ``x-should-retry: false`` (:attr:`headers`), which the official ``openai`` and
+    ``anthropic`` clients obey: the same request would get the same answer.
+    """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
@@ -39,12 +44,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return _FINAL if 400 <= self.status < 500 else ()
 
+
+_FINAL = (("x-should-retry", "false"),)
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
-    410: "rollout_ended",
+    413: "invalid_request_error",
     499: "rollout_cancelled",
     500: "server_error",
 }
@@ -56,8 +67,22 @@ def _bad(param: str, problem: str) -> APIError:
 
 # ----------------------------------------------------------------------------- sampling parameters
 
-#: Request fields read elsewhere (messages, tools) or with no effect on sampling: accepted as they are.
-_NOT_SAMPLING = frozenset({"model", "messages", "tools", "user", "metadata", "store", "parallel_tool_calls"})
+#: Request fields read elsewhere (messages, tools) or with no effect on the answer (accepted and ignored: a
+#: billing tier, a cache or abuse key, storage and tagging on OpenAI's side): accepted as they are.
+_NOT_SAMPLING = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "user",
+        "metadata",
+        "store",
+        "parallel_tool_calls",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 #: OpenAI (and vLLM extension) fields mapped onto SkyRL's sampling parameters of the same name.
 _NUMBERS = {"temperature": 0.0, "top_p": 0.0, "min_p": 0.0, "repetition_penalty": 0.0}
 #: Fields accepted only at their neutral value: anything else cannot be honoured and is refused.
@@ -86,10 +111,15 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
     ``min_p``, ``repetition_penalty``. ``stream`` and ``stream_options.include_usage`` shape the
     answer, not the sampling.
 
+    Accepted and ignored (no effect on the answer): ``user``, ``metadata``, ``store``,
+    ``parallel_tool_calls``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, and
+    ``modalities`` when it asks for text only.
+
     Raises:
         APIError: 400 naming the first field that cannot be honoured (a non-neutral penalty,
             ``n > 1``, ``logprobs=true``, a forced ``tool_choice``, a
-            ``response_format`` other than text, a ``logit_bias``, an unknown field) or has a bad value.
+            ``response_format`` other than text, a ``logit_bias``, audio ``modalities``, an unknown
+            field) or has a bad value.
     """
     params = dict(base or {})
     params.setdefault("logprobs", 1)
@@ -146,6 +176,9 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
         elif key == "logit_bias":
             if value:
                 raise _bad(key, "cannot be honoured by this capture endpoint; leave it unset")
+        elif key == "modalities":
+            if value is not None and (not isinstance(value, list) or set(value) - {"text"}):
+                raise _bad(key, f'= {value!r}: only text can be captured; leave it unset or send ["text"]')
         elif key == "response_format":
             if value is not None and value != {"type": "text"}:
                 raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
@@ -209,6 +242,33 @@ def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
     converted = dict(call)
     converted["function"] = {"name": function["name"], "arguments": arguments}
     return converted
+
+
+#: A JSON escape of a UTF-16 surrogate: the only way a request's text can hold one (raw surrogate bytes are not
+#: UTF-8, and the body would not decode). A paired one decodes to one character; a lone one cannot be encoded.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_encodable(value: Any, where: str = "") -> None:
+    """Refuse a request whose text holds a lone UTF-16 surrogate (``"\\udce9"``): no tokenizer can encode it.
+
+    Raises:
+        APIError: 400 naming the first field holding one, e.g. ``messages[2].content``.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _bad(
+                where or "body", f"holds a lone UTF-16 surrogate ({value[exc.start]!r}) that no text can encode"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_encodable(key, where)
+            check_encodable(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_encodable(item, f"{where}[{index}]")
 
 
 def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, **kwargs: Any) -> str:
@@ -333,13 +393,21 @@ class Capture:
         """Render the request and decide which branch it belongs to; nothing is recorded yet.
 
         Raises:
-            APIError: 400 for malformed ``messages`` or ``tools``.
+            APIError: 400 for malformed ``messages`` or ``tools``, or messages the chat template refuses
+                (its ``raise_exception``: a role order it does not take), quoting the template's message.
         """
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise _bad("tools", "must be a list of tool definitions")
         messages = _template_messages(body.get("messages"))
-        rendered = render_text(self.tokenizer, messages, tools, **self.chat_template_kwargs)
+        from jinja2 import TemplateError  # what a template's raise_exception raises (transformers' chat templates)
+
+        try:
+            rendered = render_text(self.tokenizer, messages, tools, **self.chat_template_kwargs)
+        except TemplateError as exc:
+            raise APIError(
+                400, f"the model's chat template refused these messages: {exc.message or exc}", param="messages"
+            ) from None
         for index in range(len(self.branches) - 1, -1, -1):  # the latest first: usually the one extended
             branch = self.branches[index]
             if rendered.startswith(branch.text):

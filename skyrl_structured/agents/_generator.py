@@ -33,7 +33,15 @@ from .._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from .._runtime.pauses import Pausable, PauseClock
 from .._runtime.slots import RolloutSlots
 from .._runtime.supervisor import run_rollouts
-from ..config import ResilienceSettings, invalid_value, read_knob, resolve_resilience
+from ..config import (
+    AGENT_ENDPOINT_KNOBS,
+    AgentEndpointSettings,
+    ResilienceSettings,
+    invalid_value,
+    read_knob,
+    resolve_agent_endpoint,
+    resolve_resilience,
+)
 from ..engines.bridge import bridged_client
 from ..errors import AgentError
 from ..failures import FailedRollout
@@ -136,11 +144,11 @@ async def _run_agent(session: CaptureSession, agent: AgentFn, ctx: AgentContext)
     return outcome[0]
 
 
-def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputConfig]:
+def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputConfig, AgentEndpointSettings]:
     """The generator knobs given as keywords, checked by the gym generator's rules and wording."""
-    unknown = sorted(set(knobs) - _RESILIENCE_KNOBS - set(_OUTPUT_KNOBS))
+    unknown = sorted(set(knobs) - _RESILIENCE_KNOBS - set(_OUTPUT_KNOBS) - set(AGENT_ENDPOINT_KNOBS))
     if unknown:
-        known = ", ".join(sorted(_RESILIENCE_KNOBS | set(_OUTPUT_KNOBS)))
+        known = ", ".join(sorted(_RESILIENCE_KNOBS | set(_OUTPUT_KNOBS) | set(AGENT_ENDPOINT_KNOBS)))
         raise TypeError(f"StructuredAgentGenerator got unknown knob(s) {unknown}; the generator knobs are: {known}")
     settings = resolve_resilience(knobs)
     check_failure_knobs(settings)
@@ -150,7 +158,7 @@ def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputCon
         if not isinstance(value, bool):
             raise invalid_value(f"generator.{name}", value, "true or false", with_type=True)
         flags[name] = value
-    return settings, AgentOutputConfig(**flags)
+    return settings, AgentOutputConfig(**flags), resolve_agent_endpoint(knobs)
 
 
 class StructuredAgentGenerator(Pausable):
@@ -168,8 +176,11 @@ class StructuredAgentGenerator(Pausable):
             :class:`~skyrl_structured.ResilienceSettings` (``rollout_timeout_s``,
             ``max_rollout_retries``, ``skip_failed_rollouts``, ``failed_rollout_policy``,
             ``straggler_cutoff``, ``max_concurrent_rollouts``, ...), checked as the gym generator
-            checks them, and ``step_wise_trajectories``, ``zero_reward_on_non_stop``,
-            ``apply_overlong_filtering``. :meth:`from_config` reads them all from SkyRL's section.
+            checks them, ``step_wise_trajectories``, ``zero_reward_on_non_stop``,
+            ``apply_overlong_filtering``, and where the capture endpoint listens and what URL agents
+            get (``agent_endpoint_host``, ``agent_endpoint_port``, ``agent_endpoint_url``: see
+            :class:`~skyrl_structured.config.AgentEndpointSettings`). :meth:`from_config` reads them
+            all from SkyRL's section.
 
     Attributes:
         observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
@@ -196,7 +207,7 @@ class StructuredAgentGenerator(Pausable):
         chat_template_kwargs: dict[str, Any] | None = None,
         **knobs: Any,
     ) -> None:
-        self.resilience, self.generator_cfg = _knobs(knobs)
+        self.resilience, self.generator_cfg, self.endpoint = _knobs(knobs)
         self.inference_engine_client = inference_engine_client
         self.tokenizer = tokenizer
         self.agent = agent
@@ -228,6 +239,7 @@ class StructuredAgentGenerator(Pausable):
         settings = resolve_resilience(generator_cfg)
         knobs: dict[str, Any] = dataclasses.asdict(settings)
         knobs.update({name: read_knob(generator_cfg, name, default) for name, default in _OUTPUT_KNOBS.items()})
+        knobs.update(dataclasses.asdict(resolve_agent_endpoint(generator_cfg)))
         params = read_knob(generator_cfg, "sampling_params", None)
         kwargs = read_knob(generator_cfg, "chat_template_kwargs", None)
         return cls(
@@ -250,6 +262,10 @@ class StructuredAgentGenerator(Pausable):
             self.tokenizer,
             model=self.model,
             chat_template_kwargs=self.chat_template_kwargs,
+            host=self.endpoint.agent_endpoint_host,
+            port=self.endpoint.agent_endpoint_port,
+            url=self.endpoint.agent_endpoint_url,
+            close_timeout_s=self.resilience.env_cleanup_timeout_s,
         ) as server:
             self._server = server
             try:

@@ -1,15 +1,17 @@
-"""The capture endpoint: an OpenAI-compatible HTTP server on 127.0.0.1, in the caller's event loop (anyio + h11).
+"""The capture endpoint: an OpenAI-compatible HTTP server (127.0.0.1 by default), in the caller's event loop.
 
-Routes, under a session's base URL ``http://127.0.0.1:PORT/sessions/<id>/v1`` (or under ``/v1`` with
-``Authorization: Bearer <id>``): ``POST /chat/completions`` and ``GET /models``. Sessions are opened
-and closed by :meth:`CaptureServer.session`; a closed session keeps no state but a bounded
-tombstone (its rollout's name) so that a late request hears 410 rather than 404.
+Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or under ``/v1`` with
+``Authorization: Bearer <key>``): ``POST /chat/completions`` and ``GET /models``. A session has a
+public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
+its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
+session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
+no state but a bounded tombstone (its id and rollout's name) so that a late request hears which
+rollout ended, with a status no agent's client retries (404, ``x-should-retry: false``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import secrets
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -29,16 +32,18 @@ from .._runtime.cleanup import run_cleanups
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
-from ..config import ResilienceSettings
-from ..engines._h11_server import serve_connection
+from ..config import AgentEndpointSettings, ResilienceSettings
+from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutRef
 from ..types import InferenceClient, InferenceEngineInput
 from ._capture import (
+    SURROGATE_ESCAPE,
     APIError,
     CallRecord,
     Capture,
     chat_completion_body,
     chat_completion_stream,
+    check_encodable,
     engine_sampling_params,
 )
 
@@ -47,8 +52,11 @@ __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 logger = logging.getLogger(__name__)
 
 _MAX_BODY = 32 * 1024 * 1024
-#: Ended sessions remembered for a 410 (older ones answer 404): a bound, not a timer.
+#: Ended sessions remembered by key, so a late request hears which rollout ended (older ones are only unknown):
+#: a bound, not a timer.
 _TOMBSTONES = 65536
+#: Hosts that are this machine only: listening there needs no warning.
+_LOOPBACK = ("127.", "::1", "localhost")
 #: How long a closing session waits, by default, for its cancelled requests to end and for the engine's
 #: ``finish_session`` (each shielded): a hung engine cannot keep a rollout from ending. The generator
 #: passes its ``env_cleanup_timeout_s``; this is that knob's default.
@@ -59,6 +67,9 @@ _CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
 class CaptureSession:
     """One rollout's view of the endpoint: its base URL, API key, and the calls captured so far.
 
+    ``id`` is public (the engine's session id, in traces and observers); ``api_key`` is the secret that
+    reaches the session, in its ``base_url`` or as ``Authorization: Bearer <api_key>``.
+
     ``closed`` is set once, by the scope that opened it; ``close_reason`` says why (``"ended"``,
     ``"cancelled"``, ``"failed"``). ``context`` is the rollout attempt the session belongs to: its
     requests run in the server's tasks, not the rollout's, so they reach the attempt's observers
@@ -66,6 +77,7 @@ class CaptureSession:
     """
 
     id: str
+    api_key: str
     rollout: str
     base_url: str
     capture: Capture
@@ -80,11 +92,6 @@ class CaptureSession:
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
     #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
     _drained: anyio.Event | None = None
-
-    @property
-    def api_key(self) -> str:
-        """The API key an agent sends (any key works on the session's own base URL)."""
-        return self.id
 
     @property
     def calls(self) -> list[CallRecord]:
@@ -130,6 +137,7 @@ class _Response:
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def json(cls, status: int, payload: Any) -> _Response:
@@ -137,7 +145,12 @@ class _Response:
 
     @classmethod
     def error(cls, error: APIError) -> _Response:
-        return cls.json(error.status, error.body())
+        return cls(error.status, json.dumps(error.body()).encode(), headers=error.headers)
+
+
+def _error_answer(status: int, message: str) -> _Response:
+    """The HTTP layer's own answers (a malformed request, a body over the limit), in OpenAI's error shape."""
+    return _Response.error(APIError(status, message))
 
 
 class CaptureServer:
@@ -157,10 +170,9 @@ class CaptureServer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.url = ""
         self.port = 0
+        #: Open sessions by key, and ended ones' (id, rollout) by key.
         self._sessions: dict[str, CaptureSession] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()
-        self._counter = itertools.count()
-        self._nonce = secrets.token_hex(4)
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @property
     def open_sessions(self) -> int:
@@ -185,7 +197,8 @@ class CaptureServer:
         (:class:`~skyrl_structured._runtime.sessions.SessionEnd`), each wait shielded and bounded by
         ``cleanup_timeout_s``.
         """
-        session_id = f"{self._nonce}-{next(self._counter)}"
+        session_id = secrets.token_hex(16)  # 128 bits, public
+        key = secrets.token_urlsafe(24)  # 192 bits, the credential
         if context is None:
             context = RolloutContext(
                 BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
@@ -193,13 +206,14 @@ class CaptureServer:
         context.ref = dataclasses.replace(context.ref, session_id=session_id)
         session = CaptureSession(
             id=session_id,
+            api_key=key,
             rollout=rollout,
-            base_url=f"{self.url}/sessions/{session_id}/v1",
+            base_url=f"{self.url}/sessions/{key}/v1",
             capture=Capture(self.tokenizer, self.chat_template_kwargs),
             sampling_params=sampling_params,
             context=context,
         )
-        self._sessions[session_id] = session
+        self._sessions[key] = session
         reason = "ended"
         error: BaseException | None = None
         try:
@@ -211,27 +225,23 @@ class CaptureServer:
         finally:
             session.close(reason)
             await session._drain(cleanup_timeout_s)
-            del self._sessions[session_id]
-            self._ended[session_id] = rollout
+            del self._sessions[key]
+            self._ended[key] = (session_id, rollout)
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
             if session.engine_requests:
                 await run_cleanups([SessionEnd(context, session_id)], limit_s=cleanup_timeout_s, error=error)
 
-    # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
-
-    async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
-        # A client that goes away cancels _route, and with it the engine request.
-        await serve_connection(stream, self._route, max_body=_MAX_BODY, what="capture endpoint")
-
     # ------------------------------------------------------------------ routes
 
     async def _route(self, request: Any, raw_body: bytes) -> _Response:
-        method = request.method.decode("latin-1")
-        path = request.target.decode("latin-1").split("?", 1)[0]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
+        session: CaptureSession | None = None
         try:
-            session_id, route = _split_path(path, headers)
+            method = request.method.decode("latin-1")
+            path = request.target.decode("latin-1").split("?", 1)[0]
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+            path_key, bearer, route = _split_path(path, headers)
             if route == "/models":
                 if method != "GET":
                     raise APIError(405, f"`{method} {path}`: use GET")
@@ -240,35 +250,62 @@ class CaptureServer:
                 raise APIError(404, f"no route `{path}`; the endpoint serves <base_url>/chat/completions and /models")
             if method != "POST":
                 raise APIError(405, f"`{method} {path}`: use POST")
-            session = self._lookup(session_id)
+            session = self._lookup(path_key, bearer)
             try:
                 body = json.loads(raw_body)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise APIError(400, "the request body is not valid JSON") from None
             if not isinstance(body, dict):
                 raise APIError(400, "the request body must be a JSON object")
+            if SURROGATE_ESCAPE.search(raw_body):
+                check_encodable(body)
             return await self._chat(session, body)
         except APIError as error:
             return _Response.error(error)
+        except Exception as exc:
+            whose = f"rollout {session.rollout}" if session is not None else "no session"
+            logger.exception("capture endpoint: answering a request of %s failed", whose)
+            return _Response.error(
+                APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}")
+            )
 
     def _models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "skyrl-structured"}
         return {"object": "list", "data": [card]}
 
-    def _lookup(self, session_id: str | None) -> CaptureSession:
-        if session_id is None:
+    def _lookup(self, path_key: str | None, bearer: str | None) -> CaptureSession:
+        """The one open session the request names, by the key in its path or else its bearer key.
+
+        A bearer key that names another session (open or ended) than the path's is refused (403): a
+        request reaches exactly one session, with that session's own key.
+        """
+        key = path_key if path_key is not None else bearer
+        if key is None:
             raise APIError(
                 404,
-                "no capture session named: use the session's base URL (<endpoint>/sessions/<id>/v1) or send its "
-                "API key as `Authorization: Bearer <id>`",
+                "no capture session named: use the session's base URL (<endpoint>/sessions/<key>/v1) or send its "
+                "API key as `Authorization: Bearer <key>`",
             )
-        session = self._sessions.get(session_id)
+        if path_key is not None and bearer is not None and bearer != path_key and self._known(bearer):
+            raise APIError(
+                403,
+                "this request names two capture sessions, one in its URL and another by its API key; "
+                "send the session's own key (or none) on its base URL",
+            )
+        session = self._sessions.get(key)
         if session is not None and not session.closed:
             return session
-        rollout = session.rollout if session is not None else self._ended.get(session_id)
-        if rollout is not None:
-            raise APIError(410, f"capture session `{session_id}` is closed: its rollout {rollout} has ended")
-        raise APIError(404, f"capture session `{session_id}` is unknown or closed")
+        ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
+        if ended is not None:
+            raise APIError(
+                404,
+                f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended; stop the agent",
+                kind="rollout_ended",
+            )
+        raise APIError(404, f"capture session `{key}` is unknown or closed")
+
+    def _known(self, key: str) -> bool:
+        return key in self._sessions or key in self._ended
 
     async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
         params = engine_sampling_params(body, session.sampling_params)
@@ -314,16 +351,16 @@ class CaptureServer:
         )
 
 
-def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str]:
-    """``(session id or None, route after /v1)`` from ``/sessions/<id>/v1/...`` or ``/v1/...`` + bearer key."""
+def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
+    """``(key in the path, bearer key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``."""
+    auth = headers.get("authorization", "")
+    bearer = auth[len("bearer ") :].strip() or None if auth.lower().startswith("bearer ") else None
     parts = path.rstrip("/").split("/")
     if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
-        return parts[2], "/" + "/".join(parts[4:])
+        return parts[2], bearer, "/" + "/".join(parts[4:])
     if len(parts) >= 2 and parts[1] == "v1":
-        auth = headers.get("authorization", "")
-        key = auth[len("bearer ") :].strip() if auth.lower().startswith("bearer ") else None
-        return key or None, "/" + "/".join(parts[2:])
-    return None, path
+        return None, bearer, "/" + "/".join(parts[2:])
+    return None, bearer, path
 
 
 @asynccontextmanager
@@ -335,31 +372,64 @@ async def serve_capture(
     chat_template_kwargs: dict[str, Any] | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
+    url: str | None = None,
+    close_timeout_s: float = _CLEANUP_BOUND_S,
 ) -> AsyncIterator[CaptureServer]:
-    """Serve a capture endpoint in front of ``client`` until the block exits (port 0: a free one).
+    """Serve a capture endpoint in front of ``client`` until the block exits.
+
+    It listens on ``host``:``port`` (port 0: a free one) and gives agents ``url`` (``{port}`` in it
+    becomes the port bound; None: ``http://host:port``) as the root of their base URLs: the
+    ``generator.agent_endpoint_*`` knobs (:class:`~skyrl_structured.config.AgentEndpointSettings`).
+    A failing ``accept`` (out of file descriptors) is retried, never raised. On exit, however the
+    block ends (a caller's cancellation included), the requests being answered are answered (a closed
+    session's 499) before their connections close, waiting at most ``close_timeout_s``.
 
     Raises:
         ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
+        ValueError: a bad setting (see :class:`~skyrl_structured.config.AgentEndpointSettings`).
     """
     from ..engines._optional import import_optional
 
     import_optional("h11", "http", needed_by="serve_capture")
+    settings = AgentEndpointSettings(agent_endpoint_host=host, agent_endpoint_port=port, agent_endpoint_url=url)
     server = CaptureServer(client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs)
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     server.port = int(listener.extra(SocketAttribute.local_port))
-    server.url = f"http://{host}:{server.port}"
+    server.url = _advertised_url(settings, server.port)
+    if not host.startswith(_LOOPBACK):
+        logger.info(
+            "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
+            "is its only credential, sent in plain HTTP",
+            host,
+            server.port,
+            server.url,
+        )
+    connections = Connections(server._route, _error_answer, max_body=_MAX_BODY, what="capture endpoint")
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as group:
-            group.start_soon(listener.serve, server._handle_connection, group)
+            for one in listener.listeners:  # one per address the host resolves to
+                assert isinstance(one, anyio.abc.SocketListener)  # create_tcp_listener's
+                group.start_soon(partial(accept_forever, one, connections.handle, group, what="capture endpoint"))
             try:
                 yield server
             except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
                 failure = exc
             finally:
+                with anyio.CancelScope(shield=True):
+                    await listener.aclose()
+                    await connections.close(close_timeout_s)
                 group.cancel_scope.cancel()
         if failure is not None:
             raise failure
     finally:
         with anyio.CancelScope(shield=True):
             await listener.aclose()
+
+
+def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:
+    """The endpoint's root URL as agents are given it: the configured one with ``{port}`` filled, or host:port."""
+    if settings.agent_endpoint_url is not None:
+        return settings.agent_endpoint_url.replace("{port}", str(port)).rstrip("/")
+    host = settings.agent_endpoint_host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

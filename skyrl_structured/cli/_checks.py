@@ -15,7 +15,7 @@ from typing import Any
 
 from .._episode.chat import load_custom_chat_template
 from ..agents import check_agent_choice
-from ..config import SAMPLING_RANGES, NumberRule, invalid_value, resolve_resilience
+from ..config import SAMPLING_RANGES, NumberRule, invalid_value, resolve_agent_endpoint, resolve_resilience
 from ..envs._executors import env_executor_kind
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
@@ -166,6 +166,7 @@ def _check_agent(cfg: RolloutConfig) -> None:
         return
     try:
         check_agent_choice(cfg.agent, key="agent", vision_language_generator=cfg.generator.vision_language_generator)
+        resolve_agent_endpoint(cfg.generator)  # where the capture endpoint listens
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     chaos = cfg.chaos

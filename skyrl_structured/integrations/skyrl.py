@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from .._episode.chat import load_custom_chat_template
 from ..agents import AGENT_VALUES, check_agent_choice
 from ..config import (
+    AGENT_ENDPOINT_KNOBS,
     ENV_KNOBS,
     FailedRolloutPolicy,
     FailureBudgetAction,
@@ -49,6 +50,7 @@ from ..config import (
     ResilienceSettings,
     SkyRLGymConfig,
     StragglerCutoffScope,
+    resolve_agent_endpoint,
     resolve_resilience,
 )
 from ..types import SkyRLConfig
@@ -101,15 +103,16 @@ logger = logging.getLogger(__name__)
 
 #: The fields this integration adds to SkyRL's generator config.
 STRUCTURED_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ResilienceSettings))
-#: The field that swaps the gym generator for :class:`~skyrl_structured.agents.StructuredAgentGenerator`.
-AGENT_KNOBS: tuple[str, ...] = ("agent",)
+#: The field that swaps the gym generator for :class:`~skyrl_structured.agents.StructuredAgentGenerator`, and
+#: where that generator's capture endpoint listens (:class:`~skyrl_structured.config.AgentEndpointSettings`).
+AGENT_KNOBS: tuple[str, ...] = ("agent", *AGENT_ENDPOINT_KNOBS)
 
-_DEFAULTS = ResilienceSettings()
+_LIBRARY = GeneratorConfig()
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GeneratorConfig)}
 
 
 def _knob(name: str) -> Any:
-    return field(default=getattr(_DEFAULTS, name), metadata={"help": _HELP[name]})
+    return field(default=getattr(_LIBRARY, name), metadata={"help": _HELP[name]})
 
 
 @dataclass
@@ -146,6 +149,9 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
             f"instead of the gym generator: {AGENT_VALUES}. null (the default): StructuredGymGenerator."
         },
     )
+    agent_endpoint_host: str = _knob("agent_endpoint_host")
+    agent_endpoint_port: int = _knob("agent_endpoint_port")
+    agent_endpoint_url: str | None = _knob("agent_endpoint_url")
 
 
 _GYM_FIELDS = {f.name: f for f in dataclasses.fields(SkyRLGymConfig)}
@@ -200,6 +206,7 @@ def check_structured_config(cfg: SkyRLConfig) -> None:
         vision = bool(getattr(cfg.generator, "vision_language_generator", False))
         check_agent_choice(agent, key=AGENT_KEY, vision_language_generator=vision)
         resolve_resilience(cfg.generator)
+        resolve_agent_endpoint(cfg.generator)
         return
     if getattr(cfg.generator, "vision_language_generator", False):
         check_vision_language_config(cfg.generator)
