@@ -13,6 +13,8 @@ run in, under the same rules (design rule 9):
   agent is abandoned: the rollout ends without it, ``generate/env_cleanup_timeouts`` counts it, a
   warning names it, and the rollout's slot (``max_concurrent_rollouts``) stays taken until the
   thread returns, as for an env close abandoned in its thread. What it returns then is dropped.
+  While it runs, :func:`~skyrl_structured.envs._threads.active_env_thread_calls` counts it (and
+  ``wait_env_thread_calls`` waits for it), as it counts env calls.
 
 An async agent that starts its own thread (``anyio.to_thread.run_sync``) is the agent's business:
 anyio waits for such a thread when the rollout is cancelled, so nothing bounds it.
