@@ -5,8 +5,8 @@
     python -m benchmarks.agents --only cpu --backends trio --json out.json
 
 An agent here is a three-call chat loop: it sends the conversation, appends the reply and a user
-observation, and sends it again. Four contenders run the same agents, in rotation, each batch after
-a garbage collection; the first three in one process and one event loop:
+observation, and sends it again. Five contenders run the same agents, in rotation, each batch after
+a garbage collection; the first four in one process and one event loop:
 
 - ``direct``: the agent renders the conversation with the chat template, tokenizes it and calls the
   ``InferenceClient`` itself (what an agent without an endpoint would have to do; no HTTP);
@@ -14,7 +14,11 @@ a garbage collection; the first three in one process and one event loop:
   and its agent POSTs raw JSON to the session's ``/chat/completions`` with its own
   ``httpx.AsyncClient`` (one keep-alive connection), as a light Python agent would;
 - ``openai``: the same with the official ``openai.AsyncOpenAI`` client (one per agent, over the
-  agent's ``httpx`` client), as most agent frameworks send their requests;
+  agent's ``httpx`` client, whose TLS context is the process's one), as most agent frameworks send
+  their requests;
+- ``openai_own``: one ``openai.AsyncOpenAI(base_url=..., api_key=...)`` per agent left to build its own
+  HTTP client, so a TLS context per agent (about 30 ms of CPU each, on the loop): what docs/agents.md
+  and the default agent did before issue 34, kept so that the cost stays visible;
 - ``remote``: the ``httpx`` agents in a child process (:mod:`benchmarks._agent_process`, one event
   loop on the same backend), as agents run as commands are: this process then runs the endpoint and
   the engine alone, so its CPU is the endpoint's side of each exchange, and the latency is still
@@ -23,11 +27,12 @@ a garbage collection; the first three in one process and one event loop:
 (a) ``cpu``: 1,024 rollouts x 3 calls, all at once, against an engine that answers at once. Process
     CPU time (``time.process_time``) of a whole batch, timed inside the event loop; the figure is
     ``(median(endpoint) - median(direct)) / calls``: the CPU the endpoint adds per call. For
-    ``httpx`` and ``openai`` it includes both ends of the HTTP exchange (the agents' client runs in
-    the same process): the client's request building and response parsing (and its client's
-    creation, once per rollout), the server's HTTP/1.1 parsing (h11) and JSON, the capture's render,
-    prefix check and tail tokenization, the decode of the sampled ids, and the session's open and
-    close, less what the direct agent spends rendering and tokenizing the whole conversation. For
+    ``httpx``, ``openai`` and ``openai_own`` it includes both ends of the HTTP exchange (the agents'
+    client runs in the same process): the client's request building and response parsing (and its
+    client's creation, once per rollout: with a TLS context of its own for ``openai_own``), the
+    server's HTTP/1.1 parsing (h11) and JSON, the capture's render, prefix check and tail tokenization,
+    the decode of the sampled ids, and the session's open and close, less what the direct agent
+    spends rendering and tokenizing the whole conversation. For
     ``remote`` it is the server's end alone (a child's CPU is not this process's). Goal: at most
     1.5 ms per call (``meets_goal``: ``httpx``; ``remote_meets_goal``: ``remote``).
 (b) ``latency``: 256 agents at once x 3 calls against an engine that answers every request after
@@ -70,7 +75,7 @@ from .workload import InstantEngine, LatencyEngine, ReplyPool, question
 TURNS = 3
 LATENCY_S = 0.2
 GOALS = {"cpu_added_ms_per_call": 1.5, "latency_added_p50_ms": 20.0, "latency_added_p99_ms": 100.0}
-CONTENDERS = ("direct", "httpx", "openai", "remote")
+CONTENDERS = ("direct", "httpx", "openai", "openai_own", "remote")
 #: Where ``python -m benchmarks._agent_process`` runs (the repository root).
 _ROOT = Path(__file__).resolve().parent.parent
 #: The contenders whose agents go through the endpoint.
@@ -156,14 +161,8 @@ def _tally(batch: _Batch, session: CaptureSession) -> None:
     batch.branches += len(session.capture.branches)
 
 
-def _openai_call(http: httpx.AsyncClient, session: CaptureSession) -> Call:
-    """The framework agent's chat call: the official client (one per agent) over the agent's ``http``."""
-    client = openai.AsyncOpenAI(
-        base_url=session.base_url,
-        api_key=session.api_key,
-        http_client=http,  # type: ignore[arg-type]  # openai >= 3 takes httpx2's or (legacy) httpx's
-        max_retries=0,
-    )
+def _completions_call(client: openai.AsyncOpenAI) -> Call:
+    """The framework agent's chat call, through the official client."""
 
     async def call(messages: list[dict[str, Any]]) -> str:
         completion = await client.chat.completions.create(model="bench", messages=messages)  # type: ignore[arg-type]
@@ -172,10 +171,32 @@ def _openai_call(http: httpx.AsyncClient, session: CaptureSession) -> Call:
     return call
 
 
+def _openai_client(session: CaptureSession, http: httpx.AsyncClient | None) -> openai.AsyncOpenAI:
+    """The official client for one agent: over the agent's ``http`` (``openai``), or over one of its own
+    (``openai_own``: None), which brings a TLS context of its own."""
+    if http is None:
+        return openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=session.base_url,
+        api_key=session.api_key,
+        http_client=http,  # type: ignore[arg-type]  # openai >= 3 takes httpx2's or (legacy) httpx's
+        max_retries=0,
+    )
+
+
 async def _endpoint_rollout(server: CaptureServer, kind: str, row: int, batch: _Batch) -> None:
-    async with server.session(f"r{row}") as session, _http_client() as http:
-        call = _openai_call(http, session) if kind == "openai" else _httpx_call(http, session.base_url)
-        await _agent(call, row, batch)
+    async with server.session(f"r{row}") as session:
+        if kind == "openai_own":
+            async with _openai_client(session, None) as client:
+                await _agent(_completions_call(client), row, batch)
+        else:
+            async with _http_client() as http:
+                call = (
+                    _completions_call(_openai_client(session, http))
+                    if kind == "openai"
+                    else _httpx_call(http, session.base_url)
+                )
+                await _agent(call, row, batch)
         _tally(batch, session)
 
 
@@ -316,6 +337,8 @@ def _print(name: str, row: dict[str, Any]) -> None:
             f"direct {row['direct_cpu_s']:.3f} s CPU; "
             f"httpx +{row['httpx_cpu_added_ms_per_call']:.3f} ms/call (x{row['httpx_cpu_ratio']:.2f}); "
             f"openai +{row['openai_cpu_added_ms_per_call']:.3f} ms/call (x{row['openai_cpu_ratio']:.2f}); "
+            f"openai_own +{row['openai_own_cpu_added_ms_per_call']:.3f} ms/call "
+            f"(x{row['openai_own_cpu_ratio']:.2f}); "
             f"remote (server side) +{row['remote_cpu_added_ms_per_call']:.3f} ms/call (x{row['remote_cpu_ratio']:.2f})",
             flush=True,
         )

@@ -66,6 +66,7 @@ def test_default_and_module_function_resolve_to_the_named_agents(agent_module):
     module = sys.modules.get(agent_module) or __import__(agent_module)
     assert resolve_agent(f"{agent_module}:solve") is module.solve
     assert resolve_agent(f"{agent_module}:holder.method") == module.holder.method
+    assert resolve_agent(f"{agent_module}:blocking") is module.blocking  # a sync agent: run in a worker thread
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,6 @@ def test_default_and_module_function_resolve_to_the_named_agents(agent_module):
         ),
         ("{mod}:missing", r"^`agent={mod}:missing`: module '{mod}' has no attribute 'missing'; name the agent"),
         ("{mod}:NOT_CALLABLE", r"^`agent={mod}:NOT_CALLABLE` is a int, not a function"),
-        ("{mod}:blocking", r"^`agent={mod}:blocking` is not async: define it as `async def blocking\(ctx\)`"),
         ("command:", r"^`agent`: the command line after `command:` is empty; e.g. `command:python my_agent.py`$"),
         (
             "command:python 'unclosed",

@@ -1,7 +1,8 @@
 """Smoke test of the capture endpoint benchmark (``benchmarks/agents.py``) at toy sizes: shape and counts only.
 
 No figure is asserted (rule 20). What is asserted: both parts ran on both backends with every
-contender (``remote`` included: its agents in a child process), every rollout made its three calls,
+contender (``remote`` included: its agents in a child process; ``openai_own``, the official client
+building its own HTTP client and TLS context per rollout, as the docs once showed), every rollout made its three calls,
 and on the endpoint every call after a session's first extended its one branch (so the endpoint rows
 time the real capture path, not a branch per call).
 """
@@ -29,7 +30,7 @@ def test_quick_run_measures_every_contender_on_both_backends(tmp_path, capsys):
         for kind in agents.CONTENDERS:
             assert row[f"{kind}_calls"] == [48] * row["repeats"]
             assert row[f"{kind}_cpu_s"] > 0
-        assert agents.ENDPOINT_CONTENDERS == ("httpx", "openai", "remote")
+        assert agents.ENDPOINT_CONTENDERS == ("httpx", "openai", "openai_own", "remote")
         for kind in agents.ENDPOINT_CONTENDERS:
             assert row[f"{kind}_extended_calls"] == [16 * 2] * row["repeats"]
             assert row[f"{kind}_branches"] == [16] * row["repeats"]

@@ -122,6 +122,33 @@ def test_a_module_function_agent_runs_on_trio(tmp_path):
     assert _row(proc.stdout, "agent results") == f"replies {ROLLOUTS}"
 
 
+SYNC_AGENT_MODULE = textwrap.dedent(
+    """
+    import threading
+
+    import openai
+
+    def solve(ctx):
+        assert threading.current_thread() is not threading.main_thread()
+        with openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            client.chat.completions.create(model=ctx.model, messages=ctx.prompt)
+        return {"reward": 0.5, "replies": 1}
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_plain_function_agent_runs_in_worker_threads_and_its_numbers_are_counted(tmp_path):
+    (tmp_path / "my_sync_agent.py").write_text(SYNC_AGENT_MODULE)
+    proc = _run(tmp_path, "agent=my_sync_agent:solve", "run.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    output, _, summary = _outputs(tmp_path)
+    validate_generator_output(ROLLOUTS, output)
+    assert summary["mean_reward"] == 0.5
+    assert summary["agent_calls"] == ROLLOUTS
+    assert summary["agent_counts"] == {"replies": ROLLOUTS}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

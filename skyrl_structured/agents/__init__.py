@@ -91,9 +91,10 @@ in ``rollout_metrics``: ``generate/agent_calls``, ``generate/agent_branches``,
 
 **Choosing an agent by name** (:func:`resolve_agent`): a configuration value ``default`` (the
 embedded :func:`default_agent`, a calculator-tool loop on the official ``openai`` client),
-``module.path:function`` (an async agent function) or ``command:<command line>`` (:func:`command_agent`),
-checked when resolved, before any rollout. ``skyrl-structured rollout agent=...`` and SkyRL's
-``generator.agent=...`` (``StructuredPPOExp``) both go through it.
+``module.path:function`` (an agent function: async, or plain and run in a worker thread) or
+``command:<command line>`` (:func:`command_agent`), checked when resolved, before any rollout.
+``skyrl-structured rollout agent=...`` and SkyRL's ``generator.agent=...`` (``StructuredPPOExp``) both
+go through it.
 
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
@@ -109,7 +110,7 @@ from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
 from ._check import CallCheck, CaptureCheck, check_capture
 from ._command import command_agent
 from ._default import default_agent
-from ._generator import AgentContext, AgentFn, StructuredAgentGenerator
+from ._generator import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentFn
 from ._select import AGENT_VALUES, check_agent_choice, resolve_agent
 from ._server import CaptureServer, CaptureSession, serve_capture
 
@@ -127,6 +128,7 @@ __all__ = [
     "CaptureServer",
     "CaptureSession",
     "StructuredAgentGenerator",
+    "SyncAgentFn",
     "check_agent_choice",
     "check_capture",
     "command_agent",

@@ -58,8 +58,9 @@ from ..types import (
 from ..validate import check_batch_input, check_failure_knobs
 from ._capture import Branch, Capture
 from ._server import CaptureServer, CaptureSession, serve_capture
+from ._threads import AgentThreads, is_async_agent
 
-__all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator"]
+__all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator", "SyncAgentFn"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class AgentContext:
 
 #: An agent: an async callable returning its reward, or a dict holding it under ``"reward"``.
 AgentFn = Callable[[AgentContext], Awaitable[float | dict[str, Any]]]
+#: A sync agent, run in one of the generator's worker threads (:mod:`._threads`): the same, not awaited.
+SyncAgentFn = Callable[[AgentContext], float | dict[str, Any]]
+#: The worker threads for sync agents, by default: as many as ``max_env_workers``'s default.
+_AGENT_THREADS = 32
 
 
 @dataclass(frozen=True)
@@ -167,11 +172,16 @@ class StructuredAgentGenerator(Pausable):
     Args:
         inference_engine_client: the engine every captured call goes to, as token ids.
         tokenizer: renders the agents' chat requests (its chat template, ``tools`` included).
-        agent: ``async agent(ctx) -> reward | {"reward": ...}`` (see :class:`AgentContext`).
+        agent: ``async agent(ctx) -> reward | {"reward": ...}`` (see :class:`AgentContext`), or a plain
+            ``def agent(ctx)`` returning the same: a sync agent, run in a worker thread (never on the
+            event loop) and abandoned when it has not returned ``env_cleanup_timeout_s`` after its
+            rollout ended early (:mod:`skyrl_structured.agents._threads`).
         model: the model name the endpoint serves on ``/v1/models``.
         sampling_params: the engine sampling parameters each request's fields are laid over
             (SkyRL's ``generator.sampling_params``); ``input_batch["sampling_params"]`` wins when given.
         chat_template_kwargs: passed to ``apply_chat_template`` on every render.
+        max_agent_threads: the worker threads sync agents run in, abandoned ones included (a sync
+            agent waits for a free one; its rollout's deadline runs meanwhile).
         **knobs: the ``generator`` knobs, by their names: every field of
             :class:`~skyrl_structured.ResilienceSettings` (``rollout_timeout_s``,
             ``max_rollout_retries``, ``skip_failed_rollouts``, ``failed_rollout_policy``,
@@ -193,21 +203,24 @@ class StructuredAgentGenerator(Pausable):
 
     Raises:
         TypeError: an unknown knob.
-        ValueError: a knob out of range, or knobs that conflict (the message names them).
+        ValueError: ``max_agent_threads`` below 1, a knob out of range, or knobs that conflict (the message names them).
     """
 
     def __init__(
         self,
         inference_engine_client: InferenceClient,
         tokenizer: Any,
-        agent: AgentFn,
+        agent: AgentFn | SyncAgentFn,
         *,
         model: str = "skyrl-agent",
         sampling_params: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_agent_threads: int = _AGENT_THREADS,
         **knobs: Any,
     ) -> None:
         self.resilience, self.generator_cfg, self.endpoint = _knobs(knobs)
+        if isinstance(max_agent_threads, bool) or not isinstance(max_agent_threads, int) or max_agent_threads < 1:
+            raise invalid_value("max_agent_threads", max_agent_threads, "an integer of at least 1", with_type=True)
         self.inference_engine_client = inference_engine_client
         self.tokenizer = tokenizer
         self.agent = agent
@@ -219,6 +232,8 @@ class StructuredAgentGenerator(Pausable):
         self.event_loop_lag_interval_s: float = INTERVAL_S
         self._rollout_slots = RolloutSlots(self)
         self._server: CaptureServer | None = None
+        #: Where sync agents run (its threads start on demand: none for an async agent).
+        self._agent_threads = AgentThreads(max_agent_threads)
 
     @classmethod
     def from_config(
@@ -226,7 +241,7 @@ class StructuredAgentGenerator(Pausable):
         generator_cfg: Any,
         inference_engine_client: InferenceClient,
         tokenizer: Any,
-        agent: AgentFn,
+        agent: AgentFn | SyncAgentFn,
         *,
         model: str = "skyrl-agent",
     ) -> StructuredAgentGenerator:
@@ -358,7 +373,16 @@ class StructuredAgentGenerator(Pausable):
                     rollout=names[i],
                     session=session,
                 )
-                result = await _run_agent(session, self.agent, ctx)
+                if is_async_agent(self.agent):
+                    result = await _run_agent(session, self.agent, ctx)  # type: ignore[arg-type]
+                else:
+                    result = await self._agent_threads.run(
+                        self.agent,
+                        ctx,
+                        session=session,
+                        context=context,
+                        cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
+                    )
             reward = _reward(result)
             output = _step_wise(session, reward) if step_wise else _trajectory(session, reward)
             output.e2e_time = time.monotonic() - started

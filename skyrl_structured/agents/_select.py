@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import shlex
 import shutil
 from typing import Any
 
 from ._command import command_agent
-from ._generator import AgentFn
+from ._generator import AgentFn, SyncAgentFn
 
 __all__ = ["AGENT_VALUES", "COMMAND_PREFIX", "DEFAULT_AGENT", "check_agent_choice", "resolve_agent"]
 
@@ -26,19 +25,23 @@ DEFAULT_AGENT = "default"
 COMMAND_PREFIX = "command:"
 #: The accepted forms, as error messages and help texts spell them.
 AGENT_VALUES = (
-    f"`{DEFAULT_AGENT}` (the embedded calculator-tool agent), `module.path:function` (an async function of "
-    f"AgentContext returning the reward) or `{COMMAND_PREFIX}<command line>` (run once per rollout with "
+    f"`{DEFAULT_AGENT}` (the embedded calculator-tool agent), `module.path:function` (a function of AgentContext "
+    "returning the reward: async, or plain and run in a worker thread) or "
+    f"`{COMMAND_PREFIX}<command line>` (run once per rollout with "
     "OPENAI_BASE_URL set; its reward is the last line of its stdout)"
 )
 
 
-def resolve_agent(value: Any, *, key: str = "agent") -> AgentFn:
+def resolve_agent(value: Any, *, key: str = "agent") -> AgentFn | SyncAgentFn:
     """The agent ``value`` names (see :data:`AGENT_VALUES`); ``key`` is the setting's name in messages.
 
     Raises:
         ValueError: one line naming ``key``, what is wrong and the fix: an unknown form, a module
             that does not import, a missing or non-async function, an empty or unparsable command
             line, an executable not found, or ``default`` without the ``openai`` package.
+
+    A ``module.path:function`` that is a plain ``def`` is a sync agent: the generator runs it in a
+    worker thread (:mod:`._threads`).
     """
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"`{key}` must name an agent, got {value!r}: give {AGENT_VALUES}")
@@ -57,7 +60,7 @@ def resolve_agent(value: Any, *, key: str = "agent") -> AgentFn:
     return _imported(module.strip(), name.strip(), key)
 
 
-def check_agent_choice(value: Any, *, key: str, vision_language_generator: bool) -> AgentFn:
+def check_agent_choice(value: Any, *, key: str, vision_language_generator: bool) -> AgentFn | SyncAgentFn:
     """:func:`resolve_agent`, refusing the vision-language generator chosen alongside (both pick the generator).
 
     Raises:
@@ -95,7 +98,7 @@ def _command_line(line: str, key: str) -> list[str]:
     return argv
 
 
-def _imported(module: str, name: str, key: str) -> AgentFn:
+def _imported(module: str, name: str, key: str) -> AgentFn | SyncAgentFn:
     where = f"`{key}={module}:{name}`"
     try:
         target: Any = importlib.import_module(module)
@@ -112,11 +115,6 @@ def _imported(module: str, name: str, key: str) -> AgentFn:
             )
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"{where} is a {type(target).__name__}, not a function; name an async agent function")
-    if not (inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)):
-        raise ValueError(
-            f"{where} is not async: define it as `async def {name.rpartition('.')[2]}(ctx)` (a blocking client "
-            "can run inside it with anyio.to_thread.run_sync)"
-        )
-    agent: AgentFn = target
+        raise ValueError(f"{where} is a {type(target).__name__}, not a function; name an agent function")
+    agent: AgentFn | SyncAgentFn = target
     return agent

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from typing import Any, Literal
 import anyio
 
 from .._runtime.origin import describe_with_origin
-from ..agents import AgentContext, AgentFn, StructuredAgentGenerator, resolve_agent
+from ..agents import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentFn, resolve_agent
+from ..agents._threads import is_async_agent
 from ..envs._ray import start_local_ray_if_needed
 from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
@@ -115,23 +117,36 @@ class AgentCounts:
     """What the agent reported besides its reward: the numbers of its result dicts, summed over rollouts.
 
     The default agent returns ``{"reward", "tool_calls", "model_tool_calls"}``; any agent returning a
-    dict with more numbers gets them counted the same way.
+    dict with more numbers gets them counted the same way. A sync agent's results arrive from its
+    worker threads, hence the lock.
     """
 
     totals: dict[str, int | float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def counting(self, agent: AgentFn) -> AgentFn:
-        """``agent``, with the numbers of each result it returns added to :attr:`totals`."""
+    def counting(self, agent: AgentFn | SyncAgentFn) -> AgentFn | SyncAgentFn:
+        """``agent`` (async, or sync as it was), with the numbers of each result it returns added to :attr:`totals`."""
+        if not is_async_agent(agent):
+            sync_agent: Any = agent
+
+            def counted_sync(ctx: AgentContext) -> float | dict[str, Any]:
+                return self._add(sync_agent(ctx))
+
+            return counted_sync
+        async_agent: Any = agent
 
         async def counted(ctx: AgentContext) -> float | dict[str, Any]:
-            result = await agent(ctx)
-            if isinstance(result, dict):
+            return self._add(await async_agent(ctx))
+
+        return counted
+
+    def _add(self, result: float | dict[str, Any]) -> float | dict[str, Any]:
+        if isinstance(result, dict):
+            with self._lock:
                 for key, value in result.items():
                     if key != "reward" and isinstance(value, int | float) and not isinstance(value, bool):
                         self.totals[key] = self.totals.get(key, 0) + value
-            return result
-
-        return counted
+        return result
 
 
 @dataclass
