@@ -107,7 +107,9 @@ def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
     for name in ("generator_output.json", "trajectories.jsonl"):
         (tmp_path / name).write_text("{}")
     cfg = load_config([])
-    tally = Tally(attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_finished=3)
+    tally = Tally(
+        attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_started=3, sessions_finished=3
+    )
     result = RunResult(status="interrupted", tally=tally, signal=2, engine="scripted")
     summary = summarize(cfg, "embedded arithmetic.jsonl", 3, 1, result)
     # A partial batch on purpose: without an output, write_outputs never reads it.

@@ -113,7 +113,7 @@ class FinishedTrajectory:
 
     @property
     def cut(self) -> bool:
-        """Whether the straggler cutoff ended it (``generator.straggler_cutoff``): a placeholder by policy, not an error.
+        """Whether the straggler cutoff ended it (``generator.straggler_cutoff``): a policy, not an error.
 
         A cut rollout is ``failed`` too (it has no steps and becomes a placeholder); counts that
         tell errors from the cutoff's choice read this.

@@ -8,7 +8,7 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | metric | type | meaning |
 |---|---|---|
 | ``skyrl_structured_rollouts_started_total`` | counter | rollouts whose first attempt started |
-| ``skyrl_structured_rollouts_finished_total{outcome}`` | counter | final outcomes: ``ok``, ``failed``, or ``cut`` by ``straggler_cutoff`` |
+| ``skyrl_structured_rollouts_finished_total{outcome}`` | counter | final outcomes: ``ok``, ``failed`` or ``cut`` |
 | ``skyrl_structured_rollouts_failed_total{error_type}`` | counter | final failures by exception type |
 | ``skyrl_structured_attempts_failed_total{error_type}`` | counter | failed attempts, retried or not |
 | ``skyrl_structured_rollout_retries_total`` | counter | attempts retried |

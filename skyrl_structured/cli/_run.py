@@ -45,6 +45,7 @@ __all__ = [
     "RunResult",
     "StepHooks",
     "Tally",
+    "exit_now",
     "is_duplicate",
     "run_step",
 ]
@@ -63,6 +64,9 @@ class Tally(RolloutObserver):
     attempts_finished: int = 0
     attempts_failed: int = 0
     attempts_cancelled: int = 0
+    #: Inference sessions the engine knows of: an attempt that sent a request, or whose session the
+    #: generator finishes (the gym generator finishes every attempt's; an agent's only after a call).
+    sessions_started: int = 0
     sessions_finished: int = 0
     envs_opened: int = 0
     envs_closed: int = 0
@@ -71,6 +75,8 @@ class Tally(RolloutObserver):
     first_close_error: str | None = None
     #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
     running: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    #: (index, attempt) of the attempts counted in ``sessions_started``.
+    sessions: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     @property
     def in_flight(self) -> int:
@@ -82,6 +88,19 @@ class Tally(RolloutObserver):
 
     def env_opened(self, rollout: RolloutRef) -> None:
         self.envs_opened += 1
+
+    def _session(self, rollout: RolloutRef) -> None:
+        key = (rollout.index, rollout.attempt)
+        if key not in self.sessions:
+            self.sessions.add(key)
+            self.sessions_started += 1
+
+    def engine_call_started(self, rollout: RolloutRef, turn: int, prompt_tokens: int) -> None:
+        self._session(rollout)
+
+    def cleanup_started(self, rollout: RolloutRef, kind: CleanupKind) -> None:
+        if kind == "finish_session":
+            self._session(rollout)
 
     def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
         self.attempts_finished += 1
@@ -149,6 +168,8 @@ class RunResult:
     load_s: float = 0.0
     generate_s: float = 0.0
     started_generating: bool = False
+    #: When ``generate()`` was called (``time.monotonic()``), until it returned or raised.
+    generating_since: float | None = None
     #: Stopped while the engine loaded: its loading thread still runs, and would keep the process alive.
     load_abandoned: bool = False
     #: The tokenizer the generator used (to decode the output), once the engine has loaded.
@@ -167,6 +188,21 @@ class RunResult:
     metrics: Any | None = None
     #: With ``agent=...``: what the agent's results counted (tool calls for the default agent).
     agent_counts: AgentCounts | None = None
+
+
+def exit_now(result: RunResult) -> None:
+    """Count what a forced exit leaves as it stands: the time generated so far, the rollouts in flight cancelled.
+
+    A second stop exits before ``generate()`` has unwound: its clock never stopped, and its
+    rollouts, cancelled by the first stop, are still cleaning up (their environments are counted
+    open). They are cancelled all the same, and the summary says so.
+    """
+    if result.generating_since is not None:
+        result.generate_s = time.monotonic() - result.generating_since
+        result.generating_since = None
+    tally = result.tally
+    tally.attempts_cancelled += tally.in_flight
+    tally.running.clear()
 
 
 def is_duplicate(result: RunResult) -> bool:
@@ -222,6 +258,7 @@ async def _watch_signals(
                 continue  # the same stop, delivered to the process and to its group
             else:
                 say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
+                exit_now(result)
                 if on_exit_now is not None:
                     on_exit_now(result)
                 sys.stdout.flush()
@@ -317,13 +354,14 @@ async def _load_and_generate(
             generator.observers.append(result.trajectories)
         result.tokenizer = setup.tokenizer
         result.started_generating = True
-        started = time.monotonic()
+        started = result.generating_since = time.monotonic()
         try:
             if cfg.agent is None:
                 start_local_ray_if_needed(cfg.environment.skyrl_gym)
             result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
         finally:
             result.generate_s = time.monotonic() - started
+            result.generating_since = None
             with anyio.CancelScope(shield=True):
                 await generator.aclose()  # env worker processes / actors
 

@@ -146,6 +146,7 @@ def summarize(
         "backend": cfg.run.backend,
         "wall_time_s": {"engine_load": result.load_s, "generate": result.generate_s},
         "engine_loaded": bool(result.engine),
+        "sessions_started": tally.sessions_started,
         "sessions_finished": tally.sessions_finished,
         "rollout_attempts": tally.attempts_started,
         **_kept(result, rollouts),
@@ -160,6 +161,8 @@ def summarize(
             summary["error_cause"] = describe_error(cause)
     output = result.output
     if output is None:
+        if cfg.agent is not None:
+            summary["agent"] = cfg.agent  # its environments are its capture sessions
         summary["rollouts_finished"] = tally.attempts_finished
         summary["rollouts_cancelled"] = tally.attempts_cancelled
         summary["rollout_attempts_failed"] = tally.attempts_failed
