@@ -211,7 +211,8 @@ def draw_timeline(path: Path, timeline: Timeline) -> bool:
     rows_ax.set_ylabel(f"rollouts ({rows}), sorted by start")
     if rows > 40:
         rows_ax.set_yticks([])
-    rows_ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=5, fontsize=8, frameon=False)
+    # Below the figure, outside the axes: the layout makes room for it under the x label.
+    figure.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     figure.suptitle("rollout timeline (open trace.json in https://ui.perfetto.dev for every span)", fontsize=10)
     figure.savefig(path, dpi=100)
     return True
