@@ -30,7 +30,7 @@ from .._runtime.origin import describe_with_origin
 from ..agents import AgentContext, AgentFn, StructuredAgentGenerator, resolve_agent
 from ..envs._ray import start_local_ray_if_needed
 from ..generator import StructuredGymGenerator
-from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
+from ..observe import CleanupKind, CleanupOutcome, FinishedTrajectory, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput, TrajectoryID
 from ..vlm_generator import StructuredVLMGymGenerator
 from ._engine import EngineSetup, load_engine
@@ -64,6 +64,8 @@ class Tally(RolloutObserver):
     attempts_finished: int = 0
     attempts_failed: int = 0
     attempts_cancelled: int = 0
+    #: Rollouts the straggler cutoff ended (their attempts are among ``attempts_cancelled``).
+    rollouts_cut: int = 0
     #: Inference sessions the engine knows of: an attempt that sent a request, or whose session the
     #: generator finishes (the gym generator finishes every attempt's; an agent's only after a call).
     sessions_started: int = 0
@@ -115,6 +117,10 @@ class Tally(RolloutObserver):
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         self.attempts_cancelled += 1
         self.running.discard((rollout.index, rollout.attempt))
+
+    def trajectory_finished(self, rollout: RolloutRef, trajectory: FinishedTrajectory) -> None:
+        if trajectory.cut:
+            self.rollouts_cut += 1
 
     def cleanup_finished(
         self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None

@@ -164,7 +164,10 @@ def summarize(
         if cfg.agent is not None:
             summary["agent"] = cfg.agent  # its environments are its capture sessions
         summary["rollouts_finished"] = tally.attempts_finished
-        summary["rollouts_cancelled"] = tally.attempts_cancelled
+        # A cut is the cutoff's choice, counted apart from the cancels (its attempt was cancelled too).
+        summary["rollouts_cancelled"] = tally.attempts_cancelled - tally.rollouts_cut
+        summary["rollouts_cut"] = tally.rollouts_cut
+        summary["straggler_cutoff"] = cfg.generator.straggler_cutoff
         summary["rollout_attempts_failed"] = tally.attempts_failed
         summary["envs_opened"] = tally.envs_opened
         summary["envs_closed"] = tally.envs_closed

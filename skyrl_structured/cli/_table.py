@@ -71,6 +71,7 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
         rows = [
             ("rollouts finished", str(summary["rollouts_finished"])),
             ("rollouts cancelled", str(summary["rollouts_cancelled"])),
+            *_cut(summary),
             ("attempts failed", str(summary["rollout_attempts_failed"])),
             ("capture sessions" if "agent" in summary else "environments", _opened_closed(summary)),
             *_close_errors(summary),
