@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +60,8 @@ def test_an_env_that_fails_to_start_in_its_worker_process_is_no_leak(tmp_path, b
         "data.path=rows.jsonl",
         "generator.n_samples_per_prompt=2",
         "environment.skyrl_gym.env_executor=process",
+        "run.metrics_port=0",  # metrics.prom: the live metrics' final values
+        "run.metrics_host=127.0.0.1",
     )
     assert proc.returncode != 0
     assert "the sandbox did not start" in proc.stderr
@@ -68,6 +71,13 @@ def test_an_env_that_fails_to_start_in_its_worker_process_is_no_leak(tmp_path, b
     assert "NOT CLOSED" not in proc.stdout
     started = summary["rollout_attempts"]
     assert re.search(rf"^  inference sessions\s+{started} finished of {started} started$", proc.stdout, re.M)
+    gauges = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families((tmp_path / "out" / "metrics.prom").read_text())
+        for sample in family.samples
+        if not sample.labels
+    }
+    assert gauges["skyrl_structured_envs_open"] == 0  # Prometheus saw no env open either
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
