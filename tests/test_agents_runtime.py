@@ -206,7 +206,13 @@ async def test_a_retry_runs_the_agent_again_in_a_fresh_session(tokenizer, anyio_
     assert metrics["generate/agent_calls"] == 1  # the successful attempt's
     prompt_tokens = len(engine.calls[0].prompt_token_ids)
     reply = ("engine_call_finished", (0, 2, "stop", "NoneType"))
-    finish = [("cleanup_started", ("finish_session",)), ("cleanup_finished", ("finish_session", "ok"))]
+    # The session is the agent's environment: closed (env_close) before its engine session is finished.
+    finish = [
+        ("cleanup_started", ("env_close",)),
+        ("cleanup_finished", ("env_close", "ok")),
+        ("cleanup_started", ("finish_session",)),
+        ("cleanup_finished", ("finish_session", "ok")),
+    ]
     assert [(name, attempt, details) for name, attempt, details in recorder.of(0)] == [
         ("attempt_started", 1, ()),
         ("env_opened", 1, ()),

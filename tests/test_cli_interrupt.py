@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from skyrl_structured.cli._run import DUPLICATE_SIGNAL_WINDOW_S
+from skyrl_structured.cli._run import DUPLICATE_SIGNAL_WINDOW_S, STILL_WAITING_AFTER_S
 from skyrl_structured.testing.chaos import ChaosPolicy
 
 pytestmark = pytest.mark.slow
@@ -390,3 +390,11 @@ def test_a_stop_waiting_on_a_hung_close_says_so_and_a_second_stop_leaves_the_sum
     assert (summary["envs_opened"], summary["envs_closed"]) == (1, 0)
     assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
     assert re.search(r"^  environments\s+1 opened, 0 closed \(1 NOT CLOSED\)$", stdout, re.MULTILINE), stdout
+    # What it did before the forced exit (issue 38): its rollout was cancelled, and the step had been
+    # generating since before the first stop, which came at least STILL_WAITING_AFTER_S before the second.
+    assert (summary["rollouts_finished"], summary["rollouts_cancelled"]) == (0, 1)
+    assert re.search(r"^  rollouts cancelled\s+1$", stdout, re.MULTILINE), stdout
+    assert summary["wall_time_s"]["generate"] >= STILL_WAITING_AFTER_S
+    generating = re.search(r"^  wall time\s+([0-9.]+) s generating", stdout, re.MULTILINE)
+    assert generating is not None, stdout
+    assert float(generating.group(1)) >= STILL_WAITING_AFTER_S, stdout

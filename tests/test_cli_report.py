@@ -22,6 +22,7 @@ from skyrl_structured.cli._run import RunResult, Tally
 from skyrl_structured.cli._summary import summarize
 from skyrl_structured.cli._table import format_summary
 from skyrl_structured.cli._trajectories import TrajectoryLog
+from skyrl_structured.observe import RolloutRef, failed_record
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 
 
@@ -107,7 +108,9 @@ def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
     for name in ("generator_output.json", "trajectories.jsonl"):
         (tmp_path / name).write_text("{}")
     cfg = load_config([])
-    tally = Tally(attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_finished=3)
+    tally = Tally(
+        attempts_started=3, attempts_finished=1, attempts_cancelled=2, sessions_started=3, sessions_finished=3
+    )
     result = RunResult(status="interrupted", tally=tally, signal=2, engine="scripted")
     summary = summarize(cfg, "embedded arithmetic.jsonl", 3, 1, result)
     # A partial batch on purpose: without an output, write_outputs never reads it.
@@ -120,6 +123,31 @@ def test_a_run_without_output_removes_an_earlier_runs_files(tmp_path):
     assert table.startswith("skyrl-structured rollout: interrupted\n")
     assert "  inference sessions  3 finished of 3 started\n" in table
     assert f"  output              {tmp_path}/ (summary.json)" in table
+
+
+def test_an_interrupted_run_counts_its_straggler_cuts_apart_from_its_cancels(tmp_path):
+    """Cut before the stop: the cut rollout is a cut in the interrupted summary, never a cancel or a failure."""
+    cfg = load_config(["generator.skip_failed_rollouts=true", "generator.straggler_cutoff=0.5"])
+    tally = Tally()
+    for index in range(3):
+        ref = RolloutRef(index, 1, None)
+        tally.attempt_started(ref)
+        tally.attempt_cancelled(ref)
+    cut = RolloutRef(0, 1, None)
+    error = "StragglerCutError: rollout 0 was cut: 2 of the 4 rollouts were final"
+    tally.trajectory_finished(
+        cut, failed_record(cut, error, env_class="gsm8k", elapsed=1.0, timed_out=False, step_wise=False)
+    )
+    finished = RolloutRef(3, 1, None)
+    tally.attempt_started(finished)
+    tally.attempt_finished(finished, 0.5)
+    result = RunResult(status="interrupted", tally=tally, signal=2, engine="scripted")
+    summary = summarize(cfg, "embedded arithmetic.jsonl", 4, 1, result)
+    assert (summary["rollouts_finished"], summary["rollouts_cancelled"], summary["rollouts_cut"]) == (1, 2, 1)
+    assert summary["rollout_attempts_failed"] == 0
+    table = format_summary(summary, tmp_path)
+    assert "  rollouts cancelled  2\n" in table
+    assert "  rollouts cut        1 (generator.straggler_cutoff=0.5)\n" in table
 
 
 def _skyrl_metrics() -> Any:

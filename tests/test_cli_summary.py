@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, validate_generator_output
+from skyrl_structured.cli._timeline import Timeline
 from skyrl_structured.testing.chaos import ChaosPolicy
 
 pytestmark = pytest.mark.slow
@@ -263,15 +265,29 @@ def test_straggler_cuts_have_their_own_row_not_the_failures(tmp_path):
         "chaos.hang_rate=0.5",  # hung engine calls never finish on their own: only the cut ends them
         "generator.skip_failed_rollouts=true",
         "generator.straggler_cutoff=0.5",
+        "run.metrics_port=0",  # metrics.prom: the live metrics' final values
+        "run.metrics_host=127.0.0.1",
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "skyrl_structured", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
     assert (summary["rollouts_ok"], summary["rollouts_failed"], summary["rollouts_cut"]) == (12 - hung, 0, hung)
     assert "StragglerCutError" not in summary["failures_by_type"]
     assert summary["rollout_metrics"]["generate/num_cut_rollouts"] == hung  # the library's own figure, unchanged
     assert re.search(rf"^  rollouts cut\s+{hung} \(generator.straggler_cutoff=0.5\)$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^  rollouts failed\s+0$", proc.stdout, re.M)
     assert re.search(r"^  failures by type\s+none$", proc.stdout, re.M)
+    # Prometheus and the timeline count the same cuts, as cuts (issue 38).
+    finished = {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families((out / "metrics.prom").read_text())
+        for sample in family.samples
+        if sample.name == "skyrl_structured_rollouts_finished_total"
+    }
+    assert finished == {"ok": 12 - hung, "cut": hung}
+    timeline = Timeline.of(json.loads((out / "trace.json").read_text())["traceEvents"])
+    assert (len(timeline.cuts), timeline.failures, timeline.cancelled) == (hung, [], [])
+    assert "timeline.png" in summary["files"]

@@ -111,3 +111,42 @@ def test_two_observers_do_not_clash_and_serve_twice_is_refused():
     finally:
         first.close()
     first.close()  # a second close is a no-op
+
+
+async def test_a_straggler_cut_is_counted_as_cut_never_as_failed(tokenizer, anyio_backend):
+    """Rollouts 3 and 4 never answer; the others answer once both are in the engine, so the cut finds them there."""
+    hung = {"q1_1", "q2_0"}
+    entered: set[object] = set()
+    both_in = anyio.Event()
+
+    async def handler(call):
+        entered.add(call.session_id)
+        if hung <= entered:
+            both_in.set()
+        if call.session_id in hung:
+            await anyio.sleep_forever()
+        await both_in.wait()
+        return "an answer #### 7"
+
+    observer = PrometheusObserver()
+    gen = make_generator(
+        tokenizer,
+        ScriptedEngine(tokenizer, handler),
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",
+        straggler_cutoff=0.6,
+    )
+    gen.observers.append(observer)
+    with anyio.fail_after(60):  # a bound only a hang reaches
+        out = await gen.generate(make_batch(5, EnvLedger()), disable_tqdm=True)
+    assert (out["rollout_metrics"] or {})["generate/num_cut_rollouts"] == 2
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in observer.registry.collect()
+        for sample in family.samples
+    }
+    assert samples[("skyrl_structured_rollouts_finished_total", (("outcome", "ok"),))] == 3
+    assert samples[("skyrl_structured_rollouts_finished_total", (("outcome", "cut"),))] == 2
+    assert ("skyrl_structured_rollouts_finished_total", (("outcome", "failed"),)) not in samples
+    assert samples[("skyrl_structured_rollouts_in_flight", ())] == 0
+    assert samples[("skyrl_structured_envs_open", ())] == 0

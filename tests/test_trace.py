@@ -151,3 +151,76 @@ async def test_each_generate_call_is_its_own_process(tokenizer, anyio_backend):
     assert sorted(tracks) == [(1, 0), (2, 0), (2, 1)]
     processes = [e["args"]["name"] for e in recorder.events if e["name"] == "process_name"]
     assert processes == ["generate() #1: 1 rollouts", "generate() #2: 2 rollouts"]
+
+
+async def test_a_cut_is_marked_cut_and_an_interrupted_batch_marks_no_finished_rollout_failed(tokenizer, anyio_backend):
+    """One batch cut by the straggler cutoff, then one cancelled after its rollout 0 succeeded: neither is a failure."""
+    from skyrl_structured.cli._timeline import Timeline
+
+    hung = {"q1_1", "q2_0"}  # rollouts 3 and 4 (two samples per prompt)
+    entered: set[object] = set()
+    both_in = anyio.Event()
+
+    async def cut_handler(call):
+        entered.add(call.session_id)
+        if hung <= entered:
+            both_in.set()
+        if call.session_id in hung:
+            await anyio.sleep_forever()
+        await both_in.wait()
+        return "an answer #### 7"
+
+    recorder = TraceRecorder()
+    gen = make_generator(
+        tokenizer,
+        ScriptedEngine(tokenizer, cut_handler),
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",
+        straggler_cutoff=0.6,
+    )
+    gen.observers.append(recorder)
+    with anyio.fail_after(60):  # a bound only a hang reaches
+        await gen.generate(make_batch(5, EnvLedger()), disable_tqdm=True)
+    events = recorder.events
+    cuts = [e for e in events if e["ph"] == "i" and e["cat"] == "cut"]
+    assert sorted(e["tid"] for e in cuts) == [3, 4]
+    assert all(e["args"]["error"].startswith("StragglerCutError: ") for e in cuts)
+    assert not [e for e in events if e["ph"] == "i" and e["cat"] == "failure"]
+    tracks = spans_by_track(recorder.trace())
+    for tid in (3, 4):
+        (rollout,) = [s for s in tracks[(1, tid)] if s["cat"] == "rollout"]
+        (attempt,) = [s for s in tracks[(1, tid)] if s["cat"] == "attempt"]
+        assert rollout["args"]["outcome"] == attempt["args"]["outcome"] == "cut"
+    timeline = Timeline.of(events)
+    assert len(timeline.cuts) == 2
+    assert (timeline.failures, timeline.cancelled) == ([], [])
+
+    # Rollout 0 answers and finishes; rollout 1 hangs until the batch is cancelled.
+    first_done = anyio.Event()
+
+    async def second_hangs(call):
+        if call.session_id == "q0_1":
+            await anyio.sleep_forever()
+        return "an answer #### 7"
+
+    class FirstDone(TraceRecorder):
+        def rollout_finished(self, rollout, *, failed):
+            first_done.set()
+
+    done = FirstDone()
+    recorder = TraceRecorder()
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, second_hangs))
+    gen.observers += [recorder, done]
+    with anyio.fail_after(60), anyio.CancelScope() as scope:  # a bound only a hang reaches
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen.generate, make_batch(2, EnvLedger()), True)
+            await first_done.wait()
+            scope.cancel()
+    events = recorder.events
+    assert [e["tid"] for e in events if e["ph"] == "i" and e["name"].startswith("batch aborted")] == [0]
+    timeline = Timeline.of(events)
+    starts = {e["tid"]: e["ts"] for e in events if e["ph"] == "X" and e["cat"] == "rollout"}
+    rollout_row = {tid: row for row, tid in enumerate(sorted(starts, key=lambda tid: (starts[tid], tid)))}
+    assert timeline.failures == []  # the batch's marker is no rollout's failure (rollout 0 succeeded)
+    assert timeline.cuts == []
+    assert [row for row, _ in timeline.cancelled] == [rollout_row[1]]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol
 
+from ..errors import StragglerCutError
 from ..types import ROLLOUT_ERROR_STOP_REASON, RolloutOutput, TrajectoryID
 
 __all__ = [
@@ -35,6 +36,9 @@ __all__ = [
 logger = logging.getLogger("skyrl_structured.observe")
 
 _P = ParamSpec("_P")
+
+#: How a cut rollout's ``FinishedTrajectory.error`` starts (the error is ``"Type: message"``).
+_CUT_PREFIX = f"{StragglerCutError.__name__}: "
 
 #: What a cleanup event is about: closing the environment, or finishing the inference session.
 CleanupKind = Literal["env_close", "finish_session"]
@@ -106,6 +110,15 @@ class FinishedTrajectory:
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    @property
+    def cut(self) -> bool:
+        """Whether the straggler cutoff ended it (``generator.straggler_cutoff``): a policy, not an error.
+
+        A cut rollout is ``failed`` too (it has no steps and becomes a placeholder); counts that
+        tell errors from the cutoff's choice read this.
+        """
+        return self.error is not None and self.error.startswith(_CUT_PREFIX)
 
     @property
     def reward(self) -> float:

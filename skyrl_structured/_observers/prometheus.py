@@ -8,7 +8,7 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | metric | type | meaning |
 |---|---|---|
 | ``skyrl_structured_rollouts_started_total`` | counter | rollouts whose first attempt started |
-| ``skyrl_structured_rollouts_finished_total{outcome}`` | counter | final outcomes: ``ok`` or ``failed`` |
+| ``skyrl_structured_rollouts_finished_total{outcome}`` | counter | final outcomes: ``ok``, ``failed`` or ``cut`` |
 | ``skyrl_structured_rollouts_failed_total{error_type}`` | counter | final failures by exception type |
 | ``skyrl_structured_attempts_failed_total{error_type}`` | counter | failed attempts, retried or not |
 | ``skyrl_structured_rollout_retries_total`` | counter | attempts retried |
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .base import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
+from .base import CleanupKind, CleanupOutcome, FinishedTrajectory, RolloutObserver, RolloutRef
 
 __all__ = ["PrometheusObserver"]
 
@@ -79,6 +79,9 @@ class PrometheusObserver(RolloutObserver):
             self.count_env_workers(env_workers)
         self._server: Any | None = None
         self._thread: threading.Thread | None = None
+        #: (index, attempt) of rollouts the straggler cutoff ended, told by ``trajectory_finished`` to the
+        #: ``rollout_finished`` the generator emits right after it.
+        self._cut: set[tuple[int, int]] = set()
 
     def count_env_workers(self, source: Callable[[], float]) -> None:
         """Read ``skyrl_structured_env_workers_alive`` from ``source`` at each scrape (0 until this is called)."""
@@ -150,8 +153,19 @@ class PrometheusObserver(RolloutObserver):
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         self.in_flight.dec()
 
+    def trajectory_finished(self, rollout: RolloutRef, trajectory: FinishedTrajectory) -> None:
+        if trajectory.cut:
+            self._cut.add((rollout.index, rollout.attempt))
+
     def rollout_finished(self, rollout: RolloutRef, *, failed: bool) -> None:
-        self.rollouts_finished.labels(outcome="failed" if failed else "ok").inc()
+        # A cut is the cutoff's choice, not an error: its own outcome, as the command's summary counts it.
+        key = (rollout.index, rollout.attempt)
+        if key in self._cut:
+            self._cut.discard(key)
+            outcome = "cut"
+        else:
+            outcome = "failed" if failed else "ok"
+        self.rollouts_finished.labels(outcome=outcome).inc()
 
     def batch_finished(self, size: int, failed: int) -> None:
         self.batches.labels(outcome="finished").inc()

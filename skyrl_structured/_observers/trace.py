@@ -11,7 +11,10 @@ spans::
       attempt 2 ...
 
 A failed attempt also gets an instant event named for its exception type (``ConnectionError``,
-``TimeoutError``, a straggler cut's ``StragglerCutError``), in the ``failure`` category.
+``TimeoutError``), in the ``failure`` category. A rollout the straggler cutoff ended is no failure:
+its attempt and rollout spans say ``"outcome": "cut"`` and it gets a ``straggler cut`` instant in
+the ``cut`` category; any other cancelled attempt (an interrupt, the caller's cancel) says
+``"outcome": "cancelled"``.
 
 While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
 :class:`_TraceBuilder` replays the log into complete (``"ph": "X"``) events with integer
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..types import ROLLOUT_ERROR_STOP_REASON, TrajectoryID
-from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutObserver, RolloutRef
+from .base import CleanupKind, CleanupOutcome, EnvMethod, FinishedTrajectory, RolloutObserver, RolloutRef
 
 __all__ = ["TraceRecorder"]
 
@@ -179,6 +182,10 @@ class TraceRecorder(RolloutObserver):
     def retry_backoff(self, rollout: RolloutRef, delay: float) -> None:
         self._log.append((self._clock(), _RETRY_BACKOFF, rollout.index, rollout.attempt, None, delay))
 
+    def trajectory_finished(self, rollout: RolloutRef, trajectory: FinishedTrajectory) -> None:
+        if trajectory.cut:  # only a cut: every other outcome is told by the attempt's own event
+            self._log.append((self._clock(), _ROLLOUT_CUT, rollout.index, rollout.attempt, None, trajectory.error))
+
     def rollout_finished(self, rollout: RolloutRef, *, failed: bool) -> None:
         self._log.append((self._clock(), _ROLLOUT_FINISHED, rollout.index, rollout.attempt, None, failed))
 
@@ -206,6 +213,8 @@ class _TraceBuilder:
         self._records: list[dict[str, Any] | _Ended] = []
         #: The open spans of each rollout of the current batch, outermost first.
         self._open: dict[int, list[_Span]] = {}
+        #: The args of each rollout's last ended attempt and rollout spans (a cut marks them afterwards).
+        self._ended: dict[tuple[int, str], dict[str, Any]] = {}
         self._batch = 0
 
     def events(self) -> list[dict[str, Any]]:
@@ -227,6 +236,8 @@ class _TraceBuilder:
 
     def _end(self, index: int, span: _Span, end_us: int) -> None:
         self._records.append((self._batch, index, span.name, span.cat, span.start_us, end_us, span.args))
+        if span.cat in ("attempt", "rollout"):
+            self._ended[index, span.cat] = span.args
 
     def _close(self, index: int, name: str, args: dict[str, Any] | None = None) -> None:
         """End the innermost open span called ``name``, and the spans inside it (marked ``unfinished``).
@@ -269,6 +280,7 @@ class _TraceBuilder:
     def batch_started(self, size: int) -> None:
         self._batch += 1
         self._open = {}
+        self._ended = {}
         self._meta("process_name", 0, {"name": f"generate() #{self._batch}: {size} rollouts"})
         self._meta("process_sort_index", 0, {"sort_index": self._batch})
 
@@ -361,6 +373,28 @@ class _TraceBuilder:
         args = {"delay_s": round(delay, 6), "next_attempt": rollout.attempt + 1}
         self._push(rollout.index, "backoff", "backoff", args)
 
+    def rollout_cut(self, rollout: RolloutRef, error: str) -> None:
+        """The straggler cutoff ended the rollout: its closed spans say so, and an instant marks it."""
+        index = rollout.index
+        for cat in ("attempt", "rollout"):
+            args = self._ended.get((index, cat))
+            if args is not None:
+                args["outcome"] = "cut"
+                if cat == "rollout":
+                    args.update(stop_reason=ROLLOUT_ERROR_STOP_REASON, error=error)
+        self._records.append(
+            {
+                "ph": "i",
+                "s": "t",
+                "name": "straggler cut",
+                "cat": "cut",
+                "pid": self._batch,
+                "tid": index,
+                "ts": self._now_us(),
+                "args": {"attempt": rollout.attempt, "error": error},
+            }
+        )
+
     def rollout_finished(self, rollout: RolloutRef, failed: bool) -> None:
         self._close(rollout.index, f"rollout {rollout.index}", {"failed": failed})
 
@@ -425,7 +459,8 @@ def _as_event(record: _Ended) -> dict[str, Any]:
     _ROLLOUT_FINISHED,
     _BATCH_FINISHED,
     _BATCH_ABORTED,
-) = range(16)
+    _ROLLOUT_CUT,
+) = range(17)
 
 _REPLAY: dict[int, Callable[..., None]] = {
     _BATCH_STARTED: lambda b, r, size: b.batch_started(size),
@@ -446,6 +481,7 @@ _REPLAY: dict[int, Callable[..., None]] = {
     _ATTEMPT_CANCELLED: _TraceBuilder.attempt_cancelled,
     _RETRY_BACKOFF: _TraceBuilder.retry_backoff,
     _ROLLOUT_FINISHED: _TraceBuilder.rollout_finished,
+    _ROLLOUT_CUT: _TraceBuilder.rollout_cut,
     _BATCH_FINISHED: lambda b, r: b.batch_finished(),
     _BATCH_ABORTED: lambda b, r, name, text: b.batch_aborted(_Err(name, text)),
 }

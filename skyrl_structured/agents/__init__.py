@@ -76,7 +76,8 @@ agent's process group; failures become placeholders under ``failed_rollout_polic
 budget; ``max_concurrent_rollouts`` is one set of slots for all concurrent ``generate()`` calls.
 Observers (``generator.observers``) hear the attempt events, ``env_opened`` when the session opens, one
 ``engine_call_*`` pair per captured call (the session carries its attempt's ``RolloutContext``: its
-requests run in the server's tasks, not the rollout's) and the session's ``finish_session`` cleanup.
+requests run in the server's tasks, not the rollout's), the session's close as an ``env_close``
+cleanup and its ``finish_session`` cleanup: the session is the agent's environment to every count.
 
 Rows: without ``step_wise_trajectories``, a rollout's row is the **branch of its last call**: prompt
 ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with the

@@ -362,8 +362,7 @@ class StructuredAgentGenerator(Pausable):
                 sampling_params=request.sampling_params,
                 context=context,
                 cleanup_timeout_s=self.resilience.env_cleanup_timeout_s,
-            ) as session:
-                context.emit(RolloutObserver.env_opened)  # an agent's environment is its capture session
+            ) as session:  # the session is the agent's environment: observers hear it open and close
                 ctx = AgentContext(
                     base_url=session.base_url,
                     api_key=session.api_key,

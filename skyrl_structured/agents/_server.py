@@ -34,7 +34,7 @@ from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
 from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
-from ..observe import RolloutRef
+from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput
 from ._capture import (
     SURROGATE_ESCAPE,
@@ -112,14 +112,14 @@ class CaptureSession:
         if not self._inflight and self._drained is not None:
             self._drained.set()
 
-    async def _drain(self, limit_s: float) -> None:
-        """Wait (shielded, at most ``limit_s``) until the requests the close cancelled have ended.
+    async def _drain(self, limit_s: float) -> bool:
+        """Wait (shielded, at most ``limit_s``) until the requests the close cancelled have ended; whether they did.
 
         So nothing of the session outlives its scope: each request's ``engine_call_finished`` is
         told, and its engine task cancelled, before the rollout's attempt ends.
         """
         if not self._inflight:
-            return
+            return True
         self._drained = anyio.Event()
         with anyio.move_on_after(limit_s, shield=True) as bound:
             await self._drained.wait()
@@ -130,6 +130,8 @@ class CaptureSession:
                 self.rollout,
                 limit_s,
             )
+            return False
+        return True
 
 
 @dataclass
@@ -191,8 +193,10 @@ class CaptureServer:
 
         ``context`` is the rollout attempt (the generator's supervisor made it); its ``ref`` gets the
         session's id. Without one the session has a context of its own, heard by no observer, and
-        calls this server's client. On exit the requests still in flight are cancelled (499) and
-        waited for, then the engine session of the same id is finished when any request reached
+        calls this server's client. The session is the rollout's environment to its observers and
+        cleanup stats: ``env_opened`` once it exists, an ``env_close`` cleanup when it closes. On
+        exit the requests still in flight are cancelled (499) and waited for (an overrun is the
+        close's ``timeout``), then the engine session of the same id is finished when any request reached
         the engine, answered or cancelled: a ``finish_session`` cleanup step
         (:class:`~skyrl_structured._runtime.sessions.SessionEnd`), each wait shielded and bounded by
         ``cleanup_timeout_s``.
@@ -214,6 +218,10 @@ class CaptureServer:
             context=context,
         )
         self._sessions[key] = session
+        # An agent's environment is its capture session: observers and the cleanup stats count it
+        # opened here and closed below, as they count a gym rollout's environment.
+        context.cleanup.envs_opened += 1
+        context.emit(RolloutObserver.env_opened)
         reason = "ended"
         error: BaseException | None = None
         try:
@@ -223,8 +231,14 @@ class CaptureServer:
             error = exc
             raise
         finally:
+            context.emit(RolloutObserver.cleanup_started, "env_close")
             session.close(reason)
-            await session._drain(cleanup_timeout_s)
+            if await session._drain(cleanup_timeout_s):
+                context.cleanup.envs_closed += 1
+                context.emit(RolloutObserver.cleanup_finished, "env_close", "ok", None)
+            else:  # requests left running past the bound, as a gym env's abandoned close
+                context.cleanup.env_cleanup_timeouts += 1
+                context.emit(RolloutObserver.cleanup_finished, "env_close", "timeout", None)
             del self._sessions[key]
             self._ended[key] = (session_id, rollout)
             while len(self._ended) > _TOMBSTONES:

@@ -32,7 +32,7 @@ from ..agents import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentF
 from ..agents._threads import is_async_agent
 from ..envs._ray import start_local_ray_if_needed
 from ..generator import StructuredGymGenerator
-from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef, TraceRecorder
+from ..observe import CleanupKind, CleanupOutcome, FinishedTrajectory, RolloutObserver, RolloutRef, TraceRecorder
 from ..types import GeneratorInput, GeneratorOutput, TrajectoryID
 from ..vlm_generator import StructuredVLMGymGenerator
 from ._engine import EngineSetup, load_engine
@@ -47,6 +47,7 @@ __all__ = [
     "RunResult",
     "StepHooks",
     "Tally",
+    "exit_now",
     "is_duplicate",
     "run_step",
 ]
@@ -65,6 +66,11 @@ class Tally(RolloutObserver):
     attempts_finished: int = 0
     attempts_failed: int = 0
     attempts_cancelled: int = 0
+    #: Rollouts the straggler cutoff ended (their attempts are among ``attempts_cancelled``).
+    rollouts_cut: int = 0
+    #: Inference sessions the engine knows of: an attempt that sent a request, or whose session the
+    #: generator finishes (the gym generator finishes every attempt's; an agent's only after a call).
+    sessions_started: int = 0
     sessions_finished: int = 0
     envs_opened: int = 0
     envs_closed: int = 0
@@ -73,6 +79,8 @@ class Tally(RolloutObserver):
     first_close_error: str | None = None
     #: Attempts running now, by (index, attempt): one cancelled while it waited for its slot never started.
     running: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    #: (index, attempt) of the attempts counted in ``sessions_started``.
+    sessions: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     @property
     def in_flight(self) -> int:
@@ -84,6 +92,19 @@ class Tally(RolloutObserver):
 
     def env_opened(self, rollout: RolloutRef) -> None:
         self.envs_opened += 1
+
+    def _session(self, rollout: RolloutRef) -> None:
+        key = (rollout.index, rollout.attempt)
+        if key not in self.sessions:
+            self.sessions.add(key)
+            self.sessions_started += 1
+
+    def engine_call_started(self, rollout: RolloutRef, turn: int, prompt_tokens: int) -> None:
+        self._session(rollout)
+
+    def cleanup_started(self, rollout: RolloutRef, kind: CleanupKind) -> None:
+        if kind == "finish_session":
+            self._session(rollout)
 
     def attempt_finished(self, rollout: RolloutRef, elapsed: float) -> None:
         self.attempts_finished += 1
@@ -98,6 +119,10 @@ class Tally(RolloutObserver):
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         self.attempts_cancelled += 1
         self.running.discard((rollout.index, rollout.attempt))
+
+    def trajectory_finished(self, rollout: RolloutRef, trajectory: FinishedTrajectory) -> None:
+        if trajectory.cut:
+            self.rollouts_cut += 1
 
     def cleanup_finished(
         self, rollout: RolloutRef, kind: CleanupKind, outcome: CleanupOutcome, error: BaseException | None
@@ -164,6 +189,8 @@ class RunResult:
     load_s: float = 0.0
     generate_s: float = 0.0
     started_generating: bool = False
+    #: When ``generate()`` was called (``time.monotonic()``), until it returned or raised.
+    generating_since: float | None = None
     #: Stopped while the engine loaded: its loading thread still runs, and would keep the process alive.
     load_abandoned: bool = False
     #: The tokenizer the generator used (to decode the output), once the engine has loaded.
@@ -182,6 +209,21 @@ class RunResult:
     metrics: Any | None = None
     #: With ``agent=...``: what the agent's results counted (tool calls for the default agent).
     agent_counts: AgentCounts | None = None
+
+
+def exit_now(result: RunResult) -> None:
+    """Count what a forced exit leaves as it stands: the time generated so far, the rollouts in flight cancelled.
+
+    A second stop exits before ``generate()`` has unwound: its clock never stopped, and its
+    rollouts, cancelled by the first stop, are still cleaning up (their environments are counted
+    open). They are cancelled all the same, and the summary says so.
+    """
+    if result.generating_since is not None:
+        result.generate_s = time.monotonic() - result.generating_since
+        result.generating_since = None
+    tally = result.tally
+    tally.attempts_cancelled += tally.in_flight
+    tally.running.clear()
 
 
 def is_duplicate(result: RunResult) -> bool:
@@ -237,6 +279,7 @@ async def _watch_signals(
                 continue  # the same stop, delivered to the process and to its group
             else:
                 say(f"{signal.Signals(signum).name} received again: exiting without waiting for cleanup")
+                exit_now(result)
                 if on_exit_now is not None:
                     on_exit_now(result)
                 sys.stdout.flush()
@@ -332,13 +375,14 @@ async def _load_and_generate(
             generator.observers.append(result.trajectories)
         result.tokenizer = setup.tokenizer
         result.started_generating = True
-        started = time.monotonic()
+        started = result.generating_since = time.monotonic()
         try:
             if cfg.agent is None:
                 start_local_ray_if_needed(cfg.environment.skyrl_gym)
             result.output = await generator.generate(batch, disable_tqdm=not cfg.run.progress)
         finally:
             result.generate_s = time.monotonic() - started
+            result.generating_since = None
             with anyio.CancelScope(shield=True):
                 await generator.aclose()  # env worker processes / actors
 

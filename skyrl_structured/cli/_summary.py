@@ -146,6 +146,7 @@ def summarize(
         "backend": cfg.run.backend,
         "wall_time_s": {"engine_load": result.load_s, "generate": result.generate_s},
         "engine_loaded": bool(result.engine),
+        "sessions_started": tally.sessions_started,
         "sessions_finished": tally.sessions_finished,
         "rollout_attempts": tally.attempts_started,
         **_kept(result, rollouts),
@@ -160,8 +161,13 @@ def summarize(
             summary["error_cause"] = describe_error(cause)
     output = result.output
     if output is None:
+        if cfg.agent is not None:
+            summary["agent"] = cfg.agent  # its environments are its capture sessions
         summary["rollouts_finished"] = tally.attempts_finished
-        summary["rollouts_cancelled"] = tally.attempts_cancelled
+        # A cut is the cutoff's choice, counted apart from the cancels (its attempt was cancelled too).
+        summary["rollouts_cancelled"] = tally.attempts_cancelled - tally.rollouts_cut
+        summary["rollouts_cut"] = tally.rollouts_cut
+        summary["straggler_cutoff"] = cfg.generator.straggler_cutoff
         summary["rollout_attempts_failed"] = tally.attempts_failed
         summary["envs_opened"] = tally.envs_opened
         summary["envs_closed"] = tally.envs_closed

@@ -71,10 +71,11 @@ def format_summary(summary: dict[str, Any], output_dir: Path | None) -> str:
         rows = [
             ("rollouts finished", str(summary["rollouts_finished"])),
             ("rollouts cancelled", str(summary["rollouts_cancelled"])),
+            *_cut(summary),
             ("attempts failed", str(summary["rollout_attempts_failed"])),
-            ("environments", _opened_closed(summary)),
+            ("capture sessions" if "agent" in summary else "environments", _opened_closed(summary)),
             *_close_errors(summary),
-            ("inference sessions", f"{summary['sessions_finished']} finished of {summary['rollout_attempts']} started"),
+            ("inference sessions", f"{summary['sessions_finished']} finished of {summary['sessions_started']} started"),
             ("wall time", _wall_time(summary)),
         ]
         rows.append(("trajectories kept", _kept_line(summary)))

@@ -3,24 +3,26 @@
 ``trace.json`` is the :class:`~skyrl_structured.observe.TraceRecorder`'s Chrome trace-event JSON
 (open it in https://ui.perfetto.dev). ``timeline.png`` draws the same spans when matplotlib is
 installed (``skyrl-structured[plots]``): one row per rollout, sorted by start, coloured by phase,
-failures marked, above a strip of the rollouts in flight over time. At a thousand rollouts a row
-is under a pixel high: the picture is then read as bands (where the engine, the env or the
-cleanups hold rollouts up) rather than row by row; Perfetto has the detail.
+above a strip of the rollouts in flight over time. How an attempt ended is marked where it ended:
+a failure (retried or final), a straggler cut, or a cancel (an interrupt such as Ctrl-C); a
+rollout that succeeded carries no mark. Each is told apart in the legend, never drawn as another.
+At a thousand rollouts a row is under a pixel high: the picture is then read as bands (where the
+engine, the env or the cleanups hold rollouts up) rather than row by row; Perfetto has the detail.
 
-:func:`in_flight` and :func:`failure_times` are shared with ``summary.png``'s concurrency panel.
+:func:`in_flight` and :meth:`Timeline.marks` are shared with ``summary.png``'s concurrency panel.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..observe import TraceRecorder
 
-__all__ = ["TIMELINE_FILE", "TRACE_FILE", "Timeline", "failure_times", "in_flight", "write_timeline"]
+__all__ = ["TIMELINE_FILE", "TRACE_FILE", "Timeline", "in_flight", "write_timeline"]
 
 TRACE_FILE = "trace.json"
 TIMELINE_FILE = "timeline.png"
@@ -47,6 +49,10 @@ class Timeline:
     #: (row, time, retried) of each failed attempt.
     failures: list[tuple[int, float, bool]]
     rows: int
+    #: (row, time) of each rollout the straggler cutoff ended.
+    cuts: list[tuple[int, float]] = field(default_factory=list)
+    #: (row, time) of each attempt cancelled otherwise: an interrupt, the caller's cancel, a sibling's failure.
+    cancelled: list[tuple[int, float]] = field(default_factory=list)
 
     @classmethod
     def of(cls, events: Sequence[dict[str, Any]]) -> Timeline:
@@ -68,13 +74,35 @@ class Timeline:
             label = phase_of.get(e["name"])
             if label is not None:
                 phases[label].append(seconds(e))
+        # A rollout's own instants only: a batch's ("batch aborted", process-scoped) marks no rollout.
+        instants = [
+            e
+            for e in events
+            if e.get("ph") == "i" and e.get("s") == "t" and e.get("pid") == batch and e.get("tid") in rank
+        ]
         failures = [
             (rank[e["tid"]], (e["ts"] - origin) / 1e6, bool(e.get("args", {}).get("will_retry")))
-            for e in events
-            if e.get("ph") == "i" and e.get("cat") == "failure" and e.get("pid") == batch and e.get("tid") in rank
+            for e in instants
+            if e.get("cat") == "failure"
         ]
+        cuts = [(rank[e["tid"]], (e["ts"] - origin) / 1e6) for e in instants if e.get("cat") == "cut"]
         attempts = [seconds(e) for e in spans if e.get("cat") == "attempt"]
-        return cls(attempts=attempts, phases=phases, failures=failures, rows=len(rank))
+        cancelled = [
+            (row, end)
+            for e in spans
+            if e.get("cat") == "attempt" and e.get("args", {}).get("outcome") == "cancelled"
+            for row, _, end in [seconds(e)]
+        ]
+        return cls(attempts=attempts, phases=phases, failures=failures, rows=len(rank), cuts=cuts, cancelled=cancelled)
+
+    def marks(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
+        """(legend label, colour, (row, time) points) of each way an attempt ended other than success."""
+        return [
+            ("failed, retried", "tab:brown", [(row, when) for row, when, again in self.failures if again]),
+            ("failed rollout", "tab:red", [(row, when) for row, when, again in self.failures if not again]),
+            ("cut (straggler_cutoff)", "tab:cyan", self.cuts),
+            ("cancelled / interrupted", "0.35", self.cancelled),
+        ]
 
 
 def in_flight(attempts: Sequence[tuple[int, float, float]]) -> tuple[list[float], list[int]]:
@@ -86,13 +114,6 @@ def in_flight(attempts: Sequence[tuple[int, float, float]]) -> tuple[list[float]
         times.append(when)
         counts.append(running)
     return times, counts
-
-
-def failure_times(timeline: Timeline) -> tuple[list[float], list[float]]:
-    """(retried, final): the times of failed attempts that were retried and of those that were not."""
-    retried = [when for _, when, again in timeline.failures if again]
-    final = [when for _, when, again in timeline.failures if not again]
-    return retried, final
 
 
 def write_timeline(output_dir: Path, recorder: TraceRecorder) -> list[str]:
@@ -116,17 +137,18 @@ def _rectangles(spans: Sequence[tuple[int, float, float]], height: float) -> lis
 
 
 def draw_concurrency(axes: Any, timeline: Timeline) -> None:
-    """Rollouts in flight over time, failed attempts marked (retried: brown, final: red)."""
+    """Rollouts in flight over time, with the attempts that did not succeed marked by how they ended."""
     times, counts = in_flight(timeline.attempts)
     axes.step(times, counts, where="post", color="tab:blue", linewidth=1.2)
     axes.fill_between(times, counts, step="post", color="tab:blue", alpha=0.15)
     peak = max(counts) if counts else 0
-    retried, final = failure_times(timeline)
-    if retried:
-        axes.plot(retried, [peak * 1.04] * len(retried), "|", color="tab:brown", markersize=8, label="failed, retried")
-    if final:
-        axes.plot(final, [peak * 1.04] * len(final), "|", color="tab:red", markersize=8, label="failed rollout")
-    if retried or final:
+    marked = False
+    for label, colour, points in timeline.marks():
+        if points:
+            whens = [when for _, when in points]
+            axes.plot(whens, [peak * 1.04] * len(whens), "|", color=colour, markersize=8, label=label)
+            marked = True
+    if marked:
         axes.legend(loc="upper right", fontsize=7, frameon=False)
     axes.set_ylim(0, max(1.0, peak * 1.12))
     axes.set_ylabel("in flight")
@@ -167,8 +189,8 @@ def draw_timeline(path: Path, timeline: Timeline) -> bool:
             )
             handles.append(Patch(facecolor=colour, label=label))
     marker = max(2.0, min(7.0, 300.0 / max(rows, 1)))
-    for retried, colour, label in ((True, "tab:brown", "failed, retried"), (False, "tab:red", "failed rollout")):
-        points = [(when, row + 0.5) for row, when, again in timeline.failures if again is retried]
+    for label, colour, marks in timeline.marks():
+        points = [(when, row + 0.5) for row, when in marks]
         if points:
             rows_ax.plot(
                 [p[0] for p in points],
@@ -189,7 +211,8 @@ def draw_timeline(path: Path, timeline: Timeline) -> bool:
     rows_ax.set_ylabel(f"rollouts ({rows}), sorted by start")
     if rows > 40:
         rows_ax.set_yticks([])
-    rows_ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=5, fontsize=8, frameon=False)
+    # Below the figure, outside the axes: the layout makes room for it under the x label.
+    figure.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     figure.suptitle("rollout timeline (open trace.json in https://ui.perfetto.dev for every span)", fontsize=10)
     figure.savefig(path, dpi=100)
     return True

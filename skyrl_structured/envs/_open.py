@@ -60,12 +60,16 @@ class _OpenEnv(Cleanup):
         self._exit: tuple[type[BaseException] | None, BaseException | None, TracebackType | None] = (None, None, None)
 
     async def __aenter__(self) -> EnvHandle:
-        try:
-            return await self._env.__aenter__()
-        except BaseException:
-            # An async env whose own __aenter__ failed cleans up after itself (the protocol's rule).
-            self._stats.envs_closed += 1
-            raise
+        # Opened once its constructor has returned: for an env in a worker process or a Ray actor
+        # that is here (the worker builds it), for an env with its own __aenter__ once that returned.
+        # A start that fails (an env the executor cannot send, a constructor or __aenter__ that
+        # raised) is a failed start: nothing was opened, so nothing is left to close (an async env
+        # whose own __aenter__ failed cleans up after itself, the protocol's rule).
+        handle = await self._env.__aenter__()
+        self._stats.envs_opened += 1
+        if self._rollout is not None:
+            self._rollout.emit(RolloutObserver.env_opened)
+        return handle
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -126,6 +130,11 @@ def open_env(
     patching environments after import works; the env's ``env_config`` is ``settings``' for its
     class. ``stats`` counts the opens, closes and cleanup timeouts.
 
+    The env counts as opened (``stats.envs_opened``, the observers' ``env_opened``) once it is
+    entered: its constructor returned, in this process or in its worker, and its own
+    ``__aenter__`` if it has one. A start that fails is counted by neither side, so opened minus
+    closed is what was left open.
+
     ``rollout`` is the attempt the env is opened for (the generator's; None outside a rollout):
     its observers hear ``env_opened`` and ``cleanup_started``/``cleanup_finished``; a close that
     overruns ``settings.cleanup_timeout_s`` still runs in its worker thread and is appended to its
@@ -142,7 +151,4 @@ def open_env(
         stats=stats,
         deadline=rollout.deadline if rollout is not None else None,
     )
-    stats.envs_opened += 1
-    if rollout is not None:
-        rollout.emit(RolloutObserver.env_opened)
     return _OpenEnv(env_class, raw, settings, stats, rollout, then)
