@@ -362,3 +362,31 @@ def test_a_cached_hub_model_passes_pre_flight_offline_and_the_run_goes_ahead(tmp
     )
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^  rollouts ok\s+1$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_cached_hub_model_loads_from_the_cache_alone_when_the_hub_does_not_answer(tmp_path, tokenizer):
+    """No HF_HUB_OFFLINE: transformers would ask the closed Hub about every file, retrying each (2 min 21 s)."""
+    hf_home = tmp_path / "hf"
+    _cache_model(hf_home, "me/tiny-chat", tokenizer)
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    proc = _rollout(
+        tmp_path,
+        "engine.model=me/tiny-chat",
+        "data.max_prompts=1",
+        "generator.n_samples_per_prompt=1",
+        "generator.sampling_params.max_generate_length=4",
+        "run.progress=false",
+        "run.trace=false",
+        env=_hub_env(hf_home, HF_ENDPOINT=endpoint),
+    )
+    assert proc.returncode == 0, proc.stderr
+    snapshot = hf_home / "hub" / "models--me--tiny-chat" / "snapshots" / ("0" * 40)
+    assert (
+        f"WARNING skyrl_structured.cli._hub: the Hugging Face Hub at {endpoint} is unreachable (ConnectError: "
+    ) in proc.stderr
+    loading = f"loading 'me/tiny-chat' from the cache only ({snapshot}); set HF_HUB_OFFLINE=1 to skip asking"
+    assert loading in proc.stderr
+    assert "Retrying" not in proc.stderr
+    assert "thrown while requesting" not in proc.stderr  # no request reached for the closed Hub after the probe
+    assert re.search(r"^  rollouts ok\s+1$", proc.stdout, re.MULTILINE), proc.stdout

@@ -87,6 +87,15 @@ def wrap_env_classes(env_classes: list[str], policy: Any | None, stage: str) -> 
     return [wrapped[name] for name in env_classes]
 
 
+def _hub_source(name: str, *, tokenizer: bool) -> str:
+    """What transformers loads for ``name``: itself, or a cached Hub model's directory when the Hub does not answer."""
+    if not _hub_id(name):
+        return name
+    from ._hub import MODEL_FILES, TOKENIZER_FILES, load_source
+
+    return load_source(name, TOKENIZER_FILES if tokenizer else MODEL_FILES)
+
+
 def _auto_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -126,14 +135,18 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
             setup = EngineSetup(engine, tokenizer, "transformers, tiny offline random model")
         else:
             engine = TransformersEngine.from_pretrained(
-                e.model, device=e.device, dtype=e.dtype, seed=cfg.run.seed, default_sampling_params=defaults
+                _hub_source(e.model, tokenizer=False),
+                device=e.device,
+                dtype=e.dtype,
+                seed=cfg.run.seed,
+                default_sampling_params=defaults,
             )
             setup = EngineSetup(engine, engine.tokenizer, f"transformers, {e.model}")
     elif e.kind == "http":
         from ..engines import HTTPEngine
 
         assert e.model is not None  # checked by check_config
-        tokenizer = _auto_tokenizer(e.tokenizer or e.model)
+        tokenizer = _auto_tokenizer(_hub_source(e.tokenizer or e.model, tokenizer=True))
         engine = HTTPEngine(
             list(e.base_urls), e.model, tokenizer=tokenizer, timeout_s=e.timeout_s, default_sampling_params=defaults
         )
