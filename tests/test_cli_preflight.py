@@ -280,6 +280,14 @@ def test_no_server_with_a_tokenizer_given_serves_the_tokenizers_model_under_the_
 
 #: A Hub id that no test cache holds.
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+#: The shortest run: one rollout of a few tokens, no pictures.
+ONE_ROLLOUT = (
+    "data.max_prompts=1",
+    "generator.n_samples_per_prompt=1",
+    "generator.sampling_params.max_generate_length=4",
+    "run.progress=false",
+    "run.trace=false",
+)
 
 
 def _hub_env(hf_home: Path, **settings: str) -> dict[str, str]:
@@ -353,11 +361,7 @@ def test_a_cached_hub_model_passes_pre_flight_offline_and_the_run_goes_ahead(tmp
     proc = _rollout(
         tmp_path,
         "engine.model=me/tiny-chat",
-        "data.max_prompts=1",
-        "generator.n_samples_per_prompt=1",
-        "generator.sampling_params.max_generate_length=4",
-        "run.progress=false",
-        "run.trace=false",
+        *ONE_ROLLOUT,
         env=_hub_env(hf_home, HF_HUB_OFFLINE="1"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -373,11 +377,7 @@ def test_a_cached_hub_model_loads_from_the_cache_alone_when_the_hub_does_not_ans
     proc = _rollout(
         tmp_path,
         "engine.model=me/tiny-chat",
-        "data.max_prompts=1",
-        "generator.n_samples_per_prompt=1",
-        "generator.sampling_params.max_generate_length=4",
-        "run.progress=false",
-        "run.trace=false",
+        *ONE_ROLLOUT,
         env=_hub_env(hf_home, HF_ENDPOINT=endpoint),
     )
     assert proc.returncode == 0, proc.stderr
