@@ -19,6 +19,8 @@ import pytest
 
 from skyrl_structured import validate_generator_output
 from skyrl_structured.cli import main
+from skyrl_structured.cli._config import load_config
+from skyrl_structured.cli._values import ConfigError
 from tests.trace_check import spans_by_track
 
 #: A small step: 2 prompts x 2 samples, short replies, so a run takes seconds of generation.
@@ -192,3 +194,55 @@ def test_help_and_print_config_show_the_agent_key(capsys):
     assert "skyrl-structured rollout agent=default" in text
     assert main(["rollout", "--print-config", "agent=default"]) == 0
     assert "\nagent: default\n" in capsys.readouterr().out
+
+
+COMMAND_AGENT = textwrap.dedent(
+    """
+    import json, os
+    import openai
+
+    client = openai.OpenAI(max_retries=0, timeout=120.0)  # base URL and key from the environment
+    messages = json.loads(os.environ["SKYRL_AGENT_PROMPT"])
+    client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages)
+    print(0.75)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_command_agent_written_with_a_space_after_the_colon_runs(tmp_path, backend):
+    """``agent=command: python my_agent.py`` is YAML for a mapping; it is the command line all the same (issue 38)."""
+    (tmp_path / "my_agent.py").write_text(COMMAND_AGENT)
+    agent = f"command: {sys.executable} my_agent.py"
+    proc = _run(tmp_path, f"agent={agent}", f"run.backend={backend}", "run.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    output, _, summary = _outputs(tmp_path)
+    validate_generator_output(ROLLOUTS, output)
+    assert summary["agent"] == agent
+    assert summary["mean_reward"] == 0.75
+    assert summary["agent_calls"] == ROLLOUTS
+
+
+@pytest.mark.parametrize(
+    ("value", "agent"),
+    [
+        ("command: python my_agent.py --steps 3", "command: python my_agent.py --steps 3"),
+        ("{command: python my_agent.py}", "command: python my_agent.py"),
+        ("command:python my_agent.py", "command:python my_agent.py"),
+        ("null", None),
+    ],
+)
+def test_the_agent_key_keeps_its_text_where_yaml_reads_a_mapping(value, agent):
+    assert load_config([f"agent={value}"]).agent == agent
+
+
+def test_an_agent_mapping_of_more_than_one_entry_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("`agent` takes str or null, got '{a: b, c: d}' (dict)")):
+        load_config(["agent={a: b, c: d}"])
+    config = tmp_path / "rollout.yaml"
+    config.write_text("agent:\n  command: python my_agent.py\n")
+    assert load_config([], str(config)).agent == "command: python my_agent.py"
+    config.write_text("agent:\n  command: python my_agent.py\n  retries: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"`agent` (in {config}) takes str or null")):
+        load_config([], str(config))

@@ -9,11 +9,13 @@ exactly one line per failed check, before any engine loads or any rollout starts
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch
 from skyrl_structured.engines import EngineConnectionError, HTTPEngine
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, VLLMServer, serve_vllm
+from skyrl_structured.tiny import build_tiny_model
 
 REPLY = "Let me add them. #### 4"
 
@@ -65,7 +68,7 @@ def _server_thread(tokenizer: Any, model: str = "tiny") -> Iterator[VLLMServer]:
         thread.join(60)
 
 
-def _rollout(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _rollout(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "skyrl_structured", "rollout", f"run.output_dir={tmp_path / 'out'}", *args],
         cwd=tmp_path,
@@ -73,6 +76,7 @@ def _rollout(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
         check=False,
+        env=env,
     )
 
 
@@ -270,3 +274,119 @@ def test_no_server_with_a_tokenizer_given_serves_the_tokenizers_model_under_the_
         f"Start it (vllm serve Qwen/Qwen2.5-1.5B-Instruct --port {port} --served-model-name policy) or fix "
         "engine.base_urls"
     )
+
+
+# ---------------------------------------------------------------------- Hugging Face Hub names (issue 38)
+
+#: A Hub id that no test cache holds.
+HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+#: The shortest run: one rollout of a few tokens, no pictures.
+ONE_ROLLOUT = (
+    "data.max_prompts=1",
+    "generator.n_samples_per_prompt=1",
+    "generator.sampling_params.max_generate_length=4",
+    "run.progress=false",
+    "run.trace=false",
+)
+
+
+def _hub_env(hf_home: Path, **settings: str) -> dict[str, str]:
+    """This environment with its own Hugging Face cache (``hf_home/hub``) and no Hub settings but ``settings``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.pop("HF_ENDPOINT", None)
+    return {**env, "HF_HOME": str(hf_home), **settings}
+
+
+def _cache_model(hf_home: Path, repo: str, tokenizer: Any) -> None:
+    """The tiny model and its tokenizer as the Hugging Face cache holds a downloaded ``repo`` (one snapshot of main)."""
+    commit = "0" * 40
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snapshot = root / "snapshots" / commit
+    build_tiny_model(tokenizer, seed=0).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+
+
+@pytest.mark.slow
+def test_a_hub_model_neither_local_nor_cached_is_refused_offline_naming_the_cache(tmp_path):
+    """HF_HUB_OFFLINE=1: one line naming the cache and the variable, not transformers' OSError with a URL."""
+    hf_home = tmp_path / "hf"
+    proc = _rollout(tmp_path, f"engine.model={HUB_MODEL}", env=_hub_env(hf_home, HF_HUB_OFFLINE="1"))
+    [error] = _refused(proc)
+    assert error == (
+        f"`engine.model` {HUB_MODEL!r} is not in the Hugging Face cache ({hf_home / 'hub'}) and HF_HUB_OFFLINE=1 "
+        f"forbids downloading it: download it where the Hub is reachable (`hf download {HUB_MODEL}`) into that cache, "
+        "point HF_HOME at a cache that holds it, or give a local model directory"
+    )
+
+
+@pytest.mark.slow
+def test_a_hub_model_neither_local_nor_cached_is_refused_when_the_hub_does_not_answer(tmp_path):
+    """No HF_HUB_OFFLINE and a Hub that refuses connections: refused in seconds, not after transformers' retries."""
+    hf_home = tmp_path / "hf"
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    proc = _rollout(tmp_path, f"engine.model={HUB_MODEL}", env=_hub_env(hf_home, HF_ENDPOINT=endpoint))
+    elapsed = time.monotonic() - started
+    [error] = _refused(proc)
+    assert error.startswith(
+        f"`engine.model` {HUB_MODEL!r} is not in the Hugging Face cache ({hf_home / 'hub'}), and the Hub at "
+        f"{endpoint} is unreachable: ConnectError: "
+    )
+    assert error.endswith(
+        ": connect to it, or point HF_HOME at a cache that holds the model and set HF_HUB_OFFLINE=1, or give a local "
+        "model directory"
+    )
+    assert elapsed < 60, f"refused after {elapsed:.1f} s"  # a bound only a hang reaches (it takes a few seconds)
+
+
+@pytest.mark.slow
+def test_an_http_engine_whose_served_name_is_no_cached_tokenizer_is_refused(tmp_path, tokenizer):
+    """With engine.kind=http the tokenizer is engine.model's unless engine.tokenizer is set: the line says so."""
+    hf_home = tmp_path / "hf"
+    with _server_thread(tokenizer) as server:
+        proc = _rollout(tmp_path, *_http(server.url), env=_hub_env(hf_home, HF_HUB_OFFLINE="1"))
+        completions = len(server.completions())
+    [error] = _refused(proc)
+    assert error.startswith(f"`engine.model` 'tiny' is not in the Hugging Face cache ({hf_home / 'hub'}) and ")
+    assert error.endswith("(it is the tokenizer too, unless `engine.tokenizer` is set)")
+    assert completions == 0
+
+
+@pytest.mark.slow
+def test_a_cached_hub_model_passes_pre_flight_offline_and_the_run_goes_ahead(tmp_path, tokenizer):
+    hf_home = tmp_path / "hf"
+    _cache_model(hf_home, "me/tiny-chat", tokenizer)
+    proc = _rollout(
+        tmp_path,
+        "engine.model=me/tiny-chat",
+        *ONE_ROLLOUT,
+        env=_hub_env(hf_home, HF_HUB_OFFLINE="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^  rollouts ok\s+1$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_cached_hub_model_loads_from_the_cache_alone_when_the_hub_does_not_answer(tmp_path, tokenizer):
+    """No HF_HUB_OFFLINE: transformers would ask the closed Hub about every file, retrying each (2 min 21 s)."""
+    hf_home = tmp_path / "hf"
+    _cache_model(hf_home, "me/tiny-chat", tokenizer)
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    proc = _rollout(
+        tmp_path,
+        "engine.model=me/tiny-chat",
+        *ONE_ROLLOUT,
+        env=_hub_env(hf_home, HF_ENDPOINT=endpoint),
+    )
+    assert proc.returncode == 0, proc.stderr
+    snapshot = hf_home / "hub" / "models--me--tiny-chat" / "snapshots" / ("0" * 40)
+    assert (
+        f"WARNING skyrl_structured.cli._hub: the Hugging Face Hub at {endpoint} is unreachable (ConnectError: "
+    ) in proc.stderr
+    loading = f"loading 'me/tiny-chat' from the cache only ({snapshot}); set HF_HUB_OFFLINE=1 to skip asking"
+    assert loading in proc.stderr
+    assert "Retrying" not in proc.stderr
+    assert "thrown while requesting" not in proc.stderr  # no request reached for the closed Hub after the probe
+    assert re.search(r"^  rollouts ok\s+1$", proc.stdout, re.MULTILINE), proc.stdout

@@ -5,8 +5,8 @@ vLLM, ``testing.chaos``); they are imported here, on use, so ``--help`` and conf
 work without any of them.
 
 :func:`preflight` checks, before any weights load or rollout starts, what would otherwise fail once
-per rollout or only after a long load: the torch device, local model and tokenizer paths, and that
-every vLLM server is up and serves ``engine.model``.
+per rollout or only after a long load: the torch device, local model and tokenizer paths, that
+every vLLM server is up and serves ``engine.model``, and that a Hub model is cached or downloadable.
 """
 
 from __future__ import annotations
@@ -87,6 +87,15 @@ def wrap_env_classes(env_classes: list[str], policy: Any | None, stage: str) -> 
     return [wrapped[name] for name in env_classes]
 
 
+def _hub_source(name: str, *, tokenizer: bool) -> str:
+    """What transformers loads for ``name``: itself, or a cached Hub model's directory when the Hub does not answer."""
+    if not _hub_id(name):
+        return name
+    from ._hub import MODEL_FILES, TOKENIZER_FILES, load_source
+
+    return load_source(name, TOKENIZER_FILES if tokenizer else MODEL_FILES)
+
+
 def _auto_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -126,14 +135,18 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
             setup = EngineSetup(engine, tokenizer, "transformers, tiny offline random model")
         else:
             engine = TransformersEngine.from_pretrained(
-                e.model, device=e.device, dtype=e.dtype, seed=cfg.run.seed, default_sampling_params=defaults
+                _hub_source(e.model, tokenizer=False),
+                device=e.device,
+                dtype=e.dtype,
+                seed=cfg.run.seed,
+                default_sampling_params=defaults,
             )
             setup = EngineSetup(engine, engine.tokenizer, f"transformers, {e.model}")
     elif e.kind == "http":
         from ..engines import HTTPEngine
 
         assert e.model is not None  # checked by check_config
-        tokenizer = _auto_tokenizer(e.tokenizer or e.model)
+        tokenizer = _auto_tokenizer(_hub_source(e.tokenizer or e.model, tokenizer=True))
         engine = HTTPEngine(
             list(e.base_urls), e.model, tokenizer=tokenizer, timeout_s=e.timeout_s, default_sampling_params=defaults
         )
@@ -163,6 +176,11 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` is read as a Hugging Face Hub id: it has a Hub id's shape and is no local path."""
+    return bool(_HUB_ID.match(name)) and not name.startswith(".") and not Path(name).expanduser().exists()
+
+
 def _path_problem(key: str, name: str) -> str | None:
     """A problem when ``name`` is meant as a local directory (it is not a Hub id) that is not a model's."""
     path = Path(name).expanduser()
@@ -170,8 +188,8 @@ def _path_problem(key: str, name: str) -> str | None:
         if not path.is_dir():
             return f"`{key}` {name!r} is a file; give the model's directory (the one with config.json)"
         return None
-    if _HUB_ID.match(name) and not name.startswith("."):
-        return None  # a Hub id: resolved (and reported) by transformers when loading
+    if _hub_id(name):
+        return None  # a Hub id: checked by _hub_problems
     relative = "" if path.is_absolute() else f" (relative to {str(Path.cwd())!r})"
     return (
         f"`{key}` {name!r} looks like a local path but does not exist{relative}; give an existing model "
@@ -217,6 +235,28 @@ def _local_problems(cfg: RolloutConfig) -> list[str]:
         if problem is not None:
             problems.append(f"{problem} (it is the tokenizer too, unless `engine.tokenizer` is set)")
     return [p for p in problems if p]
+
+
+def _hub_problems(cfg: RolloutConfig) -> list[str]:
+    """The Hub ids the engine loads (model, tokenizer) that are neither cached nor downloadable (:mod:`._hub`)."""
+    from ._hub import MODEL_FILES, TOKENIZER_FILES, hub_problem
+
+    e = cfg.engine
+    wanted: list[tuple[str, str, tuple[str, ...], str]] = []
+    if e.kind in ("transformers", "vllm") and e.model is not None:
+        wanted.append(("engine.model", e.model, MODEL_FILES, ""))
+    if e.kind in ("http", "vllm") and e.tokenizer is not None:
+        wanted.append(("engine.tokenizer", e.tokenizer, TOKENIZER_FILES, ""))
+    elif e.kind == "http" and e.model is not None:
+        wanted.append(
+            ("engine.model", e.model, TOKENIZER_FILES, " (it is the tokenizer too, unless `engine.tokenizer` is set)")
+        )
+    problems = []
+    for key, name, files, note in wanted:
+        problem = hub_problem(key, name, files) if _hub_id(name) else None
+        if problem is not None:
+            problems.append(problem + note)
+    return problems
 
 
 def _port(url: str) -> str:
@@ -275,10 +315,13 @@ def preflight(cfg: RolloutConfig) -> list[str]:
     """What would stop the engine from loading or serving, found before any weights load or rollout starts.
 
     One line per failed check (empty: all passed), each naming the key and the fix: the torch
-    device exists (``transformers``), local model and tokenizer paths exist, and every server in
-    ``engine.base_urls`` is up and serves ``engine.model`` (``http``).
+    device exists (``transformers``), local model and tokenizer paths exist, every server in
+    ``engine.base_urls`` is up and serves ``engine.model`` (``http``), and, once all of those
+    pass, each Hugging Face Hub id the engine loads is cached or can be downloaded (:mod:`._hub`;
+    last, since asking the Hub may take seconds, and a served name is taken for the tokenizer's
+    only while ``engine.tokenizer`` is unset: a server problem is the one to fix first).
     """
     problems = _local_problems(cfg)
     if cfg.engine.kind == "http":
         problems += _server_problems(cfg)
-    return problems
+    return problems or _hub_problems(cfg)

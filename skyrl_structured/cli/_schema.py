@@ -205,10 +205,15 @@ class RolloutConfig:
     engine: EngineSection = _section("The inference engine.", EngineSection)
     run: RunSection = _section("Event loop, seed, output.", RunSection)
     chaos: ChaosSection = _section("Fault drills.", ChaosSection)
-    agent: str | None = _opt(
-        "Run an agent that speaks the OpenAI chat API instead of gym rollouts, through StructuredAgentGenerator "
-        f"and its capture endpoint: {AGENT_VALUES}. null runs the environments.",
-        None,
+    agent: str | None = field(
+        default=None,
+        metadata={
+            "help": "Run an agent that speaks the OpenAI chat API instead of gym rollouts, through "
+            f"StructuredAgentGenerator and its capture endpoint: {AGENT_VALUES}. null runs the environments.",
+            # `agent=command: python my_agent.py` (a space after the colon) is YAML for a mapping; every
+            # agent form is text, so the text is what was meant (issue 38).
+            "text": True,
+        },
     )
 
 
@@ -260,6 +265,9 @@ class KeySpec:
     optional: bool = False
     #: The library's (SkyRL's) default; differs from ``default`` only where the command's preset does.
     library_default: Any = None
+    #: The value is text whatever YAML reads in it: a ``name: value`` that YAML makes a mapping is the
+    #: text as typed (``agent=command: python a.py`` is the command line ``python a.py``).
+    text: bool = False
 
 
 def strip_optional(annotation: Any) -> tuple[Any, bool]:
@@ -298,6 +306,7 @@ def _walk(cls: type, instance: Any, library: Any, prefix: str) -> Iterator[KeySp
             choices=choices,
             optional=optional,
             library_default=lib_value,
+            text=bool(f.metadata.get("text", False)),
         )
 
 

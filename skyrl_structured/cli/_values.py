@@ -53,6 +53,22 @@ def _fail_type(spec: KeySpec, value: Any, where: str) -> ConfigError:
     )
 
 
+def _text_of_mapping(spec: KeySpec, value: Mapping[Any, Any], raw: str | None, where: str) -> str:
+    """The text a text key (``KeySpec.text``) was given where YAML read a mapping: ``name: value``.
+
+    On the command line that is the text as typed; a mapping in braces, or one in a YAML file, is
+    text only when it has one entry of text to text (``agent: {command: python a.py}``), written
+    back as ``name: value``.
+    """
+    if raw is not None and not raw.lstrip().startswith("{"):
+        return raw.strip()
+    entries = list(value.items())
+    if len(entries) != 1 or not all(isinstance(part, str) for part in entries[0]):
+        raise _fail_type(spec, value, where)
+    name, text = entries[0]
+    return f"{name}: {text}"
+
+
 def coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
     base, optional = strip_optional(spec.annotation)
     if value is None:
@@ -92,6 +108,8 @@ def coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
     if base is str:
         if isinstance(value, str):
             return value
+        if spec.text and isinstance(value, Mapping):
+            return _text_of_mapping(spec, value, raw, where)
         if isinstance(value, bool) and raw is not None:
             # `run.output_dir=no` means the directory "no", not YAML's false (a text field keeps the text).
             return raw.strip()

@@ -32,6 +32,8 @@ class CaseResult:
     variant: str | None = None
     #: Why the case was slow but not leaking (empty: it was not slow); see :attr:`verdict`.
     slow: list[str] = field(default_factory=list)
+    #: Seconds its batch took, without the leak checks after it (None: the case hung or crashed).
+    batch_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,12 @@ class ConcurrencyReport:
     case_timeouts: dict[int, float] = field(default_factory=dict)
     #: How many cases ran at once.
     lanes: int = 1
+    #: The cases never started because the check's budget was spent once a case had failed
+    #: (``"[backend] name"``, in the order they would have run); see :attr:`budget_s`.
+    not_run: list[str] = field(default_factory=list)
+    #: The check's budget: once a case has failed and this many seconds have passed, no further case
+    #: starts (None: every case runs, however long a broken environment makes them).
+    budget_s: float | None = None
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -72,10 +80,12 @@ class ConcurrencyReport:
         return [c for c in self.cases if c.verdict == "slow"]
 
     def summary(self) -> str:
-        """One line for the whole run, then each distinct problem once: how often, and in which cases.
+        """One line for the whole run, then the first distinct problems once each: how often, in which
+        cases, and the arguments that narrow the check to the first of them.
 
         A leak in every rollout of every case is one entry with its count, not a line per rollout
-        per case; ``failures`` keeps every case's own list.
+        per case; past :data:`PROBLEMS_SHOWN` distinct problems only their number is given;
+        ``failures`` keeps every case's own list.
         """
         grouped = _group_problems(self.failures, lambda c: c.problems)
         slow = _group_problems(self.slow, lambda c: c.slow)
@@ -83,11 +93,25 @@ class ConcurrencyReport:
             f"check_structured_concurrency({self.env_class!r}): {len(self.cases)} cases, {len(self.failures)} failed"
             + (f", {len(grouped)} distinct problems" if len(grouped) > 1 else "")
             + (f", {len(self.slow)} slow (not leaked)" if slow else "")
+            + self._not_run_note()
         ]
-        for problem, seen in [*grouped.items(), *slow.items()]:
-            lines.append(f"- {problem}")
-            lines.append(f"    {_where(seen)}")
+        for problem, (seen, first) in list(grouped.items())[:PROBLEMS_SHOWN]:
+            lines += [f"- {problem}", f"    {_where(seen)}", f"    narrow the check to it: {narrowing(first)}"]
+        if len(grouped) > PROBLEMS_SHOWN:
+            lines.append(
+                f"- and {len(grouped) - PROBLEMS_SHOWN} more distinct problems (report.failures lists every case's)"
+            )
+        for problem, (seen, _) in slow.items():
+            lines += [f"- {problem}", f"    {_where(seen)}"]
         return "\n".join(lines)
+
+    def _not_run_note(self) -> str:
+        if not self.not_run:
+            return ""
+        return (
+            f", {len(self.not_run)} not run (a case had failed and budget_s={self.budget_s:g} was spent; narrow the "
+            "check as below, or pass budget_s=None to run every case)"
+        )
 
     def __str__(self) -> str:
         return self.summary()
@@ -95,18 +119,36 @@ class ConcurrencyReport:
 
 #: How many cases a summary names for one problem before it only counts the rest.
 _CASES_SHOWN = 3
+#: How many distinct problems a summary shows before it only counts the rest.
+PROBLEMS_SHOWN = 5
 
 
 def _label(case: CaseResult) -> str:
     return f"[{case.backend}] {case.name}"
 
 
-def _group_problems(cases: Sequence[CaseResult], lines: Callable[[CaseResult], list[str]]) -> dict[str, dict[str, int]]:
-    """Each distinct line (in order of first appearance) -> the cases it occurs in -> how often."""
-    grouped: dict[str, dict[str, int]] = {}
+def narrowing(case: CaseResult) -> str:
+    """The ``check_structured_concurrency`` arguments that run ``case`` again with (almost) nothing else.
+
+    ``stages`` and ``matrices`` pick its kind of case at its stage (the baseline always runs; both
+    ``skip_failed_rollouts`` values of the kind run), ``backends`` and ``max_env_workers`` its run.
+    """
+    if case.kind == "executor":  # the executor attacks take no stages or matrices
+        return f"backends=({case.backend!r},)"
+    parts = [] if case.stage is None else [f"stages=({case.stage!r},)"]
+    parts.append("matrices=()" if case.kind == "baseline" else f"matrices=({case.kind!r},)")
+    parts += [f"backends=({case.backend!r},)", f"max_env_workers=({case.max_env_workers},)"]
+    return ", ".join(parts)
+
+
+def _group_problems(
+    cases: Sequence[CaseResult], lines: Callable[[CaseResult], list[str]]
+) -> dict[str, tuple[dict[str, int], CaseResult]]:
+    """Each distinct line (in order of first appearance) -> (the cases it occurs in -> how often, the first case)."""
+    grouped: dict[str, tuple[dict[str, int], CaseResult]] = {}
     for case in cases:
         for problem in lines(case):
-            seen = grouped.setdefault(problem, {})
+            seen, _ = grouped.setdefault(problem, ({}, case))
             seen[_label(case)] = seen.get(_label(case), 0) + 1
     return grouped
 

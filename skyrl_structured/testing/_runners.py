@@ -419,8 +419,9 @@ async def _settle(tracker: CaseTracker, setup: Setup, leaks: list[str]) -> tuple
     ]
 
 
-async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -> tuple[list[str], list[str]]:
-    """Run one case in the current event loop: its problems (empty: it passed), and its slow verdict."""
+async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -> tuple[list[str], list[str], float]:
+    """Run one case in the current event loop: its problems (empty: it passed), its slow verdict, and
+    the seconds its batch took (without the leak checks after it, which a leak makes last their grace)."""
     trap.arm()
     tracker = CaseTracker(shared=shared)
     env_id = register_wrapper_env(setup.env_class, hooks=[trap], ledgers=[tracker.ledger], kind="check")
@@ -435,6 +436,7 @@ async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -
         own = OwnCloseErrors(trap)
         gen.observers.append(own)
         batch = setup.batch(env_id)
+        started = time.monotonic()
         with anyio.move_on_after(setup.case_timeout_s) as deadline:
             if case.kind == "cancel":
                 problems += await _run_cancel(setup, gen, batch, trap, own)
@@ -444,6 +446,7 @@ async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -
                 problems += await _run_hang(setup, gen, batch, trap, tracker, own)
             else:
                 problems += await _run_fault(setup, gen, batch, trap, tracker, own)
+        batch_s = time.monotonic() - started
         if deadline.cancelled_caught:
             problems.append(f"the case did not finish within case_timeout_s={setup.case_timeout_s:g}s")
         trap.release_all()
@@ -452,4 +455,4 @@ async def run_case(case: Case, setup: Setup, trap: Trap, shared: bool = False) -
     finally:
         trap.release_all()
         unregister_wrapper_env(env_id)
-    return problems, slow
+    return problems, slow, batch_s

@@ -15,6 +15,11 @@
 - **Progress.** A tqdm bar counts cases (``k/N``) and ends as the report's first line.
 - **Quiet.** Outside pytest, the generator's own log lines (every failure the kit injects logs
   one) are held back while the check runs; the report says what failed.
+- **Budget.** A broken environment makes cases slow (each hung case costs its bound, each leak its
+  grace), and after the first failures the rest mostly repeat them: once a case has failed and
+  ``budget_s`` seconds have passed since the check began, no further case starts (nor a rerun
+  alone), the cases running finish, and the report lists the ones not run. A clean environment,
+  however slow, runs every case.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from ._report import CaseResult, ConcurrencyReport
 from ._runners import KIT_THREAD_PREFIX, run_case
 from .leaks import _is_thread_leak
 
-__all__ = ["Calibration", "RunOptions", "run_all"]
+__all__ = ["DEFAULT_BUDGET_S", "Calibration", "RunOptions", "run_all"]
 
 #: The kit's default case timeout; a calibrated one is never shorter.
 DEFAULT_CASE_TIMEOUT_S = 20.0
@@ -51,6 +56,10 @@ SLOW_BASELINE_S = 0.25
 CPU_BOUND_FRACTION = 0.5
 #: The most lanes the check opens by itself.
 MAX_LANES = 8
+#: The check's default budget: past it, once a case has failed, no further case starts. With the
+#: kit's 20 s case timeout a hung case costs about 33 s, so a check whose every case hangs ends in
+#: about 90 s (the two calibrating baselines and the cases running when the budget was spent).
+DEFAULT_BUDGET_S = 60.0
 #: Problems another case running at the same time could have caused: confirmed by a rerun alone.
 _SHARED_STATE_PROBLEMS = ("hung:", "the case did not finish")
 
@@ -78,19 +87,20 @@ def run_isolated(backend: str, case: Case, setup: Setup, *, shared: bool = False
         # then seen waiting, rather than merely running out of time.
         hold_s=setup.case_timeout_s / 2 if case.kind == "hang" else setup.case_timeout_s,
     )
-    found: list[tuple[list[str], list[str]]] = []
+    found: list[tuple[list[str], list[str], float | None]] = []
 
     def main() -> None:
         try:
             found.append(anyio.run(run_case, case, setup, trap, shared, backend=backend))
         except BaseException as exc:  # report anything, even an escaped cancellation, as a problem
-            found.append(([f"the case crashed: {type(exc).__name__}: {exc}"], []))
+            found.append(([f"the case crashed: {type(exc).__name__}: {exc}"], [], None))
 
     started = time.monotonic()
     thread = threading.Thread(target=main, name=f"{KIT_THREAD_PREFIX}: {case.name}", daemon=True)
     thread.start()
     thread.join(setup.hung_after_s)
     slow: list[str] = []
+    batch_s: float | None = None
     if thread.is_alive():
         trap.release.set()
         problems = [
@@ -98,7 +108,7 @@ def run_isolated(backend: str, case: Case, setup: Setup, *, shared: bool = False
             "a loop, or a call that never returns?)"
         ]
     else:
-        problems, slow = found[0]
+        problems, slow, batch_s = found[0]
     return CaseResult(
         name=case.name,
         backend=backend,
@@ -110,17 +120,23 @@ def run_isolated(backend: str, case: Case, setup: Setup, *, shared: bool = False
         seconds=time.monotonic() - started,
         variant=case.variant,
         slow=slow,
+        batch_s=batch_s,
     )
 
 
 def calibrate(backend: str, baseline: Case, setup: Setup) -> tuple[CaseResult, Calibration]:
-    """Run the baseline case alone and measure it (wall time, and how much of it the CPU worked)."""
+    """Run the baseline case alone and measure it (wall time, and how much of it the CPU worked).
+
+    The time is the batch's own: the leak checks after it wait ``leak_grace_s`` for a thread the
+    environment leaves running, and that wait must not make a fast environment look slow (its
+    deadlines, and its slow threads' wait, would then stretch every case it leaks in).
+    """
     cpu = time.process_time()
     result = run_isolated(backend, baseline, setup)
     cpu_s = time.process_time() - cpu
     timed_out = any(p.startswith(("hung:", "the case did not finish")) for p in result.problems)
-    seconds = max(result.seconds, 1e-6)
-    return result, Calibration(seconds=seconds, cpu_fraction=cpu_s / seconds, clean=not timed_out)
+    seconds = max(result.batch_s if result.batch_s is not None else result.seconds, 1e-6)
+    return result, Calibration(seconds=seconds, cpu_fraction=min(1.0, cpu_s / seconds), clean=not timed_out)
 
 
 def scaled(setup: Setup, calibration: Calibration, *, case_timeout_given: bool, lanes: int) -> Setup:
@@ -222,6 +238,25 @@ class RunOptions:
     case_timeout_given: bool
     progress: bool
     quiet: bool
+    #: Once a case has failed and this many seconds have passed, no further case starts (None: no budget).
+    budget_s: float | None = DEFAULT_BUDGET_S
+
+
+class _Budget:
+    """Whether the check may still start a case: always, until a case has failed past ``budget_s``."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.failed = False
+
+    def record(self, result: CaseResult, *, shared: bool = False) -> None:
+        """Note ``result``; a problem that sharing could have caused counts only once confirmed alone."""
+        confirmed = [p for p in result.problems if not (shared and _is_shared_state(p))]
+        self.failed = self.failed or bool(confirmed)
+
+    def spent(self) -> bool:
+        return self.failed and self.budget_s is not None and time.monotonic() - self.started >= self.budget_s
 
 
 def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> ConcurrencyReport:
@@ -231,11 +266,13 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
     bar = _Progress(setup.env_class, len(order), options.progress)
     results: dict[int, CaseResult] = {}
     setups: dict[int, Setup] = {}
+    budget = _Budget(options.budget_s)
     with quiet_logs(options.quiet):
         calibrations: dict[int, Calibration] = {}
         for position, (backend, case) in enumerate(order):
-            if case.kind == "baseline" and case.max_env_workers not in calibrations:
+            if case.kind == "baseline" and case.max_env_workers not in calibrations and not budget.spent():
                 results[position], calibrations[case.max_env_workers] = calibrate(backend, case, setup)
+                budget.record(results[position])
                 bar.advance(results[position])
         lanes = lanes_for(list(calibrations.values()), options.jobs, len(order) - len(results))
         for workers, calibration in calibrations.items():
@@ -246,7 +283,10 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
         lane_of: dict[int, int] = {}
         lock = threading.Lock()
 
-        def run(position: int) -> CaseResult:
+        def run(position: int) -> CaseResult | None:
+            """The case's result, or None when the budget was spent before it started."""
+            if budget.spent():
+                return None
             backend, case = order[position]
             own = setups.get(case.max_env_workers, setup)
             if shared:
@@ -258,21 +298,34 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
                         per_lane[case.max_env_workers] = _lane_setup(own)
                 own = per_lane[case.max_env_workers]
             result = run_isolated(backend, case, own, shared=shared)
+            budget.record(result, shared=shared)
             bar.advance(result)
             return result
 
         if shared:
             with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix=f"{KIT_THREAD_PREFIX} lane") as pool:
                 for position, result in zip(pending, pool.map(run, pending), strict=True):
-                    results[position] = result
+                    if result is not None:
+                        results[position] = result
             for position in pending:  # a thread problem while sharing: judged again, alone
-                if any(_is_shared_state(p) for p in results[position].problems):
-                    backend, case = order[position]
-                    results[position] = run_isolated(backend, case, setups.get(case.max_env_workers, setup))
+                shared_result = results.get(position)
+                if shared_result is None or not any(_is_shared_state(p) for p in shared_result.problems):
+                    continue
+                if budget.spent():
+                    del results[position]  # unconfirmed, and no time left to confirm it: not run
+                    continue
+                backend, case = order[position]
+                results[position] = run_isolated(backend, case, setups.get(case.max_env_workers, setup))
+                budget.record(results[position])
         else:
             for position in pending:
-                results[position] = run(position)
-    report.cases.extend(results[p] for p in range(len(order)))
+                result = run(position)
+                if result is None:
+                    break
+                results[position] = result
+    report.cases.extend(results[p] for p in range(len(order)) if p in results)
+    report.not_run = [f"[{backend}] {case.name}" for p, (backend, case) in enumerate(order) if p not in results]
+    report.budget_s = options.budget_s
     report.lanes = lanes
     report.baseline_s = {w: c.seconds for w, c in calibrations.items()}
     report.case_timeouts = {w: s.case_timeout_s for w, s in setups.items()}

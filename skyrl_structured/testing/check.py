@@ -47,7 +47,7 @@ from ..envs._registration import is_import_path, register_import_path
 from ..generator import StructuredGymGenerator
 from ._matrix import ATTACK_KINDS, ATTACKS, CANCEL_STAGES, FAULT_STAGES, Case, Setup
 from ._report import CaseResult, ConcurrencyReport
-from ._schedule import DEFAULT_CASE_TIMEOUT_S, RunOptions, default_quiet, run_all
+from ._schedule import DEFAULT_BUDGET_S, DEFAULT_CASE_TIMEOUT_S, RunOptions, default_quiet, quiet_logs, run_all
 from .engines import Reply
 
 __all__ = [
@@ -151,7 +151,9 @@ def _rows(
     return per_rollout
 
 
-def _check_run(backends: Sequence[str], case_timeout_s: float | None, leak_grace_s: float, jobs: int | None) -> None:
+def _check_run(
+    backends: Sequence[str], case_timeout_s: float | None, leak_grace_s: float, jobs: int | None, budget_s: float | None
+) -> None:
     """Refuse run options the kit cannot honour: an unknown backend, trio missing, a bad bound."""
     unknown = [b for b in backends if b not in ("asyncio", "trio")]
     if unknown or not backends:
@@ -169,6 +171,8 @@ def _check_run(backends: Sequence[str], case_timeout_s: float | None, leak_grace
         raise ValueError(f"`jobs` must be an integer >= 1 (or None: chosen from the baseline), got {jobs!r}")
     if not leak_grace_s >= 0:
         raise ValueError(f"`leak_grace_s` must be >= 0, got {leak_grace_s!r}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"`budget_s` must be > 0 (or None: run every case), got {budget_s!r}")
 
 
 def _overrides(generator_overrides: Mapping[str, Any] | None, max_turns: int) -> dict[str, Any]:
@@ -199,6 +203,7 @@ def check_structured_concurrency(
     case_timeout_s: float | None = None,
     leak_grace_s: float = 1.0,
     jobs: int | None = None,
+    budget_s: float | None = DEFAULT_BUDGET_S,
     progress: bool = True,
     quiet: bool | None = None,
     raise_on_failure: bool = True,
@@ -233,6 +238,10 @@ def check_structured_concurrency(
             names the value that would accept them); later, or for a fast environment, leaks.
         jobs: how many cases run at once. None: up to 8 when the baseline mostly waits, else one;
             a thread problem seen while cases share the process is confirmed by a rerun alone.
+        budget_s: once a case has failed and this many seconds have passed since the check began, no
+            further case starts (the report lists those not run, and each problem comes with the
+            ``stages``/``matrices`` that narrow the check to it); a clean environment runs every case,
+            however slow. None: every case runs. Thread mode only.
         progress: show a tqdm bar of the cases (``k/N``) that ends as the report's first line.
         quiet: hold back the generator's own log lines (each injected failure logs a WARNING). None:
             quiet outside pytest; inside it the logs are captured and shown for a failing test only.
@@ -252,7 +261,7 @@ def check_structured_concurrency(
     check_choice("environment.skyrl_gym.env_executor", env_executor, named="env_executor")
     per_rollout = _rows(env_class, prompts, env_extras, engine_replies)
     cases = _cases(stages, matrices, max_env_workers)
-    _check_run(backends, case_timeout_s, leak_grace_s, jobs)
+    _check_run(backends, case_timeout_s, leak_grace_s, jobs, budget_s)
     # What every case shares. Without a case_timeout_s the kit's default stands until the baseline calibrates it.
     setup = Setup(
         env_class=env_class,
@@ -267,15 +276,19 @@ def check_structured_concurrency(
         leak_grace_s=leak_grace_s,
         target=1 if len(prompts) > 1 else 0,
     )
+    quiet = default_quiet() if quiet is None else quiet
     if env_executor != "thread":
-        report = _executor_report(env_executor, setup, backends)
+        # The attacks kill workers on purpose, and the executor logs every death: quiet, a clean run prints nothing.
+        with quiet_logs(quiet):
+            report = _executor_report(env_executor, setup, backends)
     else:
         options = RunOptions(
             backends,
             jobs,
             case_timeout_given=case_timeout_s is not None,
             progress=progress,
-            quiet=default_quiet() if quiet is None else quiet,
+            quiet=quiet,
+            budget_s=budget_s,
         )
         report = run_all(setup, cases, options)
     return _verdict(report, raise_on_failure=raise_on_failure)

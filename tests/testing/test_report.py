@@ -5,6 +5,8 @@ from __future__ import annotations
 from skyrl_structured.testing import ConcurrencyReport
 from skyrl_structured.testing.check import CaseResult
 
+#: The arguments that narrow the check to the cases below (each a fault at step with 4 worker threads).
+NARROW = "stages=('step',), matrices=('fault',), backends=('asyncio',), max_env_workers=(4,)"
 LEAK = "thread left running: daemon thread 'heartbeat' at /src/sandbox.py:41 in SandboxEnv.init.<locals>.beat"
 
 
@@ -35,10 +37,12 @@ def test_identical_problems_across_cases_are_one_entry_with_their_count():
         f"- {LEAK}",
         "    167 times in 42 cases: [asyncio] baseline (x4); [asyncio] fault at step (x3); [trio] case 0 (x4) "
         "and 39 more",
+        f"    narrow the check to it: {NARROW}",
         "- generate() returned a batch instead of raising",
         "    in [asyncio] fault at step",
+        f"    narrow the check to it: {NARROW}",
     ]
-    assert len(summary) < 600  # one leak in every rollout of every case no longer reads as 170 lines
+    assert len(summary) < 800  # one leak in every rollout of every case no longer reads as 170 lines
     assert [len(case.problems) for case in report.failures][:2] == [4, 4]  # every case keeps its own list
 
 
@@ -48,5 +52,28 @@ def test_a_problem_repeated_in_one_case_counts_that_case_once():
     assert report.summary() == (
         "check_structured_concurrency('env'): 1 cases, 1 failed\n"
         "- 2 inference sessions were never finished\n"
-        "    2 times in 1 case: [trio] baseline (x2)"
+        "    2 times in 1 case: [trio] baseline (x2)\n"
+        "    narrow the check to it: stages=('step',), matrices=('fault',), backends=('trio',), max_env_workers=(4,)"
+    )
+
+
+def test_past_five_distinct_problems_the_rest_are_counted_and_a_baseline_narrows_to_the_baseline():
+    report = ConcurrencyReport("env")
+    baseline = CaseResult("baseline", "trio", "baseline", None, False, 0, [f"problem {i}" for i in range(7)], 0.1)
+    report.cases = [baseline]
+    lines = report.summary().splitlines()
+    assert lines[0] == "check_structured_concurrency('env'): 1 cases, 1 failed, 7 distinct problems"
+    assert [line for line in lines if line.startswith("- ")] == [
+        *(f"- problem {i}" for i in range(5)),
+        "- and 2 more distinct problems (report.failures lists every case's)",
+    ]
+    assert lines[3] == "    narrow the check to it: matrices=(), backends=('trio',), max_env_workers=(0,)"
+
+
+def test_cases_the_budget_left_out_are_counted_in_the_first_line():
+    report = ConcurrencyReport("env", budget_s=60.0, not_run=["[asyncio] fault at step (x)", "[trio] baseline (x)"])
+    report.cases = [_case("baseline", "asyncio", ["hung: still running"])]
+    assert report.summary().splitlines()[0] == (
+        "check_structured_concurrency('env'): 1 cases, 1 failed, 2 not run (a case had failed and budget_s=60 was "
+        "spent; narrow the check as below, or pass budget_s=None to run every case)"
     )
