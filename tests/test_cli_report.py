@@ -260,6 +260,36 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
     assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.anyio
+async def test_the_drawing_is_over_before_summary_json_lists_the_pictures(anyio_backend, tokenizer, tmp_path):
+    # A stop after the last picture is drawn must not interrupt the summary.json that lists it: the
+    # caller hears that the drawing is over (and stops skipping) before that write, never after.
+    dataset = load_dataset(None, default_env_class="gsm8k", max_prompts=1)
+    gen_cfg = GeneratorConfig(n_samples_per_prompt=2)
+    batch = build_batch(dataset, n_samples=2, params=gen_cfg.sampling_params, phase="train")
+    generator = StructuredGymGenerator(
+        gen_cfg, SkyRLGymConfig(max_env_workers=0), ScriptedEngine(tokenizer, _answer), tokenizer
+    )
+    output = await generator.generate(batch, disable_tqdm=True)
+    result = RunResult(status="ok", tally=Tally(), output=output, engine="scripted", tokenizer=tokenizer)
+    cfg = load_config([f"run.output_dir={tmp_path}"])
+    summary = summarize(cfg, dataset.source, 1, 2, result)
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def after_pictures() -> None:
+        on_disk = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".png")
+        seen.append((on_disk, json.loads((tmp_path / "summary.json").read_text())["files"]))
+
+    write_outputs(
+        tmp_path, summary, cfg, batch, result, before_pictures=lambda names: True, after_pictures=after_pictures
+    )
+    ((drawn, listed_then),) = seen  # told once
+    assert "summary.png" in drawn  # the drawing was over
+    assert not any(name.endswith(".png") for name in listed_then)  # and summary.json not yet rewritten
+    listed = json.loads((tmp_path / "summary.json").read_text())["files"]
+    assert [name for name in listed if name.endswith(".png")] == drawn
+
+
 def test_counts_read_in_the_singular_where_they_are_one():
     from skyrl_structured.cli._summary import batch_line, environments_line
 

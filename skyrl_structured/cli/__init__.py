@@ -331,8 +331,20 @@ def _finish(plan: _Plan, args: argparse.Namespace, result: RunResult, finishing:
         finishing.drawing = True
         return True
 
+    def after_pictures() -> None:
+        # From here a stop must not interrupt: summary.json is being written with the pictures listed.
+        finishing.drawing = False
+
     try:
-        write_outputs(plan.output_dir, summary, plan.cfg, plan.batch, result, before_pictures=before_pictures)
+        write_outputs(
+            plan.output_dir,
+            summary,
+            plan.cfg,
+            plan.batch,
+            result,
+            before_pictures=before_pictures,
+            after_pictures=after_pictures,
+        )
     except KeyboardInterrupt:
         pass  # a stop just before the drawing began: summary.json is written, the pictures are skipped
     except OSError as exc:

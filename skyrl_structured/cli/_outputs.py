@@ -186,6 +186,7 @@ def write_outputs(
     result: RunResult,
     *,
     before_pictures: Callable[[list[str]], bool] | None = None,
+    after_pictures: Callable[[], None] | None = None,
 ) -> None:
     """Write the run's files and list them in ``summary["files"]``.
 
@@ -199,6 +200,8 @@ def write_outputs(
     matplotlib is installed, which takes seconds), then again with them listed: a stop while they
     are drawn still leaves it. ``before_pictures`` is told the pictures about to be drawn and may
     refuse them (False); a ``KeyboardInterrupt`` while they are drawn skips the rest.
+    ``after_pictures`` is told once the drawing is over, before ``summary.json`` is written again, so
+    a stop from then on no longer interrupts anything (the caller's "skip the pictures" ends there).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     files: list[str] = []
@@ -266,6 +269,9 @@ def write_outputs(
                 raise
     except KeyboardInterrupt:
         pass  # the caller asked to skip the rest; summary.json already lists what exists
+    finally:
+        if after_pictures is not None:
+            after_pictures()
     summary["files"] = listed(drawn)
     write_summary_json(output_dir, summary, cfg)
 
