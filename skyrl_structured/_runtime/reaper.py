@@ -178,7 +178,7 @@ def _kill_group(root: int, *, include_root: bool) -> None:
         return
     if os.fork() == 0:  # the helper stays in the group and kills it, itself included, once the root exits
         while os.getppid() == root:
-            select.select([], [], [], 0.01)
+            time.sleep(0.01)
         os.killpg(root, signal.SIGKILL)
         os._exit(0)  # pragma: no cover - killed by its own signal
 

@@ -151,6 +151,11 @@ class ProcessWorker(Transport):
         # are those of the moment it started, maybe long ago).
         return dict(os.environ)
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The worker's own process id (``process`` is its guardian's), once it said it is ready."""
+        return self._worker_pid
+
     def rss_mb(self) -> float | None:
         pid = self._worker_pid
         if pid is None:
