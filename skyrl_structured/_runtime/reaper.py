@@ -23,7 +23,7 @@ Elsewhere (macOS, no ``/proc``) the fallback is the process group: the root lead
 own, which its descendants join unless they leave it, and each kill signals the group.
 
 This file is also the command agents' launcher, run by path with the standard library only (importing
-the package would cost a second or more per rollout): ``python -I reaper.py -- argv...`` with the
+the package would cost a second or more per rollout): ``python -I -S reaper.py -- argv...`` with the
 lifeline on its stdin.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -39,7 +40,15 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["become_subreaper", "guard", "kill_tree", "launcher_argv", "set_parent_death_signal", "tree_kills"]
+__all__ = [
+    "become_subreaper",
+    "exit_like",
+    "guard",
+    "kill_tree",
+    "launcher_argv",
+    "set_parent_death_signal",
+    "tree_kills",
+]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -246,8 +255,6 @@ def exit_like(status: int) -> NoReturn:
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         with contextlib.suppress(OSError, ValueError):
-            import resource
-
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             signal.signal(signum, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
@@ -258,7 +265,7 @@ def exit_like(status: int) -> NoReturn:
 
 def launcher_argv(argv: list[str]) -> list[str]:
     """The command line that runs ``argv`` under the launcher (:func:`_launch`), with this interpreter."""
-    return [sys.executable, "-I", os.path.abspath(__file__), "--", *argv]
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--", *argv]  # the standard library only
 
 
 def _launch(argv: list[str]) -> NoReturn:
