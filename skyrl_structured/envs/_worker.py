@@ -1,6 +1,7 @@
 """Inside an env worker (a spawned process or a Ray actor): environments built and driven by request.
 
-This module is what a worker imports, so it stays small: ``skyrl_gym`` and the standard library.
+This module is what a worker imports, so it stays small: ``skyrl_gym``, the standard library and
+:mod:`~skyrl_structured._runtime.reaper` (the standard library only).
 A worker hosts many environments, each under the key its handle in the generator gave it, and runs
 every call in its main thread, one at a time (so ``signal.alarm`` and ``setitimer`` work in env code).
 
