@@ -7,15 +7,20 @@ agent's whole process group: the test's agent starts a child of its own, and bot
 from __future__ import annotations
 
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import anyio
 import pytest
 
 from skyrl_structured.agents import AgentError, StructuredAgentGenerator, command_agent
-from skyrl_structured.testing import EngineCall, ScriptedEngine
+from skyrl_structured.testing import EngineCall, ScriptedEngine, detached
+from skyrl_structured.types import GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
 from tests.test_agents_generator import batch
 
@@ -26,6 +31,9 @@ SCRIPT = textwrap.dedent(
     import json, os, subprocess, sys
     import openai
 
+    if os.environ.get("EXECUTABLE_FILE"):
+        with open(os.environ["EXECUTABLE_FILE"], "w") as f:
+            f.write(sys.executable)
     pidfile = os.environ.get("PIDFILE")
     if pidfile:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
@@ -105,3 +113,100 @@ async def test_cancelling_a_command_rollout_kills_its_process_group(tokenizer, a
         while not _dead(child_pid):  # noqa: ASYNC110 - not our child: no event tells when the kernel is done
             await anyio.sleep(0.01)
     assert os.getpgid(os.getpid()) != agent_pid  # the agent had a group of its own: ours was not killed
+
+
+# ----------------------------------------------------------------- a kill takes every descendant (rule 21)
+
+#: The helper that starts three ``sleep 1000`` outside the command's process group and session.
+DETACHED = detached.__file__
+
+
+def pids_in(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text(encoding="utf-8").split()]
+
+
+async def gone_within_bound(pids: list[int]) -> float:
+    """Wait, under a bound only a leak reaches, for every one of ``pids`` to be gone; the seconds it took."""
+    start = time.monotonic()
+    with anyio.fail_after(30):
+        while not all(_dead(pid) for pid in pids):  # noqa: ASYNC110 - not our children: no event tells
+            await anyio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def test_a_deadline_kills_every_process_the_command_started(tokenizer, anyio_backend, tmp_path):
+    pidfile = tmp_path / "pids"
+    agent = command_agent([sys.executable, DETACHED, str(pidfile), "hang"])
+    engine = ScriptedEngine.from_replies(tokenizer, "3")
+    generator = StructuredAgentGenerator(
+        engine, tokenizer, agent, rollout_timeout_s=3.0, skip_failed_rollouts=True, failure_budget_action="warn"
+    )
+    result: dict[str, GeneratorOutput] = {}
+
+    async def run() -> None:
+        result["out"] = await generator.generate(batch(1))
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as group:
+            generator.pause()  # the deadline only runs once the command's processes are all started
+            group.start_soon(run)
+            while not pidfile.exists():  # noqa: ASYNC110 - written by another process
+                await anyio.sleep(0.01)
+            generator.resume()
+    assert result["out"]["stop_reasons"] == ["rollout_error"]
+    pids = pids_in(pidfile)
+    assert len(pids) == 4  # the command and its three detached sleeps
+    await gone_within_bound(pids)
+
+
+async def test_a_command_that_exits_leaves_no_detached_child(tokenizer, anyio_backend, script, tmp_path):
+    pidfile = tmp_path / "pids"
+    detach = shlex.join([sys.executable, DETACHED, str(pidfile)])
+    agent = command_agent(["sh", "-c", f"{detach} && exec {shlex.join(script)}"])
+    engine = ScriptedEngine.from_replies(tokenizer, "3")
+    with anyio.fail_after(120):  # without the kill, a detached sleep holds the stdout pipe open: a hang
+        out = await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(1))
+    assert [r[-1] for r in out["rewards"]] == [1.0]  # type: ignore[index]
+    pids = pids_in(pidfile)
+    assert len(pids) == 4
+    await gone_within_bound(pids)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_sigkilled_generator_takes_its_command_agents_whole_tree(tokenizer, tmp_path, backend):
+    pidfile = tmp_path / "pids"
+    script = textwrap.dedent(
+        f"""
+        import anyio, sys
+        from skyrl_structured.agents import StructuredAgentGenerator, command_agent
+        from skyrl_structured.testing import ScriptedEngine
+        from skyrl_structured.tiny import build_chatml_tokenizer
+        from tests.test_agents_generator import batch
+        tokenizer = build_chatml_tokenizer()
+        agent = command_agent([sys.executable, {DETACHED!r}, {str(pidfile)!r}, "hang"])
+        generator = StructuredAgentGenerator(ScriptedEngine.from_replies(tokenizer, "3"), tokenizer, agent)
+        anyio.run(generator.generate, batch(1), backend={backend!r})
+        """
+    )
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 120  # a bound only a hang reaches
+        while not pidfile.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = pids_in(pidfile)
+        assert len(pids) == 4
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    anyio.run(gone_within_bound, pids)
+
+
+async def test_a_command_agent_runs_the_generators_python_first_on_path(tokenizer, anyio_backend, script, tmp_path):
+    found = tmp_path / "python"
+    # No virtual environment on PATH (and no `python` in /usr/bin here): only the prefix finds one.
+    agent = command_agent(["python", script[1]], env={"PATH": "/usr/bin:/bin", "EXECUTABLE_FILE": str(found)})
+    engine = ScriptedEngine.from_replies(tokenizer, "3")
+    out = await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(1))
+    assert [r[-1] for r in out["rewards"]] == [1.0]  # type: ignore[index]
+    assert os.path.dirname(found.read_text(encoding="utf-8")) == os.path.dirname(sys.executable)

@@ -27,7 +27,7 @@ from skyrl_structured.envs._process import ProcessWorker
 from skyrl_structured.envs._remote_executor import RemoteEnvExecutor
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
-from tests.helpers import turn_replies, without_rollout_deadline
+from tests.helpers import not_none, turn_replies, without_rollout_deadline
 from tests.test_env_process import alive, batch, metrics, worker_pids
 
 pytestmark = pytest.mark.anyio
@@ -199,11 +199,12 @@ async def started_pool(gen: StructuredGymGenerator, size: int, gone: int) -> dic
     pool = cast(RemoteEnvExecutor, gen._envs._executor).pool
     with anyio.fail_after(HANG_S):
         # The death is seen by the worker's reader thread: no event of the loop's to await.
-        while len(pool.workers) < size or any(cast(ProcessWorker, w).process.pid == gone for w in pool.workers):  # noqa: ASYNC110
+        while len(pool.workers) < size or any(cast(ProcessWorker, w).worker_pid == gone for w in pool.workers):  # noqa: ASYNC110
             await anyio.sleep(0.02)
         for worker in pool.workers:
             await pool.prepared(worker, needs_main=False)
-    return {cast(ProcessWorker, w).process.pid: cast(ProcessWorker, w) for w in pool.workers}
+    # By the worker's own pid (an env's os.getpid()), not its guardian's (the process the pool started).
+    return {not_none(cast(ProcessWorker, w).worker_pid): cast(ProcessWorker, w) for w in pool.workers}
 
 
 @pytest.mark.parametrize(("how", "warm"), [("killed", 2), ("crashed", 2), ("killed", 0)])

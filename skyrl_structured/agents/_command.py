@@ -1,19 +1,19 @@
-"""``command_agent``: an agent that is a command, run per rollout in its own process group."""
+"""``command_agent``: an agent that is a command, run per rollout under a launcher that kills its whole tree."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.abc
 
+from .._runtime.reaper import kill_tree, launcher_argv, tree_kills
 from ._generator import AgentContext, AgentError, AgentFn
 
 __all__ = ["command_agent"]
@@ -25,14 +25,18 @@ _STDERR_TAIL = 2000
 def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = None) -> AgentFn:
     """An agent that runs ``command`` once per rollout (``"python my_agent.py"`` or an argv list).
 
-    The command runs in its own process group with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set to
+    The command runs in a session of its own with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set to
     the rollout's session (so the official clients find the endpoint with no code change),
     ``OPENAI_MODEL`` to the served name, and ``SKYRL_AGENT_PROMPT`` / ``SKYRL_AGENT_EXTRAS`` to the
-    row's messages and env extras as JSON; ``env`` adds more. Its reward is the last non-empty line
-    of its stdout: a number, or a JSON object with ``"reward"``.
+    row's messages and env extras as JSON; ``env`` adds more. The directory of the generator's own
+    interpreter comes first on its ``PATH``, so ``python my_agent.py`` runs that interpreter (its
+    virtual environment's packages) even where no virtual environment is activated. Its reward is
+    the last non-empty line of its stdout: a number, or a JSON object with ``"reward"``.
 
-    When the command exits, or the rollout is cancelled or passes its deadline, the whole process
-    group is killed (``SIGKILL``), so no child of the agent outlives its rollout.
+    When the command exits, or the rollout is cancelled or passes its deadline, every process it
+    started is killed (``SIGKILL``), those that left its process group or session included: on
+    Linux the command runs under a launcher that is their child subreaper
+    (:mod:`~skyrl_structured._runtime.reaper`); elsewhere its process group is killed.
 
     Raises (from the returned agent):
         AgentError: the command exited non-zero, or printed no reward.
@@ -43,9 +47,11 @@ def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = 
     extra_env = dict(env or {})
 
     async def agent(ctx: AgentContext) -> Any:
+        path = os.pathsep.join(p for p in (os.path.dirname(sys.executable), _child_path(extra_env)) if p)
         child_env = {
             **os.environ,
             **extra_env,
+            "PATH": path,
             "OPENAI_BASE_URL": ctx.base_url,
             "OPENAI_API_KEY": ctx.api_key,
             "OPENAI_MODEL": ctx.model,
@@ -54,18 +60,23 @@ def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = 
         }
         stdout = bytearray()
         stderr = bytearray()
-        process = await anyio.open_process(argv, env=child_env, stdin=subprocess.DEVNULL, start_new_session=True)
+        # The launcher's stdin is its lifeline: EOF (this process gone, kill -9 included) ends the tree.
+        launched = launcher_argv(argv) if tree_kills() else argv
+        stdin = subprocess.PIPE if tree_kills() else subprocess.DEVNULL
+        process = await anyio.open_process(launched, env=child_env, stdin=stdin, start_new_session=True)
         try:
             async with anyio.create_task_group() as readers:
                 assert process.stdout is not None
                 assert process.stderr is not None
                 readers.start_soon(_drain, process.stdout, stdout, None)
                 readers.start_soon(_drain, process.stderr, stderr, _STDERR_TAIL)
-                await process.wait()
-                _kill_group(process.pid)  # children left behind would hold the pipes open
+                await process.wait()  # a launcher has killed what the command left behind, then exited
+                if not tree_kills():
+                    kill_tree(process.pid)  # its process group: children left behind would hold the pipes open
         finally:
-            _kill_group(process.pid)
             with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    await anyio.to_thread.run_sync(kill_tree, process.pid)
                 await process.aclose()
         tail = stderr.decode(errors="replace").strip()
         if process.returncode != 0:
@@ -98,7 +109,6 @@ async def _drain(stream: anyio.abc.ByteReceiveStream, into: bytearray, keep: int
             del into[:-keep]
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the process group ``pid`` leads (a group with no member left is fine)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+def _child_path(extra_env: dict[str, str]) -> str:
+    """The ``PATH`` the command would have had: ``env``'s, else the generator's."""
+    return extra_env.get("PATH", os.environ.get("PATH", ""))

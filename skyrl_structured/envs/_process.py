@@ -15,10 +15,14 @@ re-run the main script in every child: seconds for a trainer's entrypoint that i
 worker starts from; a worker imports ``__main__`` only when it must host an env class defined there
 (``'__main__:Cls'``), once, off every rollout's clock.
 
-A worker dies with the generator's process (a parent-death signal and a lifeline pipe whose EOF it
-watches), with the pool at ``aclose()``, at garbage collection and at interpreter exit. Each worker
-leads its own process group: every kill signals the group, and a worker's end (killed, crashed, shut
-down, or orphaned by the generator's death, through its guardian) takes its env's children with it.
+A worker dies with the generator's process (a lifeline pipe whose EOF its guardian watches), with
+the pool at ``aclose()``, at garbage collection and at interpreter exit. The process started here is
+the worker's guardian, a child subreaper whose child is the worker (:func:`~._worker.process_main`):
+a worker's end (killed, crashed, shut down, or orphaned by the generator's death) takes every
+process its envs started with it, those that left its process group or session included. A kill
+sends SIGTERM to the group (the guardian ignores it; the worker dies of it and the guardian kills the
+rest), then, 0.5 s later, kills the whole tree from here
+(:func:`~skyrl_structured._runtime.reaper.kill_tree`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing import spawn
 from typing import Any
 
+from .._runtime.reaper import kill_tree
 from ..types import SkyRLConfig
 from ._crossing import decode, encode_request
 from ._executors import EnvWorkerError, worker_pool_knobs
@@ -111,6 +116,8 @@ class ProcessWorker(Transport):
         self._writer: threading.Thread | None = None
         #: One thread at a time reaps the process (see _join).
         self._reap = threading.Lock()
+        #: The worker's own pid (the process started here is its guardian), once it said it is ready.
+        self._worker_pid: int | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -144,8 +151,13 @@ class ProcessWorker(Transport):
         # are those of the moment it started, maybe long ago).
         return dict(os.environ)
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The worker's own process id (``process`` is its guardian's), once it said it is ready."""
+        return self._worker_pid
+
     def rss_mb(self) -> float | None:
-        pid = self.process.pid
+        pid = self._worker_pid
         if pid is None:
             return None
         try:
@@ -225,13 +237,17 @@ class ProcessWorker(Transport):
                 continue
             for call_id, ok, value, metrics in replies:
                 if call_id == "ready":
+                    self._worker_pid = value if isinstance(value, int) else None
                     continue
                 with self._cond:
                     reply = self._pending.pop(call_id, None)
                 if reply is not None:
                     reply.resolve(*decode(reply.what, ok, value, metrics))
-        self._kill_group()  # whatever ended the worker, its env's children go with it
-        self._join(KILL_GRACE_S + 5.0)
+        # Whatever ended the worker, its guardian kills what its envs left and exits as the worker did;
+        # a guardian that does not (stopped, or killed itself) has its tree killed from here.
+        if self._join(KILL_GRACE_S + 5.0) is None:
+            self._kill_tree()
+            self._join(5.0)
         self._died(self._death_error())
 
     def _join(self, timeout_s: float) -> int | None:
@@ -302,12 +318,12 @@ class ProcessWorker(Transport):
 
     def _force_kill(self) -> None:
         if self.death is None:
-            self._signal_group(signal.SIGKILL)
+            self._kill_tree()
 
     def _signal_group(self, signum: int) -> bool:
-        """Send ``signum`` to the worker's process group (its env's children too); False once it is gone.
+        """Send ``signum`` to the worker's process group (its guardian, its env's children); False once it is gone.
 
-        The worker makes itself a group leader as it starts (``setsid``); killed before that, it has
+        The guardian makes itself a group leader as it starts (``setsid``); killed before that, it has
         no group yet (and no children): the signal goes to the process alone.
         """
         pid = self._pid()
@@ -324,17 +340,11 @@ class ProcessWorker(Transport):
             return False
         return True
 
-    def _kill_group(self) -> None:
-        """SIGKILL what is left of the worker's process group once the worker has ended.
-
-        Its guardian does the same from inside; this covers a guardian that was killed too. The
-        group's id cannot go to another process while any member lives, and with none left the
-        signal finds nothing.
-        """
+    def _kill_tree(self) -> None:
+        """SIGKILL the guardian and every process of its tree, unless it has exited (then its pid is no longer ours)."""
         pid = self._pid()
-        if pid is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
+        if pid is not None and self._join(0) is None:
+            kill_tree(pid)
 
     def _pid(self) -> int | None:
         try:
@@ -354,7 +364,7 @@ class ProcessWorker(Transport):
             if self._join(timeout_s) is None:
                 with self._cond:
                     self._kill_reason = "the generator shut its env workers down and it did not exit"
-                self._signal_group(signal.SIGKILL)
+                self._kill_tree()
                 self._join(timeout_s)
         # The reader sees the EOF, reports the death and closes the pipes: nothing is left open.
         for thread in (self._reader, self._writer):

@@ -1,6 +1,7 @@
 """Inside an env worker (a spawned process or a Ray actor): environments built and driven by request.
 
-This module is what a worker imports, so it stays small: ``skyrl_gym`` and the standard library.
+This module is what a worker imports, so it stays small: ``skyrl_gym``, the standard library and
+:mod:`~skyrl_structured._runtime.reaper` (the standard library only).
 A worker hosts many environments, each under the key its handle in the generator gave it, and runs
 every call in its main thread, one at a time (so ``signal.alarm`` and ``setitimer`` work in env code).
 
@@ -12,30 +13,29 @@ a message of plain ints and bytes: so a value that cannot be pickled here, or un
 side, fails its own call (an :class:`Uncrossed` note in its place), never the message, the other
 calls it carries, or the worker.
 
-A worker leads its own process group (:func:`process_main`): the generator's kills signal the
-group, and a guardian process kills it when the worker or the generator dies, so an env's children
-and grandchildren go with their worker.
+A worker is the child of a guardian (:func:`process_main`), the process the generator started: a
+child subreaper that, when the worker exits or the generator dies, kills every process left in its
+tree (:mod:`~skyrl_structured._runtime.reaper`), so an env's children and grandchildren go with their
+worker, even those that left its process group or session.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
 import pickle
-import select
 import signal
-import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import skyrl_gym
+
+from .._runtime import reaper
 
 __all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "MakePayload", "Request", "WorkerOp", "process_main"]
 
@@ -64,7 +64,6 @@ _CULPRIT_DEPTH = 16
 
 #: Replies queued at most this long before they are sent (a burst of cheap calls costs one message).
 _FLUSH_AFTER_S = 0.002
-_PR_SET_PDEATHSIG = 1
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -317,71 +316,24 @@ class _Inbox:
 
 
 def _lead_group() -> None:
-    """Make this worker the leader of a process group of its own (a new session), which its env's
-    children and grandchildren join by default: the generator's kills signal the whole group."""
+    """Make this process the leader of a process group of its own (a new session), which the worker
+    and its env's children join by default: the fallback kill where a tree cannot be walked."""
     with contextlib.suppress(OSError):  # already a group leader (not the case when forked or spawned)
         os.setsid()
 
 
-def _kill_group() -> None:
-    """SIGKILL this worker's process group: the worker (when it is the caller), its guardian, its env's children."""
-    with contextlib.suppress(OSError):
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-    os._exit(70)
+def _guard(worker: int, lifeline: Any) -> NoReturn:
+    """The guardian's whole life: the root of the worker's process tree (DESIGN rule 21).
 
-
-def _start_guardian(lifeline: Any) -> None:
-    """Fork a guardian that SIGKILLs this worker's process group once the worker or the generator is gone.
-
-    The worker itself cannot always do it: a parent-death SIGKILL cannot be caught, a crash or the
-    OOM killer leaves no time, and code holding the GIL can stall its threads. The guardian is a
-    fork of this single-threaded worker that only waits on two pipes: the lifeline (EOF when the
-    generator's process is gone) and one whose write end only the worker holds (EOF when it is).
-    A worker that exits cleanly at shutdown takes its env's left-over children with it the same way.
+    It holds nothing of the worker's (its pipe to the generator must close with the worker) but the
+    lifeline, whose EOF says the generator's process is gone. When the worker exits or the generator
+    dies, it kills every process left in the tree (those that left the group or session included:
+    it is their child subreaper) and exits with the worker's status, which the generator reports.
     """
-    alive_r, alive_w = os.pipe()
-    if os.fork() != 0:
-        os.close(alive_r)  # alive_w stays open here until the worker ends (never inherited by an exec)
-        return
-    try:
-        os.close(alive_w)
-        keep = sorted({alive_r, lifeline.fileno()})
-        low = 3
-        for fd in keep:  # hold nothing of the worker's: its pipe to the generator must close with it
-            os.closerange(low, fd)
-            low = fd + 1
-        os.closerange(low, 65536)
-        watch = select.poll()  # poll, not select: any fd number
-        for fd in keep:
-            watch.register(fd, select.POLLIN)
-        watch.poll()  # readable (or hung up) at EOF: the generator or the worker is gone
-    finally:  # whatever happened, the group goes
-        _kill_group()
-
-
-def _die_with_parent(lifeline: Any) -> None:
-    """Exit when the generator's process dies, even by SIGKILL: a parent-death signal and a pipe watchdog.
-
-    The parent is the generator (spawn) or multiprocessing's fork server, which exits when the
-    generator does; the lifeline pipe's other end is the generator's alone, whichever it is. The
-    guardian (:func:`_start_guardian`) takes the worker's process group down at the same moment.
-    """
-    parent_pid = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # pragma: no cover - no prctl: the watchdog still works
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(70)
-
-    def watch() -> None:
-        with contextlib.suppress(OSError, EOFError):
-            lifeline.poll(None)  # the generator never writes: this returns at EOF, when it is gone
-        _kill_group()
-
-    threading.Thread(target=watch, name="skyrl-structured-env-lifeline", daemon=True).start()
+    keep = lifeline.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
+    reaper.exit_like(reaper.guard(worker, keep))
 
 
 def _sender(conn: Any) -> Callable[[list[Any]], None]:
@@ -399,15 +351,24 @@ def process_main(conn: Any, lifeline: Any) -> None:
     left to run, or after ``_FLUSH_AFTER_S``.
     """
     _lead_group()
-    _start_guardian(lifeline)
-    _die_with_parent(lifeline)
-    # The worker leads its own session, out of the terminal's reach; a SIGINT sent to it anyway is
+    # The process the generator started stays as the guardian, a child subreaper; the worker is its
+    # child, so whatever the worker's envs start, and leave behind, stays in the guardian's tree.
+    reaper.become_subreaper()
+    guardian = os.getpid()
+    worker = os.fork()
+    if worker != 0:
+        _guard(worker, lifeline)
+    reaper.set_parent_death_signal(signal.SIGKILL)  # the guardian is single-threaded: a reliable parent
+    if os.getppid() != guardian:  # it died before the signal was armed
+        os._exit(70)
+    lifeline.close()
+    # The worker is in its own session, out of the terminal's reach; a SIGINT sent to it anyway is
     # ignored: the generator decides what stops, and closes the envs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = EnvHost()
     send = _sender(conn)
     inbox = _Inbox(conn)
-    send([("ready", True, b"", None)])
+    send([("ready", True, os.getpid(), None)])  # the worker's pid (the generator started the guardian)
     out: list[Any] = []
     first = 0.0
     while True:

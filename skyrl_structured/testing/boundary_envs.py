@@ -9,6 +9,9 @@ Ray actor rebuilds it unchanged:
 - ``"spawn"``: start ``sleep 1000`` and ``sh -c "sleep 1000 & wait"`` (a child and a grandchild) and
   write their process ids, one a line, to ``<key>.children``; ``"spawn+ACTION"`` then does ACTION
   (``"spawn+hang"``, ``"spawn+exit:3"``);
+- ``"detach"``: start the three ``sleep 1000`` of :func:`~skyrl_structured.testing.detached.start_detached`
+  (they leave the worker's process group and session) and write their ids to ``<key>.children``;
+  ``"detach+ACTION"`` as above;
 - ``"reply:KIND"``: return a step whose metadata holds a value that cannot cross to the generator,
   and ``"metrics:KIND"``: the same value in ``get_metrics`` from then on. KIND is one of
   :data:`UNCROSSABLE`: ``reduce_raises`` (its ``__reduce__`` raises ``RuntimeError``), ``deep``
@@ -28,6 +31,7 @@ from typing import Any
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
+from .detached import start_detached
 from .worker_envs import TroubleEnv, act
 
 __all__ = ["BOUNDARY_ENV", "UNCROSSABLE", "BoundaryEnv", "children_of", "register_boundary_env", "uncrossable"]
@@ -109,9 +113,12 @@ class BoundaryEnv(TroubleEnv):
             while not Path(arg).exists():
                 time.sleep(0.01)
             return self._output("ok")
-        if name.startswith("spawn"):
+        if name.startswith(("spawn", "detach")):
             self.turns += 1
-            self._spawn()
+            if name.startswith("spawn"):
+                self._spawn()
+            else:
+                self._write("children", "".join(f"{pid}\n" for pid in start_detached()))
             _, _, then = todo.partition("+")
             return self._output(act(then or None))
         if name == "reply":
