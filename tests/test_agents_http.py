@@ -12,12 +12,13 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import h11
 import pytest
 
+from skyrl_structured import GeneratorInput
 from skyrl_structured.agents import AgentContext, StructuredAgentGenerator, serve_capture
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.testing import EngineCall, ScriptedEngine
@@ -172,8 +173,8 @@ async def test_an_endpoint_on_another_address_is_reached_from_a_subprocess_with_
         agent_endpoint_url="http://127.0.0.2:{port}/",
     )
     with anyio.fail_after(120):
-        output = await generator.generate({"prompts": [USER], "env_extras": [{}]})
-    assert output["rewards"][0][-1] == 1.0
+        output = await generator.generate(_one_row())
+    assert cast(list[float], output["rewards"][0])[-1] == 1.0
     assert re.fullmatch(r"http://127\.0\.0\.2:\d+/sessions/[A-Za-z0-9_-]{32}/v1", seen["base_url"])
     # Its own key reaches its session (200); any other key is refused with 404, retried by no client.
     assert seen["answers"] == {"own": [200, None], "wrong": [404, "false"]}
@@ -185,7 +186,11 @@ def test_the_endpoint_knobs_reach_the_generator_from_keywords_skyrls_section_and
         raise AssertionError("not run")
 
     engine = ScriptedEngine(tokenizer, lambda call: "ok")
-    knobs = {"agent_endpoint_host": "0.0.0.0", "agent_endpoint_port": 8431, "agent_endpoint_url": "http://h:{port}"}
+    knobs: dict[str, Any] = {
+        "agent_endpoint_host": "0.0.0.0",
+        "agent_endpoint_port": 8431,
+        "agent_endpoint_url": "http://h:{port}",
+    }
     by_keyword = StructuredAgentGenerator(engine, tokenizer, agent, **knobs).endpoint
     from_section = StructuredAgentGenerator.from_config(knobs, engine, tokenizer, agent).endpoint
     cli = load_config(["agent=default", *(f"generator.{k}={v}" for k, v in knobs.items())])
@@ -318,7 +323,7 @@ async def test_a_caller_cancelling_generate_answers_the_in_flight_request_499(to
     generator = StructuredAgentGenerator(ScriptedEngine(tokenizer, blocked), tokenizer, agent)
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:  # no serving(): the endpoint lives in the cancelled call
-            group.start_soon(generator.generate, {"prompts": [USER], "env_extras": [{}]})
+            group.start_soon(generator.generate, _one_row())
             await entered.wait()
             group.cancel_scope.cancel()
     (answer,) = answers
@@ -501,12 +506,17 @@ async def test_the_official_client_with_retries_sends_one_request_to_an_ended_se
             import openai
 
             http = httpx.Client(event_hooks={"request": [sent.append]})
-            with openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=5, http_client=http):
-                return openai.OpenAI(
-                    base_url=session.base_url, api_key=session.api_key, max_retries=5, http_client=http
-                ).chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
+            # openai's annotation names its own httpx distribution; a plain httpx.Client is what it takes.
+            client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=5, http_client=http)  # type: ignore[arg-type]
+            with client:
+                return client.chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
 
         answer = await in_thread(with_retries)
     assert answer.status_code == 404
     assert len(sent) == 1  # a 408, 409, 429 or 5xx would have been sent 6 times
     assert engine.calls == []
+
+
+def _one_row() -> GeneratorInput:
+    """A one-row batch for an agent generator (its env class is never used)."""
+    return cast(GeneratorInput, {"prompts": [USER], "env_extras": [{}]})
