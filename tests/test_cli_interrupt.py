@@ -312,8 +312,10 @@ def test_a_second_stop_while_the_pictures_are_drawn_still_leaves_the_summary(tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir()), summary["files"]
-    if "skipping the pictures" in stderr:  # the second stop landed while they were drawn: the rest are skipped
-        assert "timeline.png" not in summary["files"]  # drawn last
+    if "skipping the pictures" in stderr:  # the second stop landed while they were drawn
+        # What it skipped depends on when it landed (as the last picture finished, nothing is left to
+        # skip): the verdict is that summary.json lists exactly what is on disk, asserted above.
+        assert stderr.index("drawing summary.png") < stderr.index("skipping the pictures")
     assert stdout.startswith("skyrl-structured rollout: interrupted\n"), stdout
 
 
