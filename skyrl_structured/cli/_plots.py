@@ -144,9 +144,14 @@ def _draw_panel(axes: Any, key: str, plot: SummaryPlot) -> None:
             axes.set_xticks(range(len(labels)), labels, fontsize=7)
     elif key == "failures":
         names = sorted(plot.failures, key=lambda name: -plot.failures[name])
-        axes.barh(names, [plot.failures[name] for name in names], color="tab:red")
+        from matplotlib.ticker import MaxNLocator
+
+        bars = axes.barh(names, [plot.failures[name] for name in names], color="tab:red", height=0.6)
+        axes.bar_label(bars, padding=3)
         axes.invert_yaxis()
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_title("failed rollouts by type")
+        axes.set_xlabel("rollouts")
     else:
         values, title, label, integer = {
             "turns": (plot.turns, "turns per rollout", "turns", True),
@@ -205,8 +210,10 @@ def _say(axes: Any, sentence: str) -> None:
 
 def _histogram(axes: object, values: Sequence[float], title: str, label: str, *, integer: bool) -> None:
     from matplotlib.axes import Axes
+    from matplotlib.ticker import MaxNLocator
 
     assert isinstance(axes, Axes)
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of rollouts, never 1.25
     if values:
         if integer:
             low, high = int(min(values)), int(max(values))
