@@ -271,3 +271,21 @@ async def test_an_agent_interleaving_two_conversations_trains_on_the_one_it_ende
     assert out["loss_masks"][0].count(1) == 2 * len(sampled_last)  # "main 1" and "main 2" have as many tokens
     metrics = out["rollout_metrics"] or {}
     assert (metrics["generate/agent_branches"], metrics["generate/agent_multi_branch_rollouts"]) == (2, 1)
+
+
+async def test_the_progress_bar_counts_an_agents_calls_before_its_rollout_ends(tokenizer, anyio_backend, capsys):
+    # An agent's rollout is several chat calls: the bar shows each one that came back, not only finished rollouts.
+    engine = ScriptedEngine.from_replies(tokenizer, "3", "4")
+
+    async def agent(ctx: AgentContext) -> float:
+        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
+        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
+        return 1.0
+
+    generator = StructuredAgentGenerator(engine, tokenizer, agent)
+    await generator.generate(batch(1), disable_tqdm=False)
+    renders = capsys.readouterr().err.split("\r")
+    # The first call is drawn once it came back, while the rollout still runs: whatever the speed.
+    assert any("0/1" in render and "calls=1" in render for render in renders), renders
+    assert "1/1" in renders[-1], renders
+    assert "calls=2" in renders[-1], renders

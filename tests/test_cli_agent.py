@@ -56,6 +56,17 @@ def _outputs(tmp_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict
 
 
 @pytest.mark.slow
+def test_the_default_agents_bar_counts_chat_calls_before_any_rollout_finishes(tmp_path):
+    proc = _run(tmp_path, "agent=default", "run.progress=true")
+    assert proc.returncode == 0, proc.stderr
+    renders = proc.stderr.replace("\n", "\r").split("\r")
+    bars = [render for render in renders if render.startswith("Generating Trajectories")]
+    # The first chat call that came back is drawn at once, before any rollout's last call: whatever the speed.
+    assert any(f"0/{ROLLOUTS}" in bar and "calls=1" in bar for bar in bars), bars
+    assert re.search(rf"{ROLLOUTS}/{ROLLOUTS} .*calls=\d+", bars[-1]), bars
+
+
+@pytest.mark.slow
 def test_the_default_agent_runs_offline_and_reports_calls_branches_tools_and_rewards(tmp_path):
     proc = _run(tmp_path, "agent=default", "run.progress=false")
     assert proc.returncode == 0, proc.stderr

@@ -212,3 +212,44 @@ def test_a_degenerate_panel_is_a_sentence() -> None:
         max_generate_length=48,
     )
     assert varied == {"reward": None, "turns": None, "length": "3 of 4 rollouts: length 30"}
+
+
+def test_the_default_run_draws_data_panels_and_says_the_one_value_ones() -> None:
+    # The default run's tiny random model: every reply runs to max_generate_length, 1 turn, reward 0.
+    from skyrl_structured.cli._plots import SummaryPlot, choose_panels
+
+    default_like = SummaryPlot(
+        title="default",
+        prompt_rewards=[(str(p), 0.0) for p in range(12)],
+        turns=[1] * 48,
+        response_lengths=[48] * 48,
+        failures={},
+        rewards=[0.0] * 48,
+        rollouts=48,
+        max_generate_length=48,
+        seconds=[2.0 + r for r in range(48)],
+        prompt_lengths=[87 + (r // 4) * 2 for r in range(48)],
+    )
+    panels = choose_panels(default_like)
+    assert panels.drawn == ("seconds", "prompt")  # data, not sentences
+    assert panels.sentences == (
+        "48 of 48 rollouts: reward 0.0",
+        "48 of 48 rollouts: 1 turn each",
+        "48 of 48 rollouts: length 48 = max_generate_length",
+        "no failed rollouts",
+    )
+    chaos_like = SummaryPlot(
+        title="chaos",
+        prompt_rewards=[("0", 0.0), ("1", 0.5)],
+        turns=[1, 2, 1],
+        response_lengths=[48, 30, 48],
+        failures={"ChaosError": 2},
+        rewards=[0.0, 1.0, 0.0],
+        rollouts=5,
+        max_generate_length=48,
+        seconds=[1.0, 2.0, 3.0],
+        prompt_lengths=[90, 90, 90],
+    )
+    varied = choose_panels(chaos_like)
+    assert varied.drawn == ("reward", "turns", "length", "failures")  # the step's own figures first, four at most
+    assert varied.sentences == ("3 of 5 rollouts: prompt length 90",)

@@ -228,11 +228,26 @@ async def test_the_progress_bar_shows_the_attempts_in_flight(tokenizer, anyio_ba
     gen = make_generator(tokenizer, ScriptedEngine(tokenizer, handler))
     gen.observers.append(progress)
     await gen.generate(make_batch(3, EnvLedger()), disable_tqdm=True)
-    assert progress.postfix() == "in_flight=0"
+    assert progress.postfix() == f"in_flight=0, calls={len(seen)}"
     assert max(seen) == 3  # all three attempts were running at once
     progress.close()
     assert "3/3" in text.getvalue()
     assert "in_flight=0" in text.getvalue()
+
+
+async def test_the_progress_bar_counts_calls_before_any_rollout_finishes(tokenizer, anyio_backend):
+    # An agent's rollout makes several long calls: the bar must move before the first rollout ends.
+    text = io.StringIO()
+    progress = Progress(2, disable=False, file=text)
+    gen = make_generator(tokenizer)
+    gen.observers.append(progress)
+    await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
+    progress.close()
+    renders = text.getvalue().split("\r")
+    # The first call that came back is drawn at once, while no rollout has finished: whatever the speed.
+    assert any("0/2" in render and "calls=1" in render for render in renders), renders
+    assert progress.calls == 4  # two turns per rollout
+    assert "2/2" in renders[-1]
 
 
 async def test_an_attempt_cancelled_before_its_slot_is_never_in_flight(tokenizer, anyio_backend):

@@ -113,11 +113,13 @@ def _plot_data(summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
     if ok or output is None:
         lengths = [sum(len(step.response_ids) for step in r.steps) for r in ok]
         turns = [_turns(r) for r in ok]
+        prompts = [len(r.steps[0].prompt_ids) for r in ok if r.steps]
     else:
         stops = output.get("stop_reasons") or ["stop"] * len(output["response_ids"])
         rows = [r for r, stop in enumerate(stops) if stop != ROLLOUT_ERROR_STOP_REASON]
         lengths = [len(output["response_ids"][r]) for r in rows]
         turns = [_stretches(output["loss_masks"][r]) for r in rows]
+        prompts = [len(output["prompt_token_ids"][r]) for r in rows]
     failures = summary.get("failures_by_type")
     if failures is None:
         failures = dict(Counter((r.error or "").split(":")[0] for r in records if r.failed))
@@ -128,6 +130,8 @@ def _plot_data(summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
         "failures": failures,
         "rewards": [r.reward for r in ok],
         "rollouts": summary["rollouts"],
+        "seconds": [r.elapsed for r in ok],
+        "prompt_lengths": prompts,
     }
 
 
