@@ -1,0 +1,77 @@
+"""The env shapes no executor can drive, refused before any rollout (one line naming the executor and the fix).
+
+Every executor runs a blocking env's calls and awaits an async env's coroutines (in the generator for
+``thread``, on an event loop of the env's own in its worker for ``process`` and ``ray``). A method written
+as an async generator (``async def`` with a ``yield``) is neither: calling it gives an iterator that
+nobody iterates, so the env would fail at its first call, in every rollout; a class that does not derive
+from ``skyrl_gym.Env`` is refused by ``skyrl_gym.make`` in every rollout too, and one without an
+``aggregate_metrics`` (``skyrl_gym.Env`` has none, ``BaseTextEnv`` has) fails each batch's metrics. All
+are refused here, by
+looking at the registered class, before any rollout or worker starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import skyrl_gym
+from skyrl_gym.envs.registration import load_env_creator
+
+from ._executors import EnvExecutorKind
+from ._worker import ASYNC_METHODS
+
+__all__ = ["check_shape"]
+
+#: Every method an executor calls on an env (``get_metrics`` is always called synchronously).
+_CALLED = (*ASYNC_METHODS, "get_metrics")
+
+
+def _env_type(env_class: str) -> type | None:
+    """The class registered as ``env_class``, when the registry names one (None: a factory or unknown)."""
+    spec = skyrl_gym.registry.get(env_class)
+    if spec is None:
+        return None
+    entry: Any = spec.entry_point
+    if isinstance(entry, str):
+        try:
+            entry = load_env_creator(entry)
+        except Exception:  # an entry point that cannot be imported: the executor's own check names it
+            return None
+    return entry if isinstance(entry, type) else None
+
+
+def check_shape(env_class: str, executor: EnvExecutorKind) -> None:
+    """Refuse ``env_class`` when it is no ``skyrl_gym.Env``, a method is an async generator, or ``get_metrics`` is async.
+
+    Raises:
+        ValueError: one line naming the env class, the method, the executor and the fix.
+    """
+    cls = _env_type(env_class)
+    if cls is None:
+        return
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if not issubclass(cls, skyrl_gym.Env):
+        raise ValueError(
+            f"env class {env_class!r} ({where}) cannot run under env_executor={executor!r}: skyrl_gym.make only "
+            "builds subclasses of skyrl_gym.Env; derive it from skyrl_gym's BaseTextEnv (async methods are fine)"
+        )
+    if not callable(getattr(cls, "aggregate_metrics", None)):
+        raise ValueError(
+            f"env class {env_class!r} ({where}) cannot run under env_executor={executor!r}: it has no "
+            "`aggregate_metrics`, which skyrl_gym calls on every batch's env metrics; derive it from skyrl_gym's "
+            "BaseTextEnv (or define a static `aggregate_metrics(metrics)`)"
+        )
+    for name in _CALLED:
+        method = getattr(cls, name, None)
+        if inspect.isasyncgenfunction(method):
+            raise ValueError(
+                f"env class {env_class!r} ({where}) cannot run under env_executor={executor!r}: its `{name}` is an "
+                f"async generator (async def with yield), which no env executor can call; make `{name}` an "
+                "`async def` that returns its result (or a plain `def`)"
+            )
+    if inspect.iscoroutinefunction(getattr(cls, "get_metrics", None)):
+        raise ValueError(
+            f"env class {env_class!r} ({where}) cannot run under env_executor={executor!r}: its `get_metrics` is "
+            "`async def`, but executors read metrics synchronously; make `get_metrics` a plain `def`"
+        )

@@ -1,0 +1,95 @@
+"""Async environments under env_executor="process": each env on an event loop of its own in its worker.
+
+Real worker processes and a real generator drive
+:class:`~skyrl_structured.testing.worker_envs.AsyncTroubleEnv` (the docs' sandbox env's shape:
+``__aenter__``/``__aexit__``, async ``init`` and ``step``); its ledger directory counts, from here, the
+``__aexit__`` calls made in any worker. (The Ray actor runs the same worker code: tests/test_env_ray.py.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from skyrl_structured import GeneratorInput
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.worker_envs import (
+    ASYNC_GENERATOR_STEP_ENV,
+    ASYNC_TROUBLE_ENV,
+    closes_by_env,
+    register_trouble_env,
+)
+from tests.helpers import token_rewards, without_rollout_deadline
+from tests.test_env_process import alive, batch, make_gen, metrics, worker_pids
+
+pytestmark = pytest.mark.anyio
+
+register_trouble_env()
+
+
+def async_batch(n: int, ledger: Path, special: dict[int, dict[str, Any]] | None = None) -> GeneratorInput:
+    out = batch(n, ledger, special)
+    out["env_classes"] = [ASYNC_TROUBLE_ENV] * n
+    return out
+
+
+async def test_async_envs_run_in_worker_processes_with_exact_rewards_and_close_once(
+    anyio_backend, tokenizer, tmp_path
+):
+    gen = make_gen(tokenizer)
+    try:
+        out = await gen.generate(async_batch(6, tmp_path), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop"] * 6
+    assert [row[-1] for row in token_rewards(out)] == [2.5] * 6  # two turns, done: turns + 0.5
+    counts = metrics(out)
+    assert counts["generate/num_failed_rollouts"] == 0
+    pids = worker_pids(tmp_path)
+    assert len(pids) == 2
+    assert os.getpid() not in pids
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * 6  # each __aexit__ once
+    assert not any(alive(pid) for pid in pids)
+
+
+async def test_a_hung_async_step_kills_its_worker_and_becomes_a_placeholder(anyio_backend, tokenizer, tmp_path):
+    # One worker per env: a kill has no bystanders. The workers start outside any deadline; the
+    # deadline bounds warm workers' calls only, generously: only the hang overruns it on a loaded machine.
+    gen = make_gen(tokenizer, workers=4, skip_failed_rollouts=True, rollout_timeout_s=5.0)
+    try:
+        await without_rollout_deadline(gen, async_batch(4, tmp_path))
+        out = await gen.generate(async_batch(4, tmp_path, {1: {"on_step": {1: "hang"}}}), disable_tqdm=True)
+        later = await without_rollout_deadline(gen, async_batch(4, tmp_path))
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop", "rollout_error", "stop", "stop"]
+    assert [row[-1] for row in token_rewards(out)] == [2.5, 0.0, 2.5, 2.5]
+    counts = metrics(out)
+    assert counts["generate/failures/TimeoutError"] == 1
+    assert counts["generate/env_workers_killed"] == 1
+    assert counts["generate/envs_lost_with_worker"] == 1
+    assert later["stop_reasons"] == ["stop"] * 4
+    # 12 envs made; the hung one's __aexit__ died with its worker, every other ran once.
+    assert sorted(closes_by_env(tmp_path).values()) == [0] + [1] * 11
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_an_async_generator_step_is_refused_before_any_rollout(anyio_backend, tokenizer, tmp_path, executor):
+    gen = make_gen(tokenizer, executor=executor)
+    bad = batch(2, tmp_path)
+    bad["env_classes"] = [ASYNC_GENERATOR_STEP_ENV] * 2
+    try:
+        with pytest.raises(ValueError) as caught:
+            await gen.generate(bad, disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"cannot run under env_executor='{executor}'" in message
+    assert "its `step` is an async generator" in message
+    assert "make `step` an `async def` that returns its result" in message
+    assert cast(ScriptedEngine, gen.inference_engine_client).calls == []
+    assert not list(tmp_path.glob("*.made"))
