@@ -42,7 +42,7 @@ def _env_type(env_class: str) -> type | None:
 
 
 def check_shape(env_class: str, executor: EnvExecutorKind) -> None:
-    """Refuse ``env_class`` when it is no ``skyrl_gym.Env``, a method is an async generator, or ``get_metrics`` is async.
+    """Refuse ``env_class`` when no executor can call it (see the module docstring; async ``get_metrics`` too).
 
     Raises:
         ValueError: one line naming the env class, the method, the executor and the fix.

@@ -42,7 +42,18 @@ import skyrl_gym
 
 from .._runtime import reaper
 
-__all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "LoopEnv", "MakePayload", "Request", "WorkerOp", "process_main"]
+__all__ = [
+    "MAIN_KEYS",
+    "CallSkipped",
+    "EnvHost",
+    "EnvRecipe",
+    "LoopEnv",
+    "MakePayload",
+    "Request",
+    "WorkerOp",
+    "is_async_shape",
+    "process_main",
+]
 
 logger = logging.getLogger(__name__)
 
