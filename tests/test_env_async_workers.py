@@ -154,7 +154,7 @@ class _Sandbox(http.server.BaseHTTPRequestHandler):
     resets = 0
     lock = threading.Lock()
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:  # http.server calls it by this name
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == "/reset":
             with self.lock:
