@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import skyrl_gym
 
 from skyrl_structured import GeneratorInput
 from skyrl_structured.testing import ScriptedEngine
@@ -77,6 +78,45 @@ async def test_a_hung_async_step_kills_its_worker_and_becomes_a_placeholder(anyi
     assert later["stop_reasons"] == ["stop"] * 4
     # 12 envs made; the hung one's __aexit__ died with its worker, every other ran once.
     assert sorted(closes_by_env(tmp_path).values()) == [0] + [1] * 11
+
+
+class DuckAsyncEnv:
+    """An async env without skyrl_gym's base class, which ``skyrl_gym.make`` refuses in every rollout."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        pass
+
+    async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        return prompt, {}
+
+
+class NoAggregateEnv(skyrl_gym.Env):  # type: ignore[misc]
+    """A ``skyrl_gym.Env`` without ``aggregate_metrics``, which every batch's metrics call."""
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("env_class", "why"),
+    [(DuckAsyncEnv, "skyrl_gym.make only builds subclasses of skyrl_gym.Env"), (NoAggregateEnv, "no `aggregate_m")],
+    ids=["no-base", "no-aggregate"],
+)
+async def test_an_env_skyrl_gym_cannot_use_is_refused_before_any_rollout(
+    anyio_backend, tokenizer, tmp_path, executor, env_class, why
+):
+    skyrl_gym.register(id="unusable_env", entry_point=env_class)
+    gen = make_gen(tokenizer, executor=executor)
+    bad = batch(2, tmp_path)
+    bad["env_classes"] = ["unusable_env"] * 2
+    try:
+        with pytest.raises(ValueError, match=f"cannot run under env_executor='{executor}'") as caught:
+            await gen.generate(bad, disable_tqdm=True)
+    finally:
+        skyrl_gym.envs.registration.deregister("unusable_env")
+        await gen.aclose()
+    assert why in str(caught.value)
+    assert "derive it from skyrl_gym's BaseTextEnv" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert cast(ScriptedEngine, gen.inference_engine_client).calls == []
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
