@@ -6,13 +6,15 @@ as an async generator (``async def`` with a ``yield``) is neither: calling it gi
 nobody iterates, so the env would fail at its first call, in every rollout; a class that does not derive
 from ``skyrl_gym.Env`` is refused by ``skyrl_gym.make`` in every rollout too, and one without an
 ``aggregate_metrics`` (``skyrl_gym.Env`` has none, ``BaseTextEnv`` has) fails each batch's metrics. All
-are refused here, by
-looking at the registered class, before any rollout or worker starts.
+are refused here, by looking at the registered class, before any rollout or worker starts (for
+``process`` and ``ray``, a class registered by a module path this process has not imported is left
+to its workers: see :func:`_env_type`).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import skyrl_gym
@@ -27,15 +29,24 @@ __all__ = ["check_shape"]
 _CALLED = (*ASYNC_METHODS, "get_metrics")
 
 
-def _env_type(env_class: str) -> type | None:
-    """The class registered as ``env_class``, when the registry names one (None: a factory or unknown)."""
+def _env_type(env_class: str, *, may_import: bool) -> type | None:
+    """The class registered as ``env_class`` (None: a factory, not registered, or not imported).
+
+    A ``"module:Class"`` entry point is imported only when ``may_import``: for the thread executor, whose
+    ``skyrl_gym.make`` imports it in this process anyway. Workers import it themselves, so for them only
+    a module already imported here is looked at: an import can be slow, or wait on something, and this
+    check runs on the event loop.
+    """
     spec = skyrl_gym.registry.get(env_class)
     if spec is None:
         return None
     entry: Any = spec.entry_point
     if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        if not may_import and module not in sys.modules:
+            return None
         try:
-            entry = load_env_creator(entry)
+            entry = load_env_creator(entry) if may_import else getattr(sys.modules[module], name, None)
         except Exception:  # an entry point that cannot be imported: the executor's own check names it
             return None
     return entry if isinstance(entry, type) else None
@@ -47,7 +58,7 @@ def check_shape(env_class: str, executor: EnvExecutorKind) -> None:
     Raises:
         ValueError: one line naming the env class, the method, the executor and the fix.
     """
-    cls = _env_type(env_class)
+    cls = _env_type(env_class, may_import=executor == "thread")
     if cls is None:
         return
     where = f"{cls.__module__}.{cls.__qualname__}"
