@@ -11,8 +11,8 @@ import pytest
 
 from skyrl_structured import GeneratorConfig, GeneratorOutput, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
-from skyrl_structured.testing.worker_envs import closes_by_env, register_trouble_env
-from tests.helpers import not_none, turn_replies, without_rollout_deadline
+from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, closes_by_env, register_trouble_env
+from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
 from tests.test_env_process import batch, worker_pids
 
 ray = pytest.importorskip("ray")
@@ -53,6 +53,21 @@ async def test_envs_live_in_ray_actors_and_close_once(anyio_backend, tokenizer, 
     pids = worker_pids(tmp_path)
     assert len(pids) == 2
     assert os.getpid() not in pids
+
+
+async def test_async_envs_run_in_ray_actors_on_a_loop_of_their_own(anyio_backend, tokenizer, tmp_path: Path):
+    # Issue 38 item 1: the actor runs the worker's code, so an async env gets one event loop for its life.
+    gen = make_gen(tokenizer)
+    async_batch = batch(4, tmp_path)
+    async_batch["env_classes"] = [ASYNC_TROUBLE_ENV] * 4
+    try:
+        out = await gen.generate(async_batch, disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert out["stop_reasons"] == ["stop"] * 4
+    assert [row[-1] for row in token_rewards(out)] == [2.5] * 4  # two turns, done: turns + 0.5
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * 4  # each __aexit__ once
+    assert os.getpid() not in worker_pids(tmp_path)
 
 
 async def test_a_hung_step_kills_its_actor_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path: Path):

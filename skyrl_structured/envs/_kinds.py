@@ -16,6 +16,7 @@ from ..config import EnvExecutorKind
 from ..types import SkyRLConfig
 from ._executors import EnvExecutor, env_executor_kind
 from ._open import env_config_for
+from ._shapes import check_shape
 
 __all__ = ["EXECUTORS", "ExecutorFactory", "check_envs", "make_executor"]
 
@@ -66,11 +67,13 @@ def check_envs(
     """Before any rollout: every env class and every row's extras can be run by ``executor``.
 
     Raises:
-        ValueError: one line naming the env class, what cannot cross to a worker, and the fix.
+        ValueError: one line naming the env class, what cannot cross to a worker (or what no
+            executor can call, :func:`~skyrl_structured.envs._shapes.check_shape`), and the fix.
     """
     seen: set[str] = set()
     for env_class, extras in zip(env_classes, env_extras, strict=True):
         if env_class not in seen:
             seen.add(env_class)
+            check_shape(env_class, executor.kind)
             executor.check_env(env_class, env_config_for(skyrl_gym_cfg, env_class), {})
         executor.check_env(env_class, None, extras or {})

@@ -4,6 +4,9 @@ This module is what a worker imports, so it stays small: ``skyrl_gym``, the stan
 :mod:`~skyrl_structured._runtime.reaper` (the standard library only).
 A worker hosts many environments, each under the key its handle in the generator gave it, and runs
 every call in its main thread, one at a time (so ``signal.alarm`` and ``setitimer`` work in env code).
+An async environment (:func:`is_async_shape`) gets an asyncio event loop of its own for its whole life
+(:class:`LoopEnv`): each of its calls runs to completion on that loop, so the generator's handle is the
+same request-per-call handle as for a blocking env, and a deadline still kills the worker.
 
 Requests are ``(call_id, op, key, payload)``; replies ``(call_id, ok, value, metrics)`` where
 ``value`` is the result or, when ``ok`` is False, the exception (replaced by a ``RuntimeError``
@@ -21,9 +24,11 @@ worker, even those that left its process group or session.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import pickle
@@ -37,7 +42,18 @@ import skyrl_gym
 
 from .._runtime import reaper
 
-__all__ = ["MAIN_KEYS", "CallSkipped", "EnvHost", "EnvRecipe", "MakePayload", "Request", "WorkerOp", "process_main"]
+__all__ = [
+    "MAIN_KEYS",
+    "CallSkipped",
+    "EnvHost",
+    "EnvRecipe",
+    "LoopEnv",
+    "MakePayload",
+    "Request",
+    "WorkerOp",
+    "is_async_shape",
+    "process_main",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +220,8 @@ class EnvHost:
             env_id, entry_point, kwargs = recipe
             if env_id not in skyrl_gym.registry:
                 skyrl_gym.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
-            self.envs[key] = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+            env = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+            self.envs[key] = LoopEnv(env) if is_async_shape(env) else env
             return None
         if op == "close":
             env = self.envs.pop(key, None)
@@ -225,6 +242,67 @@ class EnvHost:
             return True, env.get_metrics()
         except Exception as exc:
             return False, _portable(exc)
+
+
+#: The methods whose being coroutine functions makes an env async (:func:`is_async_shape`).
+ASYNC_METHODS = ("__aenter__", "__aexit__", "init", "step", "close", "aclose")
+
+
+def is_async_shape(env: object) -> bool:
+    """Whether ``env`` needs an event loop: an async context manager, or any of its calls a coroutine function."""
+    return any(inspect.iscoroutinefunction(getattr(env, name, None)) for name in ASYNC_METHODS)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+class LoopEnv:
+    """An async environment driven from the worker's blocking request loop, on an event loop of its own.
+
+    The loop (an :class:`asyncio.Runner`) lives as long as the env: made here, ``__aenter__`` run
+    on it; ``close`` runs ``__aexit__(None, None, None)`` (else an ``aclose`` or ``close``, awaited when
+    it returns an awaitable), then closes the loop, cancelling whatever tasks the env left behind.
+    An env whose ``__aenter__`` raises is not made (the protocol: it cleaned up after itself); its
+    loop is closed at once. One loop for the env's life, not one per call, so clients bound to the
+    loop that opened them (an ``httpx.AsyncClient``) keep working from ``init`` to the close.
+    """
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self._runner = asyncio.Runner()
+        enter = getattr(env, "__aenter__", None)
+        if enter is not None and getattr(env, "__aexit__", None) is not None:
+            try:
+                self._run(enter())
+            except BaseException:
+                self._runner.close()
+                raise
+
+    def _run(self, value: Any) -> Any:
+        """``value`` itself, or what it gives once awaited on this env's loop."""
+        return self._runner.run(_awaited(value)) if inspect.isawaitable(value) else value
+
+    def init(self, prompt: Any) -> Any:
+        return self._run(self.env.init(prompt))
+
+    def step(self, action: Any) -> Any:
+        return self._run(self.env.step(action))
+
+    def get_metrics(self) -> Any:
+        return self.env.get_metrics()
+
+    def close(self) -> None:
+        env = self.env
+        try:
+            if getattr(env, "__aenter__", None) is not None and getattr(env, "__aexit__", None) is not None:
+                self._run(env.__aexit__(None, None, None))
+            else:
+                closer = getattr(env, "aclose", None) or getattr(env, "close", None)
+                if closer is not None:
+                    self._run(closer())
+        finally:
+            self._runner.close()
 
 
 def _from_environ(exc: KeyError) -> bool:

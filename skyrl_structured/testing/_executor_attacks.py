@@ -42,6 +42,7 @@ from skyrl_gym.metrics import default_aggregate_metrics
 from .._runtime.origin import describe_with_origin
 from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
 from ..envs._remote_executor import env_recipe
+from ..envs._worker import LoopEnv, is_async_shape
 from ..generator import StructuredGymGenerator
 from ._matrix import Setup
 from .engines import ScriptedEngine, replies_by_turn
@@ -57,7 +58,11 @@ _CLEANUP_S = 30.0
 
 
 class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
-    """The user's env, built in the worker from ``extras["__inner__"]``, attacked per ``extras["__attack__"]``."""
+    """The user's env, built in the worker from ``extras["__inner__"]``, attacked per ``extras["__attack__"]``.
+
+    The wrapper is a blocking env, so the worker calls it directly; an async user env inside it gets
+    the worker's :class:`~skyrl_structured.envs._worker.LoopEnv` here instead.
+    """
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -67,7 +72,9 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
         self.ledger = Path(extras.pop("__ledger__"))
         if env_id not in skyrl_gym.registry:
             skyrl_gym.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
-        self.inner = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+        inner = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+        # An async env is driven as the worker drives it unwrapped: on an event loop of its own.
+        self.inner = LoopEnv(inner) if is_async_shape(inner) else inner
         self.key = uuid.uuid4().hex
         (self.ledger / f"{self.key}.made").write_text(f"{os.getpid()} {self.attack or ''}")
 

@@ -12,10 +12,16 @@ is ``"hang"`` (block forever; ``"hang:P"``: with probability P), ``"exit:N"`` (`
 ``"segfault"`` (read address 0),
 ``"alarm"`` (bound a wait with ``signal.setitimer``, which only works in a main thread),
 ``"cpu:S"`` (S seconds of pure-Python work), ``"sleep:S"`` or ``"raise"``.
+
+:class:`AsyncTroubleEnv` is the same env written async, as docs/environments.md's sandbox env is (its own
+``__aenter__``/``__aexit__``, async ``init`` and ``step``; a ``"hang"`` waits at an ``await``); its
+``.closed`` line is written by ``__aexit__``. :class:`AsyncGeneratorStepEnv` has a ``step`` that no
+executor can call (an async generator), for the refusal before any rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import random
@@ -26,13 +32,28 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-__all__ = ["TROUBLE_ENV", "TroubleEnv", "closes_by_env", "register_trouble_env"]
+__all__ = [
+    "ASYNC_GENERATOR_STEP_ENV",
+    "ASYNC_TROUBLE_ENV",
+    "TROUBLE_ENV",
+    "AsyncGeneratorStepEnv",
+    "AsyncTroubleEnv",
+    "TroubleEnv",
+    "closes_by_env",
+    "register_trouble_env",
+]
 
 #: The registry id :func:`register_trouble_env` uses.
 TROUBLE_ENV = "skyrl_structured_trouble"
+#: The registry id of :class:`AsyncTroubleEnv` (:func:`register_trouble_env` registers it too).
+ASYNC_TROUBLE_ENV = "skyrl_structured_async_trouble"
+#: The registry id of :class:`AsyncGeneratorStepEnv` (:func:`register_trouble_env` registers it too).
+ASYNC_GENERATOR_STEP_ENV = "skyrl_structured_async_generator_step"
 
 
 class _Alarm(Exception):
@@ -116,6 +137,56 @@ class TroubleEnv(BaseTextEnv):  # type: ignore[misc]
         return {"turns": self.turns, "pid": os.getpid()}
 
 
+class AsyncTroubleEnv(BaseTextEnv):  # type: ignore[misc]
+    """:class:`TroubleEnv` written async; done after ``turns`` steps, with reward ``turns + 0.5``.
+
+    Every call checks it runs on the event loop its ``__aenter__`` ran on (one loop for the env's life).
+    """
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._sync = TroubleEnv(env_config, extras)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _same_loop(self) -> None:
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("async trouble env: called on another event loop than its __aenter__'s")
+
+    async def __aenter__(self) -> AsyncTroubleEnv:
+        self._loop = asyncio.get_running_loop()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._same_loop()
+        await anyio.lowlevel.checkpoint()
+        self._sync.close()
+
+    async def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        self._same_loop()
+        await anyio.lowlevel.checkpoint()
+        return prompt, {}
+
+    async def step(self, action: str) -> BaseTextEnvStepOutput:
+        self._same_loop()
+        env = self._sync
+        if env.on_step.get(env.turns + 1) == "hang":
+            await anyio.sleep_forever()
+        out: BaseTextEnvStepOutput = env.step(action)
+        if out["done"]:
+            out["reward"] = env.turns + 0.5
+        return out
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self._sync.get_metrics()
+
+
+class AsyncGeneratorStepEnv(AsyncTroubleEnv):
+    """An env whose ``step`` is an async generator: no executor can call it (refused before any rollout)."""
+
+    async def step(self, action: str) -> Any:  # type: ignore[override]
+        yield action
+
+
 def closes_by_env(ledger_dir: str | os.PathLike[str]) -> dict[str, int]:
     """For every env made with ``ledger_dir``: how many times it was closed (0: never)."""
     root = Path(ledger_dir)
@@ -127,7 +198,10 @@ def closes_by_env(ledger_dir: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def register_trouble_env(env_id: str = TROUBLE_ENV) -> str:
-    """Register :class:`TroubleEnv` under ``env_id`` by module path (idempotent); return the id."""
+    """Register :class:`TroubleEnv` under ``env_id`` by module path (idempotent), and the async ones; return the id."""
     if env_id not in skyrl_gym.registry:
         skyrl_gym.register(id=env_id, entry_point=f"{__name__}:TroubleEnv")
+    for other, cls in ((ASYNC_TROUBLE_ENV, "AsyncTroubleEnv"), (ASYNC_GENERATOR_STEP_ENV, "AsyncGeneratorStepEnv")):
+        if other not in skyrl_gym.registry:
+            skyrl_gym.register(id=other, entry_point=f"{__name__}:{cls}")
     return env_id

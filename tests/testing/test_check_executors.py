@@ -6,7 +6,7 @@ import pytest
 
 from skyrl_structured.testing import check_structured_concurrency
 from skyrl_structured.testing._executor_attacks import EXECUTOR_ATTACKS
-from skyrl_structured.testing.worker_envs import register_trouble_env
+from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, register_trouble_env
 
 PROMPTS = [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
 
@@ -46,5 +46,14 @@ def test_an_import_path_that_does_not_import_is_refused_with_one_line():
 def test_process_executor_checks_a_single_prompt():
     # The attacked row is then the whole batch: its placeholder must come back, not raise the budget.
     report = check_structured_concurrency(register_trouble_env(), env_executor="process", prompts=PROMPTS[:1])
+    assert report.ok, report.summary()
+    assert len(report.cases) == 2 * len(EXECUTOR_ATTACKS)
+
+
+def test_process_executor_checks_an_async_env():
+    # Issue 38 item 1 (and item 3's "6 of 6 cases" of an async env): the attacked wrapper drives the
+    # user's async env on an event loop of its own in the worker, as the worker drives it unwrapped.
+    register_trouble_env()
+    report = check_structured_concurrency(ASYNC_TROUBLE_ENV, env_executor="process", prompts=PROMPTS[:1])
     assert report.ok, report.summary()
     assert len(report.cases) == 2 * len(EXECUTOR_ATTACKS)
