@@ -392,7 +392,7 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
     (bar,) = bars
     assert (bar.done, bar.failed) == (4, 2)
     assert bar._bar is not None
-    assert bar._bar.postfix == "in_flight=0, failed=2"  # every attempt ended
+    assert bar._bar.postfix == "in_flight=0, calls=4, failed=2"  # every attempt ended; the calls that came back
     assert bar._bar.desc == "Generating Trajectories"
 
 
