@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import Any, TypeVar
 
+import anyio
 import sniffio
 
 from skyrl_structured import (
@@ -162,3 +163,29 @@ class TemplateCalls:
         before = self.count
         ids = chat.observation_ids(observation, done=done, multi_turn=True)
         return ids, self.count - before
+
+
+def straggler_generator(tokenizer: Any, hung: set[str]) -> StructuredGymGenerator:
+    """A generator (``straggler_cutoff=0.6``) whose sessions in ``hung`` never answer.
+
+    The others answer once every hung session's request is in the engine, so the cut always finds them there.
+    """
+    entered: set[object] = set()
+    all_in = anyio.Event()
+
+    async def handler(call: Any) -> str:
+        entered.add(call.session_id)
+        if hung <= entered:
+            all_in.set()
+        if call.session_id in hung:
+            await anyio.sleep_forever()
+        await all_in.wait()
+        return "an answer #### 7"
+
+    return make_generator(
+        tokenizer,
+        ScriptedEngine(tokenizer, handler),
+        skip_failed_rollouts=True,
+        failure_budget_action="warn",
+        straggler_cutoff=0.6,
+    )

@@ -14,7 +14,7 @@ from skyrl_structured.observe import PrometheusObserver, RolloutObserver
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
-from .helpers import make_batch, make_generator
+from .helpers import make_batch, make_generator, straggler_generator
 
 pytestmark = pytest.mark.anyio
 
@@ -116,26 +116,8 @@ def test_two_observers_do_not_clash_and_serve_twice_is_refused():
 async def test_a_straggler_cut_is_counted_as_cut_never_as_failed(tokenizer, anyio_backend):
     """Rollouts 3 and 4 never answer; the others answer once both are in the engine, so the cut finds them there."""
     hung = {"q1_1", "q2_0"}
-    entered: set[object] = set()
-    both_in = anyio.Event()
-
-    async def handler(call):
-        entered.add(call.session_id)
-        if hung <= entered:
-            both_in.set()
-        if call.session_id in hung:
-            await anyio.sleep_forever()
-        await both_in.wait()
-        return "an answer #### 7"
-
     observer = PrometheusObserver()
-    gen = make_generator(
-        tokenizer,
-        ScriptedEngine(tokenizer, handler),
-        skip_failed_rollouts=True,
-        failure_budget_action="warn",
-        straggler_cutoff=0.6,
-    )
+    gen = straggler_generator(tokenizer, hung)
     gen.observers.append(observer)
     with anyio.fail_after(60):  # a bound only a hang reaches
         out = await gen.generate(make_batch(5, EnvLedger()), disable_tqdm=True)

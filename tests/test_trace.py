@@ -12,7 +12,7 @@ from skyrl_structured.observe import TraceRecorder
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
-from .helpers import make_batch, make_generator
+from .helpers import make_batch, make_generator, straggler_generator
 from .trace_check import children, spans_by_track
 
 pytestmark = pytest.mark.anyio
@@ -158,26 +158,8 @@ async def test_a_cut_is_marked_cut_and_an_interrupted_batch_marks_no_finished_ro
     from skyrl_structured.cli._timeline import Timeline
 
     hung = {"q1_1", "q2_0"}  # rollouts 3 and 4 (two samples per prompt)
-    entered: set[object] = set()
-    both_in = anyio.Event()
-
-    async def cut_handler(call):
-        entered.add(call.session_id)
-        if hung <= entered:
-            both_in.set()
-        if call.session_id in hung:
-            await anyio.sleep_forever()
-        await both_in.wait()
-        return "an answer #### 7"
-
     recorder = TraceRecorder()
-    gen = make_generator(
-        tokenizer,
-        ScriptedEngine(tokenizer, cut_handler),
-        skip_failed_rollouts=True,
-        failure_budget_action="warn",
-        straggler_cutoff=0.6,
-    )
+    gen = straggler_generator(tokenizer, hung)
     gen.observers.append(recorder)
     with anyio.fail_after(60):  # a bound only a hang reaches
         await gen.generate(make_batch(5, EnvLedger()), disable_tqdm=True)
