@@ -29,7 +29,9 @@ MODEL_INIT_STD = 0.2
 #: The tiny model's positions, all of them: room for a decode far longer than any poll interval
 #: (``tests/engines/contract.py``'s LONG_DECODE_TOKENS), which the cancellation checks cancel mid-flight.
 MAX_MODEL_LEN = 4096
-STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "300"))
+#: A hang bound, not a speed: the lane launches its three servers side by side at its start, on a
+#: 2-core machine that may be loaded (a pair took 152 s in a loaded run).
+STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "600"))
 MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
 OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")
 
@@ -253,15 +255,20 @@ class VLLMServer:
         # Children that outlived their parent (same group) go too.
         self.kill(signal.SIGKILL)
 
-    def restart(self) -> None:
-        """Start the server again on the same port (after :meth:`kill` or :meth:`stop`)."""
+    def relaunch(self) -> None:
+        """Launch the server again on the same port (after :meth:`kill` or :meth:`stop`), without waiting."""
         if self.process is not None:
             self.stop()
         self.startup_s = None
         deadline = time.monotonic() + 30
         while port_in_use(self.port) and time.monotonic() < deadline:
             time.sleep(0.5)
-        self.start()
+        self.launch()
+
+    def restart(self) -> None:
+        """Start the server again on the same port and wait until it serves (:meth:`relaunch`, :meth:`wait_ready`)."""
+        self.relaunch()
+        self.wait_ready()
 
     # ------------------------------------------------------------------ introspection
 
