@@ -32,9 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.load import EngineLoad
 
 from .harness import Context, median, package_version, spread, write_json
-from .vllm_share import engine_defaults
+from .vllm_share import engine_defaults, served_tiny_model
 
 NAME = "admission"
 ENV_ID = "skyrl_structured_admission"
@@ -252,42 +251,6 @@ def summarise(runs: dict[str, list[dict[str, Any]]], unavailable: dict[str, str]
     return {"rows": rows, "best_fixed": best_fixed}
 
 
-# ---------------------------------------------------------------------------- the server
-
-
-@contextlib.contextmanager
-def served_small_cache(
-    *, kv_blocks: int, block_size: int, max_model_len: int, log: Any, log_path: Path | None = None
-) -> Iterator[tuple[str, str, Path]]:
-    """The lane's tiny model with a KV cache of ``kv_blocks`` x ``block_size`` tokens; yields (url, model, dir)."""
-    from vllm_tests.servers import VLLMServer, build_model_dir
-
-    class _Server(VLLMServer):
-        def command(self) -> list[str]:
-            cmd = [arg for arg in super().command() if arg != "--enable-log-requests"]
-            cmd[cmd.index("--max-model-len") + 1] = str(max_model_len)
-            cmd[cmd.index("--max-num-seqs") + 1] = "256"
-            return [*cmd, "--block-size", str(block_size), "--num-gpu-blocks-override", str(kv_blocks)]
-
-        def environment(self) -> dict[str, str]:
-            # Connections idle through an env step stay open (see benchmarks.vllm_share).
-            return {**super().environment(), "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}
-
-    with tempfile.TemporaryDirectory(prefix="skyrl-admission-") as tmp:
-        model_dir = build_model_dir(Path(tmp) / "tiny-model")
-        server = _Server(model_dir, log_path or Path(tmp) / "server.log")
-        log(f"starting vLLM on {server.url} (KV cache {kv_blocks} x {block_size} tokens), log {server.log_path}")
-        try:
-            server.start()
-            log(f"vLLM ready after {server.startup_s:.0f}s")
-            yield server.url, server.model, model_dir
-        except BaseException:
-            log(f"failed; the tail of the vLLM server's log:\n{server.log_tail(40)}")
-            raise
-        finally:
-            server.stop()
-
-
 # ---------------------------------------------------------------------------- report
 
 
@@ -427,14 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from transformers import AutoTokenizer
 
+            cache = ["--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.kv_blocks)]
             url, model, model_dir = stack.enter_context(
-                served_small_cache(
-                    kv_blocks=args.kv_blocks,
-                    block_size=args.block_size,
-                    max_model_len=args.max_model_len,
-                    log=print,
-                    log_path=args.server_log,
-                )
+                served_tiny_model(256, print, args.server_log, max_model_len=args.max_model_len, extra_args=cache)
             )
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         run(url, model, tokenizer, settings, out_dir=args.out, quick=args.quick, engine_info=engine_info)

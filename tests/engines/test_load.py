@@ -142,6 +142,30 @@ def test_text_that_is_not_prometheus_is_refused_naming_the_line(text, message):
         parse_samples(text)
 
 
+def test_samples_agree_with_prometheus_clients_own_writer_and_parser():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = prometheus_client.CollectorRegistry()
+    counter = prometheus_client.Counter(
+        "vllm:num_preemptions", "Preemptions.", ["model_name", "engine"], registry=registry
+    )
+    counter.labels(model_name='odd "name"\\with\nlines', engine="0").inc(7)
+    gauge = prometheus_client.Gauge("vllm:kv_cache_usage_perc", "KV usage.", ["engine"], registry=registry)
+    gauge.labels(engine="1").set(0.125)
+    histogram = prometheus_client.Histogram("vllm:e2e_request_latency_seconds", "Latency.", registry=registry)
+    histogram.observe(0.3)
+    text = prometheus_client.generate_latest(registry).decode()
+    theirs = {
+        (sample.name, tuple(sorted(sample.labels.items())), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    ours = {(s.name, tuple(sorted(s.labels)), s.value) for s in parse_samples(text)}
+    assert ours == theirs
+    assert ("vllm:num_preemptions_total", (("engine", "0"), ("model_name", 'odd "name"\\with\nlines')), 7.0) in ours
+
+
 # ---------------------------------------------------------------------- vLLM's names
 
 
