@@ -62,9 +62,12 @@ def tool_engine(tokenizer: Any) -> tuple[ScriptedEngine, list[list[int]]]:
     return ScriptedEngine.from_replies(tokenizer, *replies), sampled
 
 
-def chat_render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-    """The template's ids for ``messages`` with chat-shaped ``tools`` (what a chat-completions agent gets)."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+def chat_render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """The template's text for ``messages`` with chat-shaped ``tools`` (what a chat-completions agent gets)."""
+    return str(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -85,16 +88,21 @@ def assert_one_token_exact_branch(
     system = [{"role": "system", "content": instructions}] if instructions else []
     first = [*system, {"role": "user", "content": QUESTION}]
     call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
-    second = [
+    second: list[dict[str, Any]] = [
         *first,
         {"role": "assistant", "content": "Let me add.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c", "content": "5"},
     ]
     prompt0, prompt1 = (c.prompt_token_ids for c in engine.calls)
-    assert prompt0 == chat_render(tokenizer, first, tools)
-    tail = prompt1[len(prompt0) + len(sampled[0]) :]
+    assert prompt0 == encode(tokenizer, chat_render(tokenizer, first, tools))
+    # The tokens between the calls: the template's tokens for what the second render adds after the first
+    # render and the sampled text (the tool call as the template re-serialises it, the result, the prompt).
+    branch_text = chat_render(tokenizer, first, tools) + tokenizer.decode(sampled[0])
+    second_text = chat_render(tokenizer, second, tools)
+    assert second_text.startswith(branch_text)
+    tail = encode(tokenizer, second_text[len(branch_text) :])
+    assert tail
     assert prompt1 == prompt0 + sampled[0] + tail
-    assert tokenizer.decode(prompt1) == tokenizer.decode(chat_render(tokenizer, second, tools))
     assert [c.sampled_ids for c in session.calls] == sampled
     assert [c.extended for c in session.calls] == [False, True]
     (branch,) = session.capture.branches
@@ -285,6 +293,7 @@ def test_check_capture_covers_tool_turns_written_in_the_responses_shape(tokenize
     (responses,) = report.others
     assert [c.extended for c in responses.calls] == [False, True, True]
     assert report.append_only
+    assert str(report).endswith("\nwritten as responses requests: the same, call by call")
     qwen3_like = with_template(tokenizer, hermes_template(strip_think=True))
     assert [c.extended for c in check_capture(qwen3_like).others[0].calls] == [False, True, False]
 

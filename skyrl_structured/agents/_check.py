@@ -72,10 +72,10 @@ class CaptureCheck:
     def __str__(self) -> str:
         own = all(c.extended for c in self.calls[1:])
         lines = [
-            f"{self.api}: append-only: every call extends the previous prompt + reply (one branch per rollout)"
+            "append-only: every call extends the previous prompt + reply (one branch per rollout)"
             if own
-            else f"{self.api}: NOT append-only: {self.branches} branches over {len(self.calls)} calls; the endpoint "
-            "starts a new branch at each call marked below and trains only on the branch of a rollout's last call"
+            else f"NOT append-only: {self.branches} branches over {len(self.calls)} calls; the endpoint starts a "
+            "new branch at each call marked below and trains only on the branch of a rollout's last call"
         ]
         for c in self.calls[1:]:
             if c.extended:
@@ -85,7 +85,9 @@ class CaptureCheck:
                     f"  call {c.call}: branches at character {c.diverges_at}: expected {c.expected!r}, "
                     f"the template rendered {c.rendered!r}"
                 )
-        lines += [str(other) for other in self.others]
+        for other in self.others:
+            same = other.calls == self.calls
+            lines.append(f"written as {other.api} requests: " + ("the same, call by call" if same else str(other)))
         return "\n".join(lines)
 
 
