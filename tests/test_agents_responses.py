@@ -243,6 +243,8 @@ async def test_sampling_fields_reach_the_engine_under_the_chat_rule(tokenizer, a
         ({"extra_body": {"conversation": "conv_1"}}, "conversation"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": []}, "input"),
+        ({"instructions": ["not", "text"]}, "instructions"),
     ],
 )
 async def test_a_responses_field_that_cannot_be_honoured_is_refused_with_a_400_naming_it(

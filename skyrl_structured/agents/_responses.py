@@ -117,6 +117,8 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
     previous = body.get("previous_response_id")
     history = _history(previous, remembered)
     turn = _input_messages(body.get("input"))
+    if not turn:
+        raise _bad("input", "must hold at least one item")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", f"must be a string, got {type(instructions).__name__}")
