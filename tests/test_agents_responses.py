@@ -261,7 +261,9 @@ async def test_a_responses_field_that_cannot_be_honoured_is_refused_with_a_400_n
     assert engine.calls == []
 
 
-async def test_an_in_flight_response_of_a_cancelled_rollout_gets_499(tokenizer, anyio_backend):
+async def test_an_in_flight_response_of_a_cancelled_rollout_gets_499_and_a_later_one_hears_it_ended(
+    tokenizer, anyio_backend
+):
     entered = anyio.Event()
 
     async def blocked(call: EngineCall) -> str:
@@ -283,9 +285,12 @@ async def test_an_in_flight_response_of_a_cancelled_rollout_gets_499(tokenizer, 
                 await entered.wait()
                 rollout_scope.cancel()
                 await anyio.sleep_forever()
+        late = await respond(session.base_url, input="Hi.")
     (answer,) = answers
     assert answer.status_code == 499
+    assert answer.response.headers["x-should-retry"] == "false"
     assert "rollout t7_0 ended (cancelled)" in error_of(answer)["message"]
+    assert_rollout_ended(late, "t7_0")
 
 
 def test_check_capture_covers_tool_turns_written_in_the_responses_shape(tokenizer):

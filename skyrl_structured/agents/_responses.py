@@ -19,6 +19,7 @@ from typing import Any
 from ._capture import APIError, CallRecord, _bad, engine_sampling_params, parse_tool_calls
 
 __all__ = [
+    "Remembered",
     "ResponsesRequest",
     "chat_request",
     "remembered",
@@ -39,6 +40,7 @@ _CHAT_FIELDS = frozenset(
         "repetition_penalty",
         "seed",
         "stop",
+        "stream",
         "top_logprobs",
         "tool_choice",
         "parallel_tool_calls",
@@ -105,8 +107,6 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
                 raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
         elif key == "max_output_tokens":
             chat["max_tokens"] = value
-        elif key == "stream":
-            chat["stream"] = value
         elif key == "stream_options":
             if value is not None and (not body.get("stream") or not isinstance(value, dict)):
                 raise _bad(key, "is only allowed as an object with `stream=true`")
@@ -133,7 +133,7 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
         "instructions": instructions,
         "tools": tools or [],
         "tool_choice": body.get("tool_choice") or "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "max_output_tokens": body.get("max_output_tokens"),
