@@ -211,6 +211,24 @@ async def test_responses_tools_render_exactly_as_the_same_chat_tools(hermes, any
     assert "strict" not in hermes.decode(responses_prompt)
 
 
+async def test_a_conversation_begun_with_chat_completions_and_continued_with_responses_extends_one_branch(
+    hermes, anyio_backend
+):
+    engine, sampled = tool_engine(hermes)
+    async with serve_capture(engine, hermes) as server, server.session("t0_0") as session:
+        first = await chat(session.base_url, messages=[{"role": "user", "content": QUESTION}], tools=ADD_TOOL)
+        (call,) = first.choices[0].message.tool_calls
+        items = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"type": "function_call", "call_id": call.id, "name": "add", "arguments": call.function.arguments},
+            {"type": "function_call_output", "call_id": call.id, "output": "5"},
+        ]
+        second = await respond(session.base_url, input=items, tools=[RESPONSES_TOOL])
+    assert second.output_text == ANSWER
+    assert_one_token_exact_branch(hermes, engine, session, sampled, instructions=None)
+
+
 async def test_sampling_fields_reach_the_engine_under_the_chat_rule(tokenizer, anyio_backend):
     engine = ScriptedEngine.from_replies(tokenizer, Reply("cut", stop_reason="length"))
     params = {"max_generate_length": 64}

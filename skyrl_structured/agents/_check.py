@@ -63,11 +63,16 @@ class CaptureCheck:
     api: str = "chat.completions"
     #: The same conversation written in the other APIs' shapes (the chat check holds them).
     others: tuple[CaptureCheck, ...] = ()
+    #: Each call's rendered prompt, in order.
+    renders: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def append_only(self) -> bool:
-        """Every call after the first extends the one before, in each API's shape: one branch, every turn trained on."""
-        return all(c.extended for c in self.calls[1:]) and all(o.append_only for o in self.others)
+        """Every call after the first extends the one before, in each API's shape, and every shape renders each
+        call alike (so a rollout that mixes APIs stays on one branch too): one branch, every turn trained on."""
+        return all(c.extended for c in self.calls[1:]) and all(
+            o.append_only and o.renders == self.renders for o in self.others
+        )
 
     def __str__(self) -> str:
         own = all(c.extended for c in self.calls[1:])
@@ -86,8 +91,16 @@ class CaptureCheck:
                     f"the template rendered {c.rendered!r}"
                 )
         for other in self.others:
-            same = other.calls == self.calls
-            lines.append(f"written as {other.api} requests: " + ("the same, call by call" if same else str(other)))
+            head = f"written as {other.api} requests: "
+            unlike = [k for k, (a, b) in enumerate(zip(self.renders, other.renders, strict=True)) if a != b]
+            if unlike:
+                a, b = self.renders[unlike[0]], other.renders[unlike[0]]
+                at = _common_prefix(a, b)
+                lines.append(
+                    f"{head}call {unlike[0]} renders unlike {self.api} at character {at}: {a[at : at + 40]!r} "
+                    f"there, {b[at : at + 40]!r} here; a rollout that mixes the two starts a new branch"
+                )
+            lines.append(head + ("the same, call by call" if not unlike else str(other)))
         return "\n".join(lines)
 
 
@@ -103,7 +116,7 @@ def check_capture(tokenizer: Any, *, chat_template_kwargs: dict[str, Any] | None
     """
     check = _check(tokenizer, chat_template_kwargs, "chat.completions", lambda m: {"messages": m, "tools": _TOOLS})
     responses = _check(tokenizer, chat_template_kwargs, "responses", _responses_request)
-    return CaptureCheck(check.calls, check.branches, check.api, (responses,))
+    return CaptureCheck(check.calls, check.branches, check.api, (responses,), check.renders)
 
 
 def _check(
@@ -119,10 +132,12 @@ def _check(
         {"role": "user", "content": _FIRST_USER},
     ]
     checks: list[CallCheck] = []
+    renders: list[str] = []
     eos = tokenizer.eos_token_id
     for k, reply in enumerate(_REPLIES):
         previous = capture.branches[-1].text if capture.branches else ""
         prepared = capture.prepare(request(messages))
+        renders.append(prepared.rendered)
         if k == 0 or prepared.extended:
             checks.append(CallCheck(k, prepared.extended))
         else:
@@ -140,7 +155,7 @@ def _check(
             if follow_up["role"] == "tool" and tool_calls:
                 follow_up["tool_call_id"] = tool_calls[0]["id"]
             messages.append(follow_up)
-    return CaptureCheck(checks, len(capture.branches), api)
+    return CaptureCheck(checks, len(capture.branches), api, renders=tuple(renders))
 
 
 def _responses_request(messages: list[dict[str, Any]]) -> dict[str, Any]:
