@@ -18,6 +18,11 @@ alike and adds no server dependency. It serves, under a session's base URL
   naming it, never silently dropped; fields that cannot change the answer (``user``, ``metadata``,
   ``store``, ``service_tier``, ...) are accepted and ignored. The request's ``model`` is not checked
   (agents hard-code names).
+- ``POST /responses``: the OpenAI Responses API (what the Agents SDK's default model calls), a
+  translation (:mod:`._responses`) of the same conversation: ``input`` items and ``instructions``
+  become chat messages, function ``tools`` chat tools (``strict`` dropped), the captured call a
+  ``response`` object or its event stream; ``previous_response_id`` names a response of the same
+  session (kept until it closes); fields it cannot honour are refused with a 400 naming them.
 - ``GET /models``: the served model name.
 
 The same routes answer under ``/v1`` with ``Authorization: Bearer <key>``, for agents that cannot

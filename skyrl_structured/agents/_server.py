@@ -1,7 +1,8 @@
 """The capture endpoint: an OpenAI-compatible HTTP server (127.0.0.1 by default), in the caller's event loop.
 
 Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or under ``/v1`` with
-``Authorization: Bearer <key>``): ``POST /chat/completions`` and ``GET /models``. A session has a
+``Authorization: Bearer <key>``): ``POST /chat/completions``, ``POST /responses`` (the OpenAI
+Responses API, translated by :mod:`._responses`) and ``GET /models``. A session has a
 public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
 its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
 session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
@@ -36,6 +37,7 @@ from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput
+from . import _responses
 from ._capture import (
     SURROGATE_ESCAPE,
     APIError,
@@ -89,6 +91,8 @@ class CaptureSession:
     closes: int = 0
     #: Engine requests sent for this session (answered or not): the engine session is finished if any.
     engine_requests: int = 0
+    #: The session's Responses API responses, for a later ``previous_response_id``; dropped when it closes.
+    responses: dict[str, _responses.Remembered] = field(default_factory=dict)
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
     #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
     _drained: anyio.Event | None = None
@@ -104,6 +108,7 @@ class CaptureSession:
         self.closed = True
         self.close_reason = reason
         self.closes += 1
+        self.responses.clear()
         for scope in list(self._inflight):
             scope.cancel()
 
@@ -260,8 +265,10 @@ class CaptureServer:
                 if method != "GET":
                     raise APIError(405, f"`{method} {path}`: use GET")
                 return _Response.json(200, self._models())
-            if route != "/chat/completions":
-                raise APIError(404, f"no route `{path}`; the endpoint serves <base_url>/chat/completions and /models")
+            if route not in ("/chat/completions", "/responses"):
+                raise APIError(
+                    404, f"no route `{path}`; the endpoint serves <base_url>/chat/completions, /responses and /models"
+                )
             if method != "POST":
                 raise APIError(405, f"`{method} {path}`: use POST")
             session = self._lookup(path_key, bearer)
@@ -273,6 +280,8 @@ class CaptureServer:
                 raise APIError(400, "the request body must be a JSON object")
             if SURROGATE_ESCAPE.search(raw_body):
                 check_encodable(body)
+            if route == "/responses":
+                return await self._responses(session, body)
             return await self._chat(session, body)
         except APIError as error:
             return _Response.error(error)
@@ -322,7 +331,39 @@ class CaptureServer:
         return key in self._sessions or key in self._ended
 
     async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
-        params = engine_sampling_params(body, session.sampling_params)
+        call = await self._sample(session, body, engine_sampling_params(body, session.sampling_params))
+        completion = chat_completion_body(
+            call,
+            completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
+            model=str(body.get("model") or self.model),
+            created=int(time.time()),
+            parse_tools=bool(body.get("tools")),
+        )
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
+        return _Response.json(200, completion)
+
+    async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+        """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
+        request = _responses.chat_request(body, session.responses)
+        call = await self._sample(session, request.chat, _responses.sampling_params(request, session.sampling_params))
+        response_id = f"resp_{session.id}_{len(session.calls) - 1}"
+        response = _responses.response_body(
+            call, request, response_id=response_id, model=str(body.get("model") or self.model), created=int(time.time())
+        )
+        session.responses[response_id] = _responses.remembered(request, response)
+        if request.stream:
+            return _Response(200, _responses.response_stream(response), "text/event-stream")
+        return _Response.json(200, response)
+
+    async def _sample(self, session: CaptureSession, body: dict[str, Any], params: dict[str, Any]) -> CallRecord:
+        """One captured engine call for a chat conversation (``messages``, ``tools``): prepared, sent, recorded.
+
+        Raises:
+            APIError: 400 from :meth:`Capture.prepare`; 500 when the engine fails; 499 when the session
+                closed while the call was in flight.
+        """
         prepared = session.capture.prepare(body)
         context = session.context
         turn = session.engine_requests
@@ -346,18 +387,7 @@ class CaptureServer:
             finally:
                 session._request_ended(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
-                call = session.capture.record(prepared, sampled, logprobs, stop_reason, text)
-                completion = chat_completion_body(
-                    call,
-                    completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
-                    model=str(body.get("model") or self.model),
-                    created=int(time.time()),
-                    parse_tools=bool(body.get("tools")),
-                )
-                if body.get("stream"):
-                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
-                return _Response.json(200, completion)
+                return session.capture.record(prepared, sampled, logprobs, stop_reason, text)
         raise APIError(
             499,
             f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
