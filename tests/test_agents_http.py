@@ -278,6 +278,28 @@ async def test_a_raising_template_a_lone_surrogate_and_an_endpoint_fault_are_ans
     assert models[0] == 200  # the same connection answers the next request
 
 
+async def test_an_engine_failure_reaches_the_engine_once_though_the_client_retries_5xx(tokenizer, anyio_backend):
+    # Issue 35: the official clients retry every 5xx twice by default; an engine failure says
+    # `x-should-retry: false`, so the engine sees the request once and the agent hears it at once.
+    import openai
+
+    def broken(call: EngineCall) -> str:
+        raise ConnectionError("the engine server went away")
+
+    engine = ScriptedEngine(tokenizer, broken)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+
+        def ask() -> Any:
+            with openai.OpenAI(base_url=session.base_url, api_key="unused") as c:  # max_retries: the default, 2
+                return c.chat.completions.create(model="any", messages=cast(Any, USER))
+
+        answer = await in_thread(ask)
+    assert isinstance(answer, openai.InternalServerError), answer
+    assert answer.response.headers["x-should-retry"] == "false"
+    assert error_of(answer)["message"] == "the engine failed: ConnectionError: the engine server went away"
+    assert len(engine.calls) == 1
+
+
 async def test_expect_100_continue_is_answered_before_the_body_is_sent(tokenizer, anyio_backend):
     engine = ScriptedEngine(tokenizer, lambda call: "ok")
     async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:

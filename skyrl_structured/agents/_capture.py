@@ -31,22 +31,28 @@ class APIError(Exception):
     """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``.
 
     A 4xx answer also says ``x-should-retry: false`` (:attr:`headers`), which the official ``openai`` and
-    ``anthropic`` clients obey: the same request would get the same answer.
+    ``anthropic`` clients obey: the same request would get the same answer. So does an answer made
+    with ``final=True`` (an engine failure: the engine client has already retried and failed over,
+    and the generator's own retry policy decides the rollout's fate; a client retry would send the
+    request to the engine twice more).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, kind: str | None = None, final: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind or _ERROR_TYPES.get(status, "server_error")
+        self.final = final or 400 <= status < 500
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
-        return _FINAL if 400 <= self.status < 500 else ()
+        return _FINAL if self.final else ()
 
 
 _FINAL = (("x-should-retry", "false"),)

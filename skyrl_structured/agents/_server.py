@@ -383,7 +383,7 @@ class CaptureServer:
                     )
             except Exception as exc:
                 logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
-                raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}") from None
+                raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", final=True) from None
             finally:
                 session._request_ended(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
