@@ -19,8 +19,12 @@ alike and adds no server dependency. It serves, under a session's base URL
   ``store``, ``service_tier``, ...) are accepted and ignored. The request's ``model`` is not checked
   (agents hard-code names).
 - ``GET /models``: the served model name.
+- ``POST /messages`` and ``/messages/count_tokens``: Anthropic's Messages API (:mod:`._anthropic`), for
+  the official ``anthropic`` client whose ``base_url`` is the session's root (``ctx.anthropic_base_url``,
+  the base URL without ``/v1``). A translation of the chat conversation: the same render, the same
+  capture and branches; its errors in Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
 
-The same routes answer under ``/v1`` with ``Authorization: Bearer <key>``, for agents that cannot
+The same routes answer under ``/v1`` with ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``), for agents that cannot
 change their base URL's path. A session has a public id (the engine's session id) and a secret key,
 its only credential, each 128+ bits from :mod:`secrets`; a request reaches exactly one session.
 Every request gets an answer, an OpenAI error body ``{"error": {"message", "type", "param",
