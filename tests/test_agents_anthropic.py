@@ -265,6 +265,28 @@ async def test_a_field_that_cannot_be_honoured_is_refused_with_a_400_naming_it(t
     assert engine.calls == []
 
 
+async def test_an_engine_failure_and_a_body_that_is_not_json_answer_in_anthropics_error_shape(tokenizer, anyio_backend):
+    def failing(call: EngineCall) -> str:
+        raise RuntimeError("the engine broke")
+
+    engine = ScriptedEngine(tokenizer, failing)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        failed = await create(session.anthropic_base_url, messages=HI)
+        async with httpx.AsyncClient() as http:
+            not_json = await http.post(f"{session.anthropic_base_url}/v1/messages", content=b"{not json")
+    assert isinstance(failed, anthropic.InternalServerError)
+    assert "x-should-retry" not in failed.response.headers  # an engine failure is the SDK's to retry, as on chat
+    assert failed.response.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the engine failed: RuntimeError: the engine broke"},
+    }
+    assert (not_json.status_code, not_json.headers["x-should-retry"]) == (400, "false")
+    assert not_json.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "the request body is not valid JSON"},
+    }
+
+
 async def test_an_ended_session_answers_in_anthropics_error_shape_and_the_client_does_not_retry(
     tokenizer, anyio_backend
 ):
