@@ -22,7 +22,8 @@ import pytest
 
 from skyrl_structured.agents import StructuredAgentGenerator, check_capture, command_agent, serve_capture
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
-from tests._agents import ADD_TOOL, chat, hermes_template, with_template
+from tests._agents import ADD_TOOL, Blocked, chat, hermes_template, with_template
+from tests._agents import in_thread as agents_in_thread
 from tests.test_agents_generator import batch
 
 pytestmark = pytest.mark.anyio
@@ -57,14 +58,7 @@ async def create(base_url: str, **request: Any) -> Any:
 
 async def in_thread(work: Callable[[], Any]) -> Any:
     """Run ``work`` (blocking ``anthropic`` client calls) in a worker thread; an API error is returned, not raised."""
-
-    def run() -> Any:
-        try:
-            return work()
-        except anthropic.APIStatusError as exc:
-            return exc
-
-    return await anyio.to_thread.run_sync(run)
+    return await agents_in_thread(work, anthropic.APIStatusError)
 
 
 def anthropic_error(answer: Any, status: int) -> dict[str, Any]:
@@ -318,18 +312,7 @@ async def test_an_ended_session_answers_in_anthropics_error_shape_and_the_client
 
 
 async def test_an_in_flight_call_on_a_cancelled_rollout_gets_499(tokenizer, anyio_backend):
-    entered = anyio.Event()
-    cancelled = anyio.Event()
-
-    async def blocked(call: EngineCall) -> str:
-        entered.set()
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            cancelled.set()
-            raise
-        raise AssertionError("unreachable")
-
+    blocked = Blocked()
     engine = ScriptedEngine(tokenizer, blocked)
     answers: list[Any] = []
     async with serve_capture(engine, tokenizer) as server, anyio.create_task_group() as group:
@@ -340,10 +323,10 @@ async def test_an_in_flight_call_on_a_cancelled_rollout_gets_499(tokenizer, anyi
                     answers.append(await create(session.anthropic_base_url, messages=HI, stream=True))
 
                 group.start_soon(agent)
-                await entered.wait()
+                await blocked.entered.wait()
                 rollout_scope.cancel()
                 await anyio.sleep_forever()
-    assert cancelled.is_set()
+    assert blocked.cancelled.is_set()
     (answer,) = answers
     error = anthropic_error(answer, 499)
     assert error["type"] == "rollout_cancelled"
