@@ -302,12 +302,14 @@ async def test_an_ended_session_answers_in_anthropics_error_shape_and_the_client
 
         answer = await in_thread(late)
         unknown = await create(f"{server.url}/sessions/nope", messages=HI)
+        with_v1 = await create(session.base_url, messages=HI)  # the chat base URL: /v1/v1/messages
     error = anthropic_error(answer, 404)
     assert error["type"] == "rollout_ended"
     assert "rollout t3_1 has ended" in error["message"]
     assert session.id in error["message"]
     assert len(sent) == 1  # a 5xx would have been sent 6 times
     assert "`nope`" in anthropic_error(unknown, 404)["message"]
+    assert "base_url is the session's root, without /v1" in anthropic_error(with_v1, 404)["message"]
     assert engine.calls == []
 
 

@@ -271,8 +271,15 @@ class CaptureServer:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
             path_key, bearer, route = _split_path(path, headers)
             anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
-            if anthropic:  # every answer of these routes, errors included, in Anthropic's shape
+            misplaced = route.startswith("/v1" + _anthropic.MESSAGES)  # an anthropic client given the chat base URL
+            if anthropic or misplaced:  # every answer of these routes, errors included, in Anthropic's shape
                 shape = _anthropic.error_body
+            if misplaced:
+                raise APIError(
+                    404,
+                    f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
+                    "(the chat base URL minus its /v1)",
+                )
             if route == "/models":
                 if method != "GET":
                     raise APIError(405, f"`{method} {path}`: use GET")
