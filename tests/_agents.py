@@ -68,13 +68,14 @@ def client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120.0)
 
 
-async def in_thread(work: Callable[[], Any]) -> Any:
-    """Run ``work`` (blocking OpenAI client calls) in a worker thread; an OpenAI API error is returned, not raised."""
+async def in_thread(work: Callable[[], Any], errors: type[Exception] = openai.APIStatusError) -> Any:
+    """Run ``work`` (blocking client calls) in a worker thread; an API error (``errors``: OpenAI's unless given)
+    is returned, not raised."""
 
     def run() -> Any:
         try:
             return work()
-        except openai.APIStatusError as exc:
+        except errors as exc:
             return exc
 
     return await anyio.to_thread.run_sync(run)
@@ -146,3 +147,21 @@ async def timeout_once_in_the_engine(generator: Any, input_batch: Any, entered: 
             generator.resume()
     (error,) = failures
     return str(error)
+
+
+class Blocked:
+    """An engine handler that holds each request until it is cancelled: ``entered`` is set once a request is
+    in the engine, ``cancelled`` once its cancellation reached it."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.cancelled = anyio.Event()
+
+    async def __call__(self, call: Any) -> str:
+        self.entered.set()
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.set()
+            raise
+        raise AssertionError("unreachable")

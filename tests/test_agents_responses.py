@@ -314,11 +314,12 @@ async def test_an_in_flight_response_of_a_cancelled_rollout_gets_499_and_a_later
 def test_check_capture_covers_tool_turns_written_in_the_responses_shape(tokenizer):
     hermes = with_template(tokenizer, hermes_template(strip_think=False))
     report = check_capture(hermes)
-    assert [c.api for c in (report, *report.others)] == ["chat.completions", "responses"]
-    (responses,) = report.others
+    assert [c.api for c in (report, *report.others)] == ["chat.completions", "responses", "messages"]
+    responses, _ = report.others
     assert [c.extended for c in responses.calls] == [False, True, True]
+    assert responses == check_capture(hermes, api="responses")
     assert report.append_only
-    assert str(report).endswith("\nwritten as responses requests: the same, call by call")
+    assert "\nwritten as responses requests: the same, call by call\n" in str(report)
     qwen3_like = with_template(tokenizer, hermes_template(strip_think=True))
     assert [c.extended for c in check_capture(qwen3_like).others[0].calls] == [False, True, False]
 

@@ -24,9 +24,13 @@ alike and adds no server dependency. It serves, under a session's base URL
   ``response`` object or its event stream; ``previous_response_id`` names a response of the same
   session (kept until it closes); fields it cannot honour are refused with a 400 naming them.
 - ``GET /models``: the served model name.
+- ``POST /messages`` and ``/messages/count_tokens``: Anthropic's Messages API (:mod:`._anthropic`), for
+  the official ``anthropic`` client whose ``base_url`` is the session's root (``ctx.anthropic_base_url``,
+  the base URL without ``/v1``). A translation of the chat conversation: the same render, the same
+  capture and branches; its errors in Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
 
-The same routes answer under ``/v1`` with ``Authorization: Bearer <key>``, for agents that cannot
-change their base URL's path. A session has a public id (the engine's session id) and a secret key,
+The same routes answer under ``/v1`` with ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``), for
+agents that cannot change their base URL's path. A session has a public id (the engine's session id) and a secret key,
 its only credential, each 128+ bits from :mod:`secrets`; a request reaches exactly one session.
 Every request gets an answer, an OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}`` when it fails (4xx with ``x-should-retry: false``): no session named or an unknown key →
@@ -69,7 +73,8 @@ branch from the prompt it was sent with.
 GeneratorOutput``): per prompt, a capture session and the user's ``async agent(ctx)`` (``ctx``:
 :class:`AgentContext` with base URL, API key, prompt, env extras); the reward is the returned number
 or ``result["reward"]``. :func:`command_agent` makes such an agent of a command line: run per rollout
-in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set, its reward the last line of
+in its own process group with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``ANTHROPIC_BASE_URL`` /
+``ANTHROPIC_API_KEY``) set, its reward the last line of
 its stdout, the whole group killed when it exits or its rollout ends. The rollouts run on the gym
 generator's supervisor (``_runtime.supervisor.run_rollouts``) and are collected by its collector, so
 every guarantee holds for them: each *attempt* is one session and one run of the agent (a retry,

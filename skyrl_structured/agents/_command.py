@@ -25,8 +25,9 @@ _STDERR_TAIL = 2000
 def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = None) -> AgentFn:
     """An agent that runs ``command`` once per rollout (``"python my_agent.py"`` or an argv list).
 
-    The command runs in a session of its own with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set to
-    the rollout's session (so the official clients find the endpoint with no code change),
+    The command runs in a session of its own with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, and
+    ``ANTHROPIC_BASE_URL`` (the session's root) and ``ANTHROPIC_API_KEY``, set to the rollout's session
+    (so the official ``openai`` and ``anthropic`` clients find the endpoint with no code change),
     ``OPENAI_MODEL`` to the served name, and ``SKYRL_AGENT_PROMPT`` / ``SKYRL_AGENT_EXTRAS`` to the
     row's messages and env extras as JSON; ``env`` adds more. The directory of the generator's own
     interpreter comes first on its ``PATH``, so ``python my_agent.py`` runs that interpreter (its
@@ -55,6 +56,8 @@ def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = 
             "OPENAI_BASE_URL": ctx.base_url,
             "OPENAI_API_KEY": ctx.api_key,
             "OPENAI_MODEL": ctx.model,
+            "ANTHROPIC_BASE_URL": ctx.anthropic_base_url,
+            "ANTHROPIC_API_KEY": ctx.api_key,
             "SKYRL_AGENT_PROMPT": json.dumps(ctx.prompt),
             "SKYRL_AGENT_EXTRAS": json.dumps(ctx.env_extras, default=str),
         }

@@ -92,6 +92,12 @@ class AgentContext:
     rollout: str
     session: CaptureSession
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """Where an ``anthropic`` client points, with ``api_key``: the session's root (that client appends
+        ``/v1/messages``), as in ``anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)``."""
+        return self.session.anthropic_base_url
+
 
 #: An agent: an async callable returning its reward, or a dict holding it under ``"reward"``.
 AgentFn = Callable[[AgentContext], Awaitable[float | dict[str, Any]]]

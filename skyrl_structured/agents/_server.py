@@ -1,8 +1,10 @@
 """The capture endpoint: an OpenAI-compatible HTTP server (127.0.0.1 by default), in the caller's event loop.
 
 Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or under ``/v1`` with
-``Authorization: Bearer <key>``): ``POST /chat/completions``, ``POST /responses`` (the OpenAI
-Responses API, translated by :mod:`._responses`) and ``GET /models``. A session has a
+``Authorization: Bearer <key>`` or ``x-api-key: <key>``): ``POST /chat/completions``, ``POST /responses``
+(the OpenAI Responses API, translated by :mod:`._responses`), ``GET /models``, and Anthropic's
+``POST /messages`` and ``/messages/count_tokens`` (:mod:`._anthropic`: the ``anthropic`` client's
+``base_url`` is the session's root, without ``/v1``). A session has a
 public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
 its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
 session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
@@ -18,7 +20,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,12 +39,13 @@ from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput
-from . import _responses
+from . import _anthropic, _responses
 from ._capture import (
     SURROGATE_ESCAPE,
     APIError,
     CallRecord,
     Capture,
+    Prepared,
     chat_completion_body,
     chat_completion_stream,
     check_encodable,
@@ -101,6 +104,14 @@ class CaptureSession:
     def calls(self) -> list[CallRecord]:
         return self.capture.calls
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The official ``anthropic`` client's ``base_url`` for this session: its root, without ``/v1``.
+
+        That client appends ``/v1/messages`` itself (``ANTHROPIC_BASE_URL`` for a command agent).
+        """
+        return self.base_url.removesuffix("/v1")
+
     def close(self, reason: str) -> None:
         """End the session now (idempotent): in-flight requests are cancelled and answer 499."""
         if self.closed:
@@ -151,8 +162,9 @@ class _Response:
         return cls(status, json.dumps(payload).encode())
 
     @classmethod
-    def error(cls, error: APIError) -> _Response:
-        return cls(error.status, json.dumps(error.body()).encode(), headers=error.headers)
+    def error(cls, error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> _Response:
+        """``error`` answered in an API's error shape (OpenAI's unless ``shape`` says otherwise)."""
+        return cls(error.status, json.dumps(shape(error)).encode(), headers=error.headers)
 
 
 def _error_answer(status: int, message: str) -> _Response:
@@ -256,18 +268,31 @@ class CaptureServer:
     async def _route(self, request: Any, raw_body: bytes) -> _Response:
         """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
         session: CaptureSession | None = None
+        shape: Callable[[APIError], Any] = APIError.body
         try:
             method = request.method.decode("latin-1")
             path = request.target.decode("latin-1").split("?", 1)[0]
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
             path_key, bearer, route = _split_path(path, headers)
+            anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
+            misplaced = route.startswith("/v1" + _anthropic.MESSAGES)  # an anthropic client given the chat base URL
+            if anthropic or misplaced:  # every answer of these routes, errors included, in Anthropic's shape
+                shape = _anthropic.error_body
+            if misplaced:
+                raise APIError(
+                    404,
+                    f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
+                    "(the chat base URL minus its /v1)",
+                )
             if route == "/models":
                 if method != "GET":
                     raise APIError(405, f"`{method} {path}`: use GET")
                 return _Response.json(200, self._models())
-            if route not in ("/chat/completions", "/responses"):
+            if route not in ("/chat/completions", "/responses") and not anthropic:
                 raise APIError(
-                    404, f"no route `{path}`; the endpoint serves <base_url>/chat/completions, /responses and /models"
+                    404,
+                    f"no route `{path}`; the endpoint serves <base_url>/chat/completions, /responses and /models, "
+                    "and Anthropic's /v1/messages under the session's root",
                 )
             if method != "POST":
                 raise APIError(405, f"`{method} {path}`: use POST")
@@ -282,14 +307,17 @@ class CaptureServer:
                 check_encodable(body)
             if route == "/responses":
                 return await self._responses(session, body)
+            if anthropic:
+                return await self._messages(session, body, count_only=route == _anthropic.COUNT_TOKENS)
             return await self._chat(session, body)
         except APIError as error:
-            return _Response.error(error)
+            return _Response.error(error, shape)
         except Exception as exc:
             whose = f"rollout {session.rollout}" if session is not None else "no session"
             logger.exception("capture endpoint: answering a request of %s failed", whose)
             return _Response.error(
-                APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}")
+                APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}"),
+                shape,
             )
 
     def _models(self) -> dict[str, Any]:
@@ -331,7 +359,8 @@ class CaptureServer:
         return key in self._sessions or key in self._ended
 
     async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
-        call = await self._sample(session, body, engine_sampling_params(body, session.sampling_params))
+        params = engine_sampling_params(body, session.sampling_params)
+        call = await self._sample(session, session.capture.prepare(body), params)
         completion = chat_completion_body(
             call,
             completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
@@ -347,7 +376,8 @@ class CaptureServer:
     async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
         """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
         request = _responses.chat_request(body, session.responses)
-        call = await self._sample(session, request.chat, _responses.sampling_params(request, session.sampling_params))
+        params = _responses.sampling_params(request, session.sampling_params)
+        call = await self._sample(session, session.capture.prepare(request.chat), params)
         response_id = f"resp_{session.id}_{len(session.calls) - 1}"
         response = _responses.response_body(
             call, request, response_id=response_id, model=str(body.get("model") or self.model), created=int(time.time())
@@ -357,14 +387,31 @@ class CaptureServer:
             return _Response(200, _responses.response_stream(response), "text/event-stream")
         return _Response.json(200, response)
 
-    async def _sample(self, session: CaptureSession, body: dict[str, Any], params: dict[str, Any]) -> CallRecord:
-        """One captured engine call for a chat conversation (``messages``, ``tools``): prepared, sent, recorded.
+    async def _messages(self, session: CaptureSession, body: dict[str, Any], *, count_only: bool) -> _Response:
+        """Anthropic's ``/messages`` (or ``/messages/count_tokens``: the prompt's length, nothing sampled)."""
+        request = _anthropic.messages_request(body)
+        params = engine_sampling_params(request.chat, session.sampling_params)
+        prepared = session.capture.prepare(request.chat)
+        if count_only:
+            return _Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
+        call = await self._sample(session, prepared, params)
+        message = _anthropic.message_body(
+            call,
+            request,
+            message_id=f"msg_{session.id}_{len(session.calls) - 1}",
+            model=str(body.get("model") or self.model),
+            tokenizer=self.tokenizer,
+        )
+        if request.stream:
+            return _Response(200, _anthropic.message_stream(message), "text/event-stream")
+        return _Response.json(200, message)
+
+    async def _sample(self, session: CaptureSession, prepared: Prepared, params: dict[str, Any]) -> CallRecord:
+        """Send a prepared call to the engine and record it: what every API's route answers from.
 
         Raises:
-            APIError: 400 from :meth:`Capture.prepare`; 500 when the engine fails; 499 when the session
-                closed while the call was in flight.
+            APIError: 500 when the engine fails; 499 when the session closed while the call was in flight.
         """
-        prepared = session.capture.prepare(body)
         context = session.context
         turn = session.engine_requests
         request: InferenceEngineInput = {
@@ -396,9 +443,13 @@ class CaptureServer:
 
 
 def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
-    """``(key in the path, bearer key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``."""
+    """``(key in the path, header key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``.
+
+    The header key is ``Authorization: Bearer <key>``'s, else ``x-api-key``'s (Claude-Code-style clients).
+    """
     auth = headers.get("authorization", "")
     bearer = auth[len("bearer ") :].strip() or None if auth.lower().startswith("bearer ") else None
+    bearer = bearer or headers.get("x-api-key", "").strip() or None
     parts = path.rstrip("/").split("/")
     if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
         return parts[2], bearer, "/" + "/".join(parts[4:])

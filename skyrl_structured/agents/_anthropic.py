@@ -1,0 +1,329 @@
+"""The Anthropic Messages API on the capture endpoint: a translation layer over the chat conversation (issue 35).
+
+A Messages request (``system``, ``messages`` of text / ``tool_use`` / ``tool_result`` blocks, ``tools``
+with ``input_schema``) becomes the chat body :meth:`~._capture.Capture.prepare` takes (messages + tools,
+tools in the chat completions shape so they render exactly as the same tools given there) and the
+sampling fields :func:`~._capture.engine_sampling_params` maps; the captured call becomes a ``message``
+(``text`` and ``tool_use`` blocks, ``stop_reason``, ``usage``) or its SSE events. The extend-or-branch
+rule stays in :mod:`._capture`; nothing here does I/O.
+
+The official ``anthropic`` client calls ``POST {base_url}/v1/messages``: its ``base_url`` is a session's
+root, ``http://HOST:PORT/sessions/<key>`` (the chat base URL without ``/v1``), or the endpoint's root
+with the session key as its API key (``x-api-key`` or ``Authorization: Bearer``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ._capture import APIError, CallRecord, decode, parse_tool_calls
+
+__all__ = [
+    "COUNT_TOKENS",
+    "MESSAGES",
+    "MessagesRequest",
+    "error_body",
+    "message_body",
+    "message_stream",
+    "messages_request",
+]
+
+#: The routes, after ``/v1``: the ``anthropic`` client's ``messages.create`` / ``.stream`` and ``count_tokens``.
+MESSAGES = "/messages"
+COUNT_TOKENS = "/messages/count_tokens"
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+
+    The type is the chat answer's, in Anthropic's words where they differ (``api_error`` for a 500); our
+    own kinds (``rollout_ended``, ``rollout_cancelled``) are kept, so an agent can tell an ended rollout.
+    """
+    kind = "api_error" if error.kind == "server_error" else error.kind
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _bad(param: str, problem: str) -> APIError:
+    return APIError(400, f"`{param}` {problem}", param=param)
+
+
+# ----------------------------------------------------------------------------- request
+
+#: Fields with no effect on the answer (billing, caching, tagging, routing on Anthropic's side): accepted, ignored.
+_IGNORED = frozenset({"model", "metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics"})
+#: Fields mapped onto the chat body under the same name (the sampling vocabulary of chat completions and vLLM).
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k")
+#: Fields accepted only at a value that asks for nothing: anything else cannot be honoured and is refused.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "thinking": (None, {"type": "disabled"}),
+    "output_config": (None, {}),
+    "output_format": (None,),
+    "context_management": (None,),
+    "mcp_servers": (None, []),
+    "container": (None,),
+}
+#: Keys of a custom tool that do not change its rendering (Anthropic-side caching, loading and validation).
+_TOOL_IGNORED = frozenset(
+    {"type", "cache_control", "strict", "defer_loading", "eager_input_streaming", "input_examples", "allowed_callers"}
+)
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """A Messages request as the capture takes it: ``chat`` for ``Capture.prepare`` and ``engine_sampling_params``."""
+
+    chat: dict[str, Any]
+    stream: bool
+    stop_sequences: tuple[str, ...]
+    #: Whether tools were offered: the reply's tool-call blocks are then parsed into ``tool_use`` blocks.
+    tools: bool
+
+
+def messages_request(body: dict[str, Any]) -> MessagesRequest:
+    """Translate a Messages (or ``count_tokens``) request body into the chat conversation.
+
+    Raises:
+        APIError: 400 naming the first field that is malformed or cannot be honoured (an image or
+            document block, extended ``thinking``, a server tool, a forced ``tool_choice``, a final
+            assistant turn to continue, an unknown field).
+    """
+    chat: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in _IGNORED or key in ("messages", "system", "tools"):
+            continue
+        if key in _SAMPLING:
+            if value is not None:
+                chat[key] = value
+        elif key == "stop_sequences":
+            if value is not None:
+                if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+                    raise _bad(key, f"must be a list of non-empty strings, got {value!r}")
+                chat["stop"] = list(value)
+        elif key == "stream":
+            if value not in (None, True, False):
+                raise _bad(key, f"must be a boolean, got {value!r}")
+        elif key == "tool_choice":
+            _check_tool_choice(value)
+        elif key in _NEUTRAL:
+            if value not in _NEUTRAL[key]:
+                raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+        else:
+            raise _bad(key, "is not supported by this capture endpoint; remove it from the request")
+    messages = _system_messages(body.get("system"))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages", "must be a non-empty list of messages")
+    for i, message in enumerate(raw):
+        messages += _chat_messages(message, f"messages[{i}]")
+    if raw[-1].get("role") == "assistant":
+        raise _bad(
+            f"messages[{len(raw) - 1}]",
+            "is an assistant turn to continue (prefill), which this capture endpoint cannot do; end with a user turn",
+        )
+    chat["messages"] = messages
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list of tool definitions")
+        chat["tools"] = [_chat_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools)]
+    return MessagesRequest(chat, bool(body.get("stream")), tuple(chat.get("stop", ())), bool(tools))
+
+
+def _check_tool_choice(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "auto":
+        raise _bad("tool_choice", f'= {value!r} cannot be honoured by this capture endpoint; send {{"type": "auto"}}')
+    if value.get("disable_parallel_tool_use"):
+        raise _bad("tool_choice.disable_parallel_tool_use", "cannot be honoured by this capture endpoint; omit it")
+
+
+def _text(blocks: Any, where: str) -> list[dict[str, Any]]:
+    """A string or a list of text blocks as chat text parts (joined as chat completions joins them)."""
+    if isinstance(blocks, str):
+        return [{"type": "text", "text": blocks}]
+    if not isinstance(blocks, list):
+        raise _bad(where, f"must be a string or a list of text blocks, got {type(blocks).__name__}")
+    for k, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise _bad(f"{where}[{k}]", "must be a text block; only text can be captured here")
+    return [{"type": "text", "text": block["text"]} for block in blocks]
+
+
+def _system_messages(system: Any) -> list[dict[str, Any]]:
+    if system is None or system == "" or system == []:
+        return []
+    return [{"role": "system", "content": _text(system, "system")}]
+
+
+def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages: a user turn's ``tool_result`` blocks become ``tool`` messages (in
+    order, text between them a user message); an assistant turn's ``tool_use`` blocks become ``tool_calls``."""
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        raise _bad(where, 'must be an object with `role` "user" or "assistant"')
+    role = message["role"]
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content", f"must be a string or a list of content blocks, got {type(content).__name__}")
+    out: list[dict[str, Any]] = []
+    texts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for k, block in enumerate(content):
+        at = f"{where}.content[{k}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise _bad(f"{at}.text", "must be a string")
+            texts.append({"type": "text", "text": block["text"]})
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_call(block, at))
+        elif kind == "tool_result" and role == "user":
+            if texts:
+                out.append({"role": "user", "content": texts})
+                texts = []
+            if not isinstance(block.get("tool_use_id"), str):
+                raise _bad(f"{at}.tool_use_id", "must be the id of the tool_use block it answers")
+            result = block.get("content")
+            parts = [] if result is None else _text(result, f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts})
+        else:
+            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            raise _bad(f"{at}.type", f"= {kind!r}: only {allowed} blocks can be captured in a {role} turn")
+    if role == "assistant":
+        assistant: dict[str, Any] = {"role": "assistant", "content": texts or None}
+        if calls:
+            assistant["tool_calls"] = calls
+        return [assistant]
+    if texts or not out:
+        out.append({"role": "user", "content": texts})
+    return out
+
+
+def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise _bad(where, "must be a tool_use block with a string `id` and `name`")
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise _bad(f"{where}.input", f"must be an object, got {type(arguments).__name__}")
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    """A custom tool in the chat completions shape, ``strict`` and Anthropic-side keys left out of the template."""
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise _bad(f"{where}.type", f"= {kind!r}: only custom tools (name, description, input_schema) can be captured")
+    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise _bad(where, "must have a string `name` and an object `input_schema`")
+    unknown = sorted(set(tool) - _TOOL_IGNORED - {"name", "description", "input_schema"})
+    if unknown:
+        raise _bad(f"{where}.{unknown[0]}", "is not supported by this capture endpoint; remove it from the tool")
+    function: dict[str, Any] = {"name": tool["name"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    function["parameters"] = tool["input_schema"]
+    return {"type": "function", "function": function}
+
+
+# ----------------------------------------------------------------------------- reply
+
+
+def message_body(
+    call: CallRecord, request: MessagesRequest, *, message_id: str, model: str, tokenizer: Any
+) -> dict[str, Any]:
+    """Anthropic's ``message`` object for one captured call.
+
+    ``content``: the text outside the model's tool-call blocks as a ``text`` block (none when empty),
+    then one ``tool_use`` block per call (ids ``toolu_<message id>_<k>``) when tools were offered and
+    every call's arguments are an object. ``stop_reason``: ``tool_use``, ``max_tokens`` (the engine's
+    ``length``), ``stop_sequence`` (the engine stopped on one of ``stop_sequences``, named in
+    ``stop_sequence``) or ``end_turn``. ``usage``: the engine's prompt and sampled token counts.
+    """
+    blocks = _content_blocks(call.text, message_id) if request.tools else None
+    if blocks is None:
+        blocks = [{"type": "text", "text": call.text}] if call.text else []
+    stop_sequence = None
+    if any(block["type"] == "tool_use" for block in blocks):
+        stop_reason = "tool_use"
+    elif call.stop_reason == "length":
+        stop_reason = "max_tokens"
+    else:
+        stop_sequence = _stop_sequence(call, request.stop_sequences, tokenizer)
+        stop_reason = "end_turn" if stop_sequence is None else "stop_sequence"
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {
+            "input_tokens": len(call.prompt_ids),
+            "output_tokens": len(call.sampled_ids),
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
+
+
+def _content_blocks(text: str, message_id: str) -> list[dict[str, Any]] | None:
+    """The reply as ``text`` + ``tool_use`` blocks, or None when its tool calls cannot be ``tool_use`` inputs."""
+    content, calls = parse_tool_calls(text, id_prefix=f"toolu_{message_id}")
+    if not calls:
+        return None
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    for call in calls:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments})
+    return blocks
+
+
+def _stop_sequence(call: CallRecord, stops: tuple[str, ...], tokenizer: Any) -> str | None:
+    """The stop sequence the engine stopped on: the one that ends first in the sampled ids' text, if any.
+
+    Engines report a stop string as ``"stop"``, like EOS; the sampled ids hold the tokens that completed it
+    (vLLM keeps them whether or not the text does), so it is found in their decoded text.
+    """
+    if call.stop_reason != "stop" or not stops or not call.sampled_ids:
+        return None
+    text = decode(tokenizer, call.sampled_ids)
+    found = [(text.find(stop) + len(stop), k) for k, stop in enumerate(stops) if stop in text]
+    return stops[min(found)[1]] if found else None
+
+
+def message_stream(message: dict[str, Any]) -> bytes:
+    """The SSE body of ``stream: true`` for a finished ``message``: every event with its ``event:`` line.
+
+    ``message_start`` (no content, the input token count), per block ``content_block_start`` / one
+    ``content_block_delta`` (``text_delta`` or ``input_json_delta``) / ``content_block_stop``, then
+    ``message_delta`` (stop reason, usage) and ``message_stop``. The reply is whole when it arrives,
+    so each block is one delta; its token ids were captured before the first byte.
+    """
+    usage = message["usage"]
+    start = message | {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage | {"output_tokens": 0}}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opened = block | {"input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        events += [
+            {"type": "content_block_start", "index": index, "content_block": opened},
+            {"type": "content_block_delta", "index": index, "delta": delta},
+            {"type": "content_block_stop", "index": index},
+        ]
+    stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+    events += [{"type": "message_delta", "delta": stop, "usage": usage}, {"type": "message_stop"}]
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
