@@ -169,6 +169,72 @@ async def test_a_conversation_started_on_chat_completions_continues_on_messages_
     assert len(session.capture.branches) == 1
 
 
+async def test_a_conversation_through_chat_completions_then_responses_then_messages_is_one_branch(
+    tokenizer, anyio_backend
+):
+    # Issue 35: one session, a tool turn, each call through another API's official client; the three
+    # renders extend one branch, so every sampled id is trained on (mask 1) and nothing else is.
+    import openai
+
+    model = hermes(tokenizer)
+    engine = ScriptedEngine.from_replies(model, CALL_TEXT, "Five.", "Ten.")
+    function = ADD_TOOL[0]["function"]
+    async with serve_capture(engine, model) as server, server.session("t0_0") as session:
+        system: Any = {"role": "system", "content": SYSTEM}
+        first = await chat(session.base_url, messages=[system, {"role": "user", "content": QUESTION}], tools=ADD_TOOL)
+        text = first.choices[0].message.content
+        (call,) = first.choices[0].message.tool_calls
+        arguments = call.function.arguments
+
+        def later() -> tuple[Any, Any]:
+            with openai.OpenAI(base_url=session.base_url, api_key="unused", max_retries=0) as client:
+                second = client.responses.create(
+                    model="m",
+                    instructions=SYSTEM,
+                    input=[
+                        {"role": "user", "content": QUESTION},
+                        {"role": "assistant", "content": text},
+                        {
+                            "type": "function_call",
+                            "call_id": call.id,
+                            "name": "add",
+                            "arguments": call.function.arguments,
+                        },
+                        {"type": "function_call_output", "call_id": call.id, "output": "5"},
+                    ],
+                    tools=[{"type": "function", "strict": True, **function}],
+                )
+            tool_use = {"type": "tool_use", "id": call.id, "name": "add", "input": json.loads(arguments)}
+            with messages_client(session.anthropic_base_url) as client:
+                third = client.messages.create(
+                    model="m",
+                    max_tokens=8,
+                    system=SYSTEM,
+                    tools=[ADD],
+                    messages=[
+                        {"role": "user", "content": QUESTION},
+                        {"role": "assistant", "content": [{"type": "text", "text": text}, tool_use]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "5"}]},
+                        {"role": "assistant", "content": second.output_text},
+                        {"role": "user", "content": "And 5 + 5?"},
+                    ],
+                )
+            return second, third
+
+        second, third = await anyio.to_thread.run_sync(later)
+    assert (second.output_text, third.content[0].text) == ("Five.", "Ten.")
+    assert [c.extended for c in session.calls] == [False, True, True]
+    (branch,) = session.capture.branches
+    sampled = [i for c in session.calls for i in c.sampled_ids]
+    assert [i for i, m in zip(branch.response_ids, branch.loss_mask, strict=True) if m == 1] == sampled
+    replies = (CALL_TEXT, "Five.", "Ten.")
+    assert sampled == [i for r in replies for i in [*model.encode(r, add_special_tokens=False), model.eos_token_id]]
+    # Each engine prompt is the branch so far: what the call before sampled, then the template's tail.
+    for k, engine_call in enumerate(engine.calls):
+        assert engine_call.prompt_token_ids == session.calls[k].prompt_ids
+    assert engine.calls[2].prompt_token_ids[: len(engine.calls[1].prompt_token_ids)] == engine.calls[1].prompt_token_ids
+
+
 async def test_the_key_reaches_the_session_as_x_api_key_or_bearer_with_any_version_beta_and_query(
     tokenizer, anyio_backend
 ):
