@@ -470,7 +470,7 @@ class NumberRule:
     strict: bool = False
     seconds: bool = False
     null_means: str | None = None
-    #: A word taken besides the numbers, and what it means (``("auto", "the engines' load")``).
+    #: A word taken besides the numbers, and what it means (``("auto", "follow the engines' load")``).
     word: tuple[str, str] | None = None
 
     def requirement(self) -> str:
@@ -483,7 +483,7 @@ class NumberRule:
             what = "an integer " if integer else ("seconds " if self.seconds else "")
             requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
         if self.word is not None:
-            requirement = f"{requirement}, {self.word[0]!r} for {self.word[1]}"
+            requirement = f"{requirement}, {self.word[0]!r} ({self.word[1]})"
         return f"{requirement}, or null for {self.null_means}" if self.null_means is not None else requirement
 
     def check(self, path: str, value: Any) -> Any:
@@ -538,8 +538,8 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
         integer=True,
         minimum=1,
         null_means="no limit",
-        word=(AUTO, "following the engines' load"),
-        fix="null runs every rollout of the batch at once.",
+        word=(AUTO, "follow the engines' load"),
+        fix="null runs every rollout of the batch at once; 'auto' admits as many as the engines' KV cache holds.",
     ),
     "admission_min_rollouts": NumberRule(
         integer=True, minimum=1, fix="It is the fewest rollouts max_concurrent_rollouts='auto' admits, e.g. 4."

@@ -163,7 +163,7 @@ class Admission:
             self._warned_fallback = True
             logger.warning(
                 "generator.max_concurrent_rollouts='auto': the inference client %s reports no load (it does not "
-                "implement skyrl_structured.engines.ReportsLoad), so the bound is fixed at %d (%s); use HTTPEngine "
+                "implement skyrl_structured.engines.load.ReportsLoad), so the bound is fixed at %d (%s); use HTTPEngine "
                 "or VLLMEngine to follow the engines' KV cache, or set that bound yourself",
                 type(client).__name__,
                 limit,
