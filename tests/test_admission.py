@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,7 +27,7 @@ from .trace_check import spans_by_track
 
 pytestmark = pytest.mark.anyio
 
-AUTO = {"max_concurrent_rollouts": "auto"}
+AUTO: dict[str, Any] = {"max_concurrent_rollouts": "auto"}
 
 
 def one_turn() -> list[dict[str, Any]]:
@@ -139,9 +140,10 @@ async def test_a_cut_never_stops_an_admitted_rollout(tokenizer, anyio_backend):
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             group.start_soon(run)
-            for started in (2, 3):
-                engine.give(0.0)
-                await watch.until(lambda w, n=started: len(w.started) == n)  # type: ignore[misc]
+            engine.give(0.0)
+            await watch.until(lambda w: len(w.started) == 2)
+            engine.give(0.0)
+            await watch.until(lambda w: len(w.started) == 3)
             engine.give(0.5, preemptions=4)  # the engine evicted requests: 3 -> floor(3 * 0.7) = 2
             await watch.until(lambda w: len(w.decisions) == 3)
             assert watch.decisions[-1] == (2, 3, "cut_preempted")
@@ -249,7 +251,7 @@ async def test_a_client_that_reports_no_load_runs_at_the_fixed_fallback_logged_o
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         in_flight -= 1
         return "done #### 7"
 

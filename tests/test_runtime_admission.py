@@ -117,14 +117,11 @@ def test_floor_and_ceiling_bound_it():
 
 
 def test_a_restarted_servers_counter_starts_again_and_a_new_server_brings_no_history():
-    restarted = decide(
-        state(20, preemptions={"a": 50}), [load(0.5, at=1.0, preemptions=3)], admitted=20, waiting=0, bounds=BOUNDS, now=2
-    )
+    before = state(20, preemptions={"a": 50})
+    restarted = decide(before, [load(0.5, at=1.0, preemptions=3)], admitted=20, waiting=0, bounds=BOUNDS, now=2)
     assert (restarted.reason, restarted.new_preemptions) == ("cut_preempted", 3)  # 3 since the restart, not -47
     assert dict(restarted.state.preemptions) == {"a": 3}
-    quiet = decide(
-        state(20, preemptions={"a": 50}), [load(0.5, at=1.0, preemptions=0)], admitted=20, waiting=0, bounds=BOUNDS, now=2
-    )
+    quiet = decide(before, [load(0.5, at=1.0, preemptions=0)], admitted=20, waiting=0, bounds=BOUNDS, now=2)
     assert (quiet.limit, quiet.reason, quiet.new_preemptions) == (20, "hold_no_demand", 0)
     joined = decide(
         state(20, preemptions={"a": 0}),

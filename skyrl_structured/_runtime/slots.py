@@ -162,9 +162,9 @@ class Admission:
         if not self._warned_fallback:
             self._warned_fallback = True
             logger.warning(
-                "generator.max_concurrent_rollouts='auto': the inference client %s reports no load (it does not "
-                "implement skyrl_structured.engines.load.ReportsLoad), so the bound is fixed at %d (%s); use HTTPEngine "
-                "or VLLMEngine to follow the engines' KV cache, or set that bound yourself",
+                "generator.max_concurrent_rollouts='auto': the inference client %s reports no load (it does "
+                "not implement skyrl_structured.engines.load.ReportsLoad), so the bound is fixed at %d (%s); use "
+                "HTTPEngine or VLLMEngine to follow the engines' KV cache, or set that bound yourself",
                 type(client).__name__,
                 limit,
                 "generator.admission_max_rollouts"
