@@ -7,7 +7,9 @@ on an event (a decision heard, a rollout started), never on the controller's int
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -16,13 +18,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from skyrl_structured import GeneratorInput, GeneratorOutput
+from skyrl_structured.engines._wrapper import EngineWrapper
+from skyrl_structured.engines.load import EngineLoad
 from skyrl_structured.observe import PrometheusObserver, TraceRecorder
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
 from ._scripted_load import AdmissionWatch, ScriptedLoad
 from ._virtual_time import real_and_virtual_time, seconds
-from .helpers import make_batch, make_generator, other_tasks
+from .helpers import make_batch, make_generator, other_tasks, turn_replies
 from .trace_check import spans_by_track
 
 pytestmark = pytest.mark.anyio
@@ -282,3 +286,45 @@ async def test_without_auto_the_metrics_are_the_drop_in_ones(tokenizer, anyio_ba
     output = await gen.generate(batch_of(3, "a", EnvLedger()), disable_tqdm=True)
     keys = set(output["rollout_metrics"] or {})
     assert not {k for k in keys if "admission" in k or "kv_cache" in k}
+
+
+class AsyncioOnlyLoad(EngineWrapper):
+    """An asyncio-only client (it says so: ``requires_asyncio``) that reports a light load.
+
+    Its replies wait for its first load reading, so the generator must have read it; under trio both
+    go through the trio-asyncio bridge (``asyncio.sleep`` and ``asyncio.Event`` fail anywhere else).
+    """
+
+    requires_asyncio = True
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.reads = 0
+        self._read: asyncio.Event | None = None
+
+    def _first_read(self) -> asyncio.Event:
+        if self._read is None:
+            self._read = asyncio.Event()
+        return self._read
+
+    async def engine_load(self) -> list[EngineLoad]:
+        await asyncio.sleep(0)
+        self.reads += 1
+        self._first_read().set()
+        return [EngineLoad("http://127.0.0.1:1", 0.25, 1, 0, 0, 0, 0, time.monotonic())]
+
+    async def generate(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        await self._first_read().wait()
+        return await super().generate(input_batch, *args, **kwargs)
+
+
+async def test_an_asyncio_only_clients_load_is_read_across_the_bridge(tokenizer, anyio_backend):
+    engine = AsyncioOnlyLoad(ScriptedEngine(tokenizer, turn_replies("done #### 7")))
+    gen = make_generator(tokenizer, engine, **AUTO, admission_min_rollouts=1)
+    gen.admission_interval_s = 0.01
+    with anyio.fail_after(60):
+        output = await gen.generate(batch_of(3, "a", EnvLedger()), disable_tqdm=True)
+    assert output["stop_reasons"] == ["stop"] * 3
+    assert engine.reads >= 1
+    metrics = output["rollout_metrics"] or {}
+    assert (metrics["generate/admission_fallback"], metrics["generate/kv_cache_usage_max"]) == (0.0, 0.25)
