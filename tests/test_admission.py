@@ -171,9 +171,9 @@ async def test_a_cut_never_stops_an_admitted_rollout(tokenizer, anyio_backend):
 @pytest.mark.parametrize("anyio_backend", real_and_virtual_time())
 async def test_waiting_for_admission_is_not_counted_against_rollout_timeout(tokenizer, anyio_backend):
     """One slot, rollouts queued for longer than ``rollout_timeout_s`` in all: none times out."""
-    timeout = seconds(virtual=10.0, real=2.0)
-    step = seconds(virtual=4.0, real=0.2)  # each rollout's own work: well inside the deadline
-    count = 15  # the last one waits 14 steps for its slot: past the deadline
+    timeout = seconds(virtual=10.0, real=4.0)
+    step = seconds(virtual=4.0, real=0.25)  # each rollout's own work: well inside the deadline
+    count = 18  # the last one waits 17 steps for its slot: past the deadline
     times: list[float] = []
 
     async def handler(call: EngineCall) -> str:
