@@ -19,6 +19,7 @@ from .types import SkyRLConfig
 
 __all__ = [
     "AGENT_ENDPOINT_KNOBS",
+    "AUTO",
     "CHOICE_KNOBS",
     "ENV_EXECUTORS",
     "ENV_KNOBS",
@@ -47,6 +48,8 @@ FAILURE_BUDGET_ACTIONS: tuple[FailureBudgetAction, ...] = get_args(FailureBudget
 EnvExecutorKind = Literal["thread", "process", "ray"]
 ENV_EXECUTORS: tuple[EnvExecutorKind, ...] = get_args(EnvExecutorKind)
 StragglerCutoffScope = Literal["batch", "group"]
+#: The ``max_concurrent_rollouts`` that follows the engines' load.
+AUTO: Literal["auto"] = "auto"
 STRAGGLER_CUTOFF_SCOPES: tuple[StragglerCutoffScope, ...] = get_args(StragglerCutoffScope)
 
 
@@ -113,7 +116,10 @@ class ResilienceSettings:
     rollout_timeout_s: float | None = None
     max_rollout_retries: int = 0
     rollout_retry_backoff_s: float = 1.0
-    max_concurrent_rollouts: int | None = None
+    max_concurrent_rollouts: int | Literal["auto"] | None = None
+    admission_min_rollouts: int = 4
+    admission_max_rollouts: int | None = None
+    admission_kv_target: float = 0.8
     env_cleanup_timeout_s: float = 30.0
     max_failed_rollout_fraction: float = 1.0
     failure_budget_action: FailureBudgetAction = "raise"
@@ -128,6 +134,11 @@ class ResilienceSettings:
     def straggler_groups(self) -> bool:
         """Whether the straggler cutoff counts each prompt group on its own (the one place of that rule)."""
         return self.straggler_cutoff is not None and self.straggler_cutoff_scope == "group"
+
+    @property
+    def adaptive_admission(self) -> bool:
+        """Whether the rollout bound follows the engines' load (``max_concurrent_rollouts="auto"``)."""
+        return self.max_concurrent_rollouts == AUTO
 
 
 _KNOB_DEFAULTS = ResilienceSettings()
@@ -257,10 +268,26 @@ class GeneratorConfig:
         "Base of the exponential backoff (with full jitter) between retries, in seconds.",
         _KNOB_DEFAULTS.rollout_retry_backoff_s,
     )
-    max_concurrent_rollouts: int | None = _help(
+    max_concurrent_rollouts: int | Literal["auto"] | None = _help(
         "Most rollouts (and so live environments) at once, across every concurrent generate() call of one "
-        "generator (FIFO between calls); null means all.",
+        "generator (FIFO between calls); null means all. 'auto' follows the engines' load: it admits more "
+        "while their KV cache has room and fewer after preemptions, within admission_min_rollouts and "
+        "admission_max_rollouts (docs/failures.md).",
         _KNOB_DEFAULTS.max_concurrent_rollouts,
+    )
+    admission_min_rollouts: int = _help(
+        "With max_concurrent_rollouts='auto': the fewest rollouts admitted at once, and the first limit.",
+        _KNOB_DEFAULTS.admission_min_rollouts,
+    )
+    admission_max_rollouts: int | None = _help(
+        "With max_concurrent_rollouts='auto': the most rollouts admitted at once; null sets no ceiling (the "
+        "limit grows only while rollouts wait for a slot).",
+        _KNOB_DEFAULTS.admission_max_rollouts,
+    )
+    admission_kv_target: float = _help(
+        "With max_concurrent_rollouts='auto': the engines' KV-cache usage (a fraction in (0, 1]) the limit "
+        "grows towards and holds at.",
+        _KNOB_DEFAULTS.admission_kv_target,
     )
     env_cleanup_timeout_s: float = _help(
         "Bound on each cleanup (environment close, session finish) in seconds, finite and > 0; an overrun "
@@ -443,6 +470,8 @@ class NumberRule:
     strict: bool = False
     seconds: bool = False
     null_means: str | None = None
+    #: A word taken besides the numbers, and what it means (``("auto", "follow the engines' load")``).
+    word: tuple[str, str] | None = None
 
     def requirement(self) -> str:
         """What the rule takes, in words: ``"an integer >= 1, or null for no limit"``."""
@@ -453,6 +482,8 @@ class NumberRule:
         else:  # a closed interval already says "finite"
             what = "an integer " if integer else ("seconds " if self.seconds else "")
             requirement = f"{what}within {'(' if strict else '['}{minimum:g}, {maximum:g}]"
+        if self.word is not None:
+            requirement = f"{requirement}, {self.word[0]!r} ({self.word[1]})"
         return f"{requirement}, or null for {self.null_means}" if self.null_means is not None else requirement
 
     def check(self, path: str, value: Any) -> Any:
@@ -461,6 +492,8 @@ class NumberRule:
         Raises:
             ValueError: from :func:`invalid_value`, naming ``path``.
         """
+        if self.word is not None and isinstance(value, str) and value == self.word[0]:
+            return value
         requirement = self.requirement()
         if value is None:
             if self.null_means is not None:
@@ -502,7 +535,27 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
     "max_rollout_retries": NumberRule(integer=True, minimum=0, fix="0 runs each rollout once, without retries."),
     "rollout_retry_backoff_s": NumberRule(integer=False, minimum=0, seconds=True, fix="0 retries at once."),
     "max_concurrent_rollouts": NumberRule(
-        integer=True, minimum=1, null_means="no limit", fix="null runs every rollout of the batch at once."
+        integer=True,
+        minimum=1,
+        null_means="no limit",
+        word=(AUTO, "follow the engines' load"),
+        fix="null runs every rollout of the batch at once; 'auto' admits as many as the engines' KV cache holds.",
+    ),
+    "admission_min_rollouts": NumberRule(
+        integer=True, minimum=1, fix="It is the fewest rollouts max_concurrent_rollouts='auto' admits, e.g. 4."
+    ),
+    "admission_max_rollouts": NumberRule(
+        integer=True,
+        minimum=1,
+        null_means="no ceiling",
+        fix="It is the most rollouts max_concurrent_rollouts='auto' admits, e.g. 256.",
+    ),
+    "admission_kv_target": NumberRule(
+        integer=False,
+        minimum=0,
+        maximum=1,
+        strict=True,
+        fix="It is the KV-cache usage the admission limit aims at; 0.8 (the default) leaves room for growing contexts.",
     ),
     "env_cleanup_timeout_s": NumberRule(
         integer=False,
@@ -607,6 +660,14 @@ def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
             "an integer, or null for unseeded requests",
             "Any integer makes the samples reproducible: the same seed gives the same samples.",
             with_type=True,
+        )
+    floor, ceiling = values["admission_min_rollouts"], values["admission_max_rollouts"]
+    if ceiling is not None and ceiling < floor:
+        raise invalid_value(
+            "generator.admission_max_rollouts",
+            ceiling,
+            f"at least generator.admission_min_rollouts={floor}, or null for no ceiling",
+            "Raise it, or lower admission_min_rollouts.",
         )
     if not isinstance(values["gc_tuning"], bool):
         raise invalid_value("generator.gc_tuning", values["gc_tuning"], "true or false", with_type=True)

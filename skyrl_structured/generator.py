@@ -38,9 +38,10 @@ from ._runtime.contexts import (
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from ._runtime.pauses import Pausable, PauseClock
 from ._runtime.sessions import SessionEnd
-from ._runtime.slots import RolloutSlots
+from ._runtime.slots import ADMISSION_INTERVAL_S, AdmissionCall, RolloutSlots
 from ._runtime.supervisor import run_rollouts
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
+from .engines._load_source import load_reader
 from .engines.bridge import bridged_client
 from .envs import EnvSettings, open_env
 from .envs._workers import EnvWorkers
@@ -79,6 +80,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             of every ``generate()`` call (append yours; see ``docs/observers.md``).
         event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
             (``generate/event_loop_lag_mean`` and ``_max`` in ``rollout_metrics``); 0 turns it off.
+        admission_interval_s: with ``max_concurrent_rollouts="auto"``, the seconds between two reads of
+            the engines' load (1.0; the engines themselves read their servers at a bounded rate).
 
     Raises:
         ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
@@ -106,6 +109,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
         self.observers: list[RolloutObserver] = []
         self.event_loop_lag_interval_s: float = INTERVAL_S
+        self.admission_interval_s: float = ADMISSION_INTERVAL_S
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
@@ -181,7 +185,15 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
 
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
-        return self._rollout_slots.current(self.resilience.max_concurrent_rollouts)
+        return self._admission(self.inference_engine_client)[0]
+
+    def _admission(self, client: InferenceClient) -> tuple[anyio.CapacityLimiter | None, AdmissionCall | None]:
+        """The limiter of a ``generate()`` call whose rollouts call ``client``, and with
+        ``max_concurrent_rollouts="auto"`` the call's part in following the engines' load."""
+        read = load_reader(self.inference_engine_client, client) if self.resilience.adaptive_admission else None
+        return self._rollout_slots.for_call(
+            self.resilience, self.inference_engine_client, read, self.admission_interval_s
+        )
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
@@ -334,6 +346,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         # trio-asyncio for the whole batch; anywhere else the client is used as is.
         async with bridged_client(self.inference_engine_client) as client:
             progress = Progress(len(prompts), disable=disable_tqdm)
+            slots, admission = self._admission(client)
             batch = BatchContext(
                 generator=self,
                 client=client,
@@ -341,7 +354,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 observers=Observers([progress, *self.observers]),
                 sampling_seed=self.resilience.sampling_seed,
                 seed_scope=seed_scope(input_batch.get("batch_metadata")),
-                slots=self._slots(),
+                slots=slots,
+                admission=admission,
                 pauses=self.pauses,
             )
             try:

@@ -36,6 +36,7 @@ from tests._agents import (
     timeout_once_in_the_engine,
     with_template,
 )
+from tests._scripted_load import AdmissionWatch, ScriptedLoad
 from tests._upstream import load_upstream_validator
 from tests.test_agents_command import SCRIPT, _dead
 from tests.test_agents_generator import CALL_TEXT, batch, tool_agent
@@ -619,6 +620,45 @@ async def test_max_concurrent_rollouts_is_shared_by_concurrent_generate_calls(to
             gate.set()
     assert len(outputs) == 2
     assert len(engine.calls) == 2
+
+
+async def test_max_concurrent_rollouts_auto_follows_the_engines_load_for_agents_too(tokenizer, anyio_backend):
+    """The agent generator's one adaptive limit: the floor first, one more on a reading with room."""
+    gate = anyio.Event()
+
+    async def handler(call: EngineCall) -> str:
+        await gate.wait()
+        return "3"
+
+    async def agent(ctx: AgentContext) -> float:
+        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
+        return 1.0
+
+    engine = ScriptedLoad(ScriptedEngine(tokenizer, handler))
+    generator = StructuredAgentGenerator(
+        engine, tokenizer, agent, max_concurrent_rollouts="auto", admission_min_rollouts=1
+    )
+    generator.admission_interval_s = 0.0
+    watch = AdmissionWatch()
+    generator.observers.append(watch)
+    outputs: list[GeneratorOutput] = []
+
+    async def run() -> None:
+        outputs.append(await generator.generate(batch(3)))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await watch.until(lambda w: len(w.started) == 1)
+            engine.give(0.1)
+            await watch.until(lambda w: len(w.started) == 2)
+            assert watch.decisions == [(2, 1, "grow")]
+            gate.set()
+    (out,) = outputs
+    assert out["stop_reasons"] == ["stop"] * 3
+    metrics = out["rollout_metrics"] or {}
+    assert (metrics["generate/admission_limit_min"], metrics["generate/admission_limit_max"]) == (1.0, 2.0)
+    assert metrics["generate/admission_changes/grow"] == 1.0
 
 
 def test_every_knob_reaches_the_generator_by_keyword_or_from_config(tokenizer):

@@ -219,6 +219,29 @@ def test_out_of_range_and_conflicting_values_are_refused(overrides, message):
         check_config(load_config(overrides))
 
 
+def test_max_concurrent_rollouts_takes_auto_and_its_knobs():
+    cfg = load_config(
+        [
+            "generator.max_concurrent_rollouts=auto",
+            "generator.admission_min_rollouts=2",
+            "generator.admission_max_rollouts=64",
+            "generator.admission_kv_target=0.7",
+        ]
+    )
+    check_config(cfg)
+    gen = cfg.generator
+    assert (gen.max_concurrent_rollouts, gen.admission_min_rollouts, gen.admission_max_rollouts) == ("auto", 2, 64)
+    assert gen.admission_kv_target == 0.7
+    assert load_config(["generator.max_concurrent_rollouts=8"]).generator.max_concurrent_rollouts == 8
+    with pytest.raises(
+        ConfigError,
+        match=r"^`generator.max_concurrent_rollouts` takes int or 'auto' or null, got 'autoo' \(str\); default: null$",
+    ):
+        load_config(["generator.max_concurrent_rollouts=autoo"])
+    with pytest.raises(ConfigError, match=r"^`generator.admission_kv_target` must be within \(0, 1\]; got 1\.5\. "):
+        check_config(load_config(["generator.max_concurrent_rollouts=auto", "generator.admission_kv_target=1.5"]))
+
+
 def test_chaos_policy_is_the_test_kits_own_and_refuses_impossible_rates():
     from skyrl_structured.testing.chaos import ChaosPolicy
 

@@ -70,6 +70,7 @@ def _refused(knob: str, requirement: str, got: str) -> str:
 TIMEOUT = r"a finite number of seconds > 0, or null for no deadline \(\.inf means the same\)"
 CLEANUP = r"a finite number of seconds > 0"
 FRACTION = r"within \[0, 1\]"
+CONCURRENT = r"an integer >= 1, 'auto' \(follow the engines' load\), or null for no limit"
 
 
 @pytest.mark.parametrize(
@@ -107,12 +108,17 @@ FRACTION = r"within \[0, 1\]"
         (
             "max_concurrent_rollouts",
             0,
-            _refused("max_concurrent_rollouts", "an integer >= 1, or null for no limit", "0"),
+            _refused("max_concurrent_rollouts", CONCURRENT, "0"),
         ),
         (
             "max_concurrent_rollouts",
             True,
-            _refused("max_concurrent_rollouts", "an integer >= 1, or null for no limit", r"True \(bool\)"),
+            _refused("max_concurrent_rollouts", CONCURRENT, r"True \(bool\)"),
+        ),
+        (
+            "max_concurrent_rollouts",
+            "Auto",
+            _refused("max_concurrent_rollouts", CONCURRENT, r"'Auto' \(str\)") + ".*'auto' admits as many",
         ),
         ("max_failed_rollout_fraction", 1.5, _refused("max_failed_rollout_fraction", FRACTION, "1.5")),
         ("max_failed_rollout_fraction", float("nan"), _refused("max_failed_rollout_fraction", FRACTION, "nan")),
@@ -136,7 +142,10 @@ WRONG_NUMBERS: dict[str, list[Any]] = {
     "rollout_timeout_s": [0, 0.0, -5, -0.001, float("nan"), float("-inf"), "600", True, [600]],
     "max_rollout_retries": [-1, -100, 1.5, 2.0, float("inf"), float("nan"), None, "3", False],
     "rollout_retry_backoff_s": [-1, -0.5, float("inf"), float("nan"), None, "1", True],
-    "max_concurrent_rollouts": [0, -5, 1.5, 8.0, float("inf"), "8", True],
+    "max_concurrent_rollouts": [0, -5, 1.5, 8.0, float("inf"), "8", "AUTO", "auto ", True],
+    "admission_min_rollouts": [0, -1, 1.5, float("inf"), None, "4", "auto", True],
+    "admission_max_rollouts": [0, -1, 2.5, float("inf"), "64", "auto", True],
+    "admission_kv_target": [0, 0.0, -0.5, 1.01, 2, float("inf"), float("nan"), None, "0.8", True],
     "env_cleanup_timeout_s": [0, -1, -30.0, float("inf"), float("nan"), None, "30", True],
     "max_failed_rollout_fraction": [-0.1, 1.5, 2, float("inf"), float("nan"), None, "0.5", True],
 }
@@ -208,6 +217,34 @@ def test_good_knob_values_are_kept():
     assert (settings.rollout_timeout_s, settings.env_cleanup_timeout_s, settings.rollout_retry_backoff_s) == (0.5, 2, 0)
     assert (settings.max_rollout_retries, settings.max_concurrent_rollouts) == (3, 1)
     assert (settings.max_failed_rollout_fraction, settings.failure_budget_action) == (0, "warn")
+
+
+def test_auto_admission_and_its_knobs_are_kept():
+    settings = resolve_resilience(
+        {
+            "max_concurrent_rollouts": "auto",
+            "admission_min_rollouts": 2,
+            "admission_max_rollouts": 64,
+            "admission_kv_target": 0.7,
+        }
+    )
+    assert settings.adaptive_admission
+    assert (settings.admission_min_rollouts, settings.admission_max_rollouts, settings.admission_kv_target) == (
+        2,
+        64,
+        0.7,
+    )
+    assert not resolve_resilience({"max_concurrent_rollouts": 8}).adaptive_admission
+    assert resolve_resilience({"admission_min_rollouts": 5, "admission_max_rollouts": 5}).admission_max_rollouts == 5
+
+
+def test_a_ceiling_below_the_floor_is_refused_by_name():
+    with pytest.raises(
+        ValueError,
+        match=r"^`generator\.admission_max_rollouts` must be at least generator\.admission_min_rollouts=8, or null "
+        r"for no ceiling; got 4\. Raise it, or lower admission_min_rollouts\.$",
+    ):
+        resolve_resilience({"admission_min_rollouts": 8, "admission_max_rollouts": 4})
 
 
 def build(tokenizer, gym=None, **cfg):

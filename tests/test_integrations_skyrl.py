@@ -232,6 +232,27 @@ def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parse
         skyrl_cli_parser(["generator.skip_failed_rollout=true"])
 
 
+def test_skyrls_parser_reads_max_concurrent_rollouts_auto_and_its_knobs(skyrl_cli_parser):
+    cfg = integration.parse_config(
+        [
+            "generator.max_concurrent_rollouts=auto",
+            "generator.admission_min_rollouts=2",
+            "generator.admission_max_rollouts=64",
+            "generator.admission_kv_target=0.7",
+        ]
+    )
+    gen = cfg.generator
+    assert (gen.max_concurrent_rollouts, gen.admission_min_rollouts, gen.admission_max_rollouts) == ("auto", 2, 64)
+    assert gen.admission_kv_target == 0.7
+    assert integration.parse_config(["generator.max_concurrent_rollouts=16"]).generator.max_concurrent_rollouts == 16
+    refused = (
+        r"^`generator.max_concurrent_rollouts` must be an integer >= 1, 'auto' \(follow the engines' load\), or null "
+        r"for no limit; got 'autoo' \(str\)\. "
+    )
+    with pytest.raises(ValueError, match=refused):
+        integration.parse_config(["generator.max_concurrent_rollouts=autoo"])
+
+
 def test_skyrls_parser_reads_the_env_executor_knobs_of_the_gym_section(skyrl_cli_parser):
     cfg = skyrl_cli_parser(
         [

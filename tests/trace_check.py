@@ -10,6 +10,7 @@ _REQUIRED = {
     "X": ("name", "cat", "pid", "tid", "ts", "dur", "args"),
     "i": ("name", "cat", "pid", "tid", "ts", "s"),
     "M": ("name", "pid", "tid", "args"),
+    "C": ("name", "cat", "pid", "ts", "args"),
 }
 
 
@@ -26,7 +27,9 @@ def spans_by_track(trace: dict[str, Any]) -> dict[tuple[int, int], list[dict[str
         assert ph in _REQUIRED, event
         for key in _REQUIRED[ph]:
             assert key in event, (key, event)
-        if ph in ("X", "i"):
+        if ph == "C":  # a counter: every value a number (Perfetto draws one track per name)
+            assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in event["args"].values()), event
+        if ph in ("X", "i", "C"):
             assert isinstance(event["ts"], int), event
             assert event["ts"] >= 0, event
         if ph == "X":

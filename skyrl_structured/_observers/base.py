@@ -203,6 +203,15 @@ class RolloutObserver:
     def batch_finished(self, size: int, failed: int) -> None:
         """The ``generate()`` call's rollouts are all done (not called when it was cancelled)."""
 
+    def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
+        """``max_concurrent_rollouts="auto"`` read the engines' load (at most once per ``admission_interval_s``).
+
+        ``limit`` is the admission limit now and ``previous`` the one before; ``reason`` says why
+        (``grow``, ``cut_preempted``, ``cut_queued``, or a ``hold_*`` reason when it did not change);
+        ``kv_cache_usage`` is the fullest server's KV-cache usage (0-1), None without a reading.
+        Heard by the observers of the call whose rollouts drive the limit at that moment.
+        """
+
     def batch_aborted(self, size: int, error: BaseException) -> None:
         """The ``generate()`` call stops without its rollouts all done and raises ``error``.
 

@@ -17,6 +17,9 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | ``skyrl_structured_env_cleanup_timeouts_total`` | counter | closes abandoned after ``env_cleanup_timeout_s`` |
 | ``skyrl_structured_env_workers_alive`` | gauge | env workers alive: threads, processes or actors (0 unsourced) |
 | ``skyrl_structured_batches_total{outcome}`` | counter | ``generate()`` calls: ``finished`` or ``aborted`` |
+| ``skyrl_structured_admission_limit`` | gauge | ``max_concurrent_rollouts="auto"``: the admission limit now |
+| ``skyrl_structured_admission_changes_total{reason}`` | counter | its changes: ``grow``, ``cut_*`` |
+| ``skyrl_structured_engine_kv_cache_usage`` | gauge | the fullest engine server's KV-cache usage (0-1), last read |
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ class PrometheusObserver(RolloutObserver):
         )
         self.batches = prom.Counter("batches", "generate() calls, by outcome", ["outcome"], namespace=ns, registry=r)
         self._env_workers = prom.Gauge("env_workers_alive", "Env workers alive", namespace=ns, registry=r)
+        self.admission_limit = prom.Gauge(
+            "admission_limit", "Rollouts admitted at once (max_concurrent_rollouts=auto)", namespace=ns, registry=r
+        )
+        self.admission_changes = prom.Counter(
+            "admission_changes", "Changes of the admission limit, by reason", ["reason"], namespace=ns, registry=r
+        )
+        self.kv_cache_usage = prom.Gauge(
+            "engine_kv_cache_usage", "The fullest engine server's KV-cache usage (0-1)", namespace=ns, registry=r
+        )
         if env_workers is not None:
             self.count_env_workers(env_workers)
         self._server: Any | None = None
@@ -172,3 +184,10 @@ class PrometheusObserver(RolloutObserver):
 
     def batch_aborted(self, size: int, error: BaseException) -> None:
         self.batches.labels(outcome="aborted").inc()
+
+    def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
+        self.admission_limit.set(limit)
+        if limit != previous:
+            self.admission_changes.labels(reason=reason).inc()
+        if kv_cache_usage is not None:
+            self.kv_cache_usage.set(kv_cache_usage)

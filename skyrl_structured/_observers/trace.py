@@ -16,6 +16,11 @@ its attempt and rollout spans say ``"outcome": "cut"`` and it gets a ``straggler
 the ``cut`` category; any other cancelled attempt (an interrupt, the caller's cancel) says
 ``"outcome": "cancelled"``.
 
+With ``max_concurrent_rollouts="auto"``, the admission limit and the fullest engine server's
+KV-cache usage are counter tracks (``"ph": "C"``, ``admission limit`` and ``kv cache usage``,
+category ``admission``) of the batch running when they were read, and each change of the limit is
+a process-wide instant named ``admission <reason>`` (``admission grow``, ``admission cut_preempted``).
+
 While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
 :class:`_TraceBuilder` replays the log into complete (``"ph": "X"``) events with integer
 microsecond timestamps, so a trace never holds an unmatched begin: what is still open when a
@@ -195,6 +200,9 @@ class TraceRecorder(RolloutObserver):
     def batch_aborted(self, size: int, error: BaseException) -> None:
         name, text = _failure(error)
         self._log.append((self._clock(), _BATCH_ABORTED, -1, 0, None, name, text))
+
+    def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
+        self._log.append((self._clock(), _ADMISSION, -1, 0, None, limit, previous, reason, kv_cache_usage))
 
 
 def _failure(error: BaseException | None) -> tuple[str | None, str | None]:
@@ -398,6 +406,30 @@ class _TraceBuilder:
     def rollout_finished(self, rollout: RolloutRef, failed: bool) -> None:
         self._close(rollout.index, f"rollout {rollout.index}", {"failed": failed})
 
+    def admission(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
+        """``max_concurrent_rollouts="auto"``: the limit and the KV usage as counter tracks, a change as an instant."""
+        now = self._now_us()
+        counters: list[tuple[str, dict[str, Any]]] = [("admission limit", {"limit": limit})]
+        if kv_cache_usage is not None:
+            counters.append(("kv cache usage", {"usage": round(kv_cache_usage, 4)}))
+        for name, args in counters:
+            self._records.append(
+                {"ph": "C", "name": name, "cat": "admission", "pid": self._batch, "ts": now, "args": args}
+            )
+        if limit != previous:
+            self._records.append(
+                {
+                    "ph": "i",
+                    "s": "p",
+                    "name": f"admission {reason}",
+                    "cat": "admission",
+                    "pid": self._batch,
+                    "tid": 0,
+                    "ts": now,
+                    "args": {"limit": limit, "previous": previous, "reason": reason},
+                }
+            )
+
     def batch_finished(self) -> None:
         self._close_all()
 
@@ -460,7 +492,8 @@ def _as_event(record: _Ended) -> dict[str, Any]:
     _BATCH_FINISHED,
     _BATCH_ABORTED,
     _ROLLOUT_CUT,
-) = range(17)
+    _ADMISSION,
+) = range(18)
 
 _REPLAY: dict[int, Callable[..., None]] = {
     _BATCH_STARTED: lambda b, r, size: b.batch_started(size),
@@ -484,4 +517,5 @@ _REPLAY: dict[int, Callable[..., None]] = {
     _ROLLOUT_CUT: _TraceBuilder.rollout_cut,
     _BATCH_FINISHED: lambda b, r: b.batch_finished(),
     _BATCH_ABORTED: lambda b, r, name, text: b.batch_aborted(_Err(name, text)),
+    _ADMISSION: lambda b, r, limit, previous, reason, kv: b.admission(limit, previous, reason, kv),
 }

@@ -406,6 +406,7 @@ def build_generator_output(
     metrics.update(
         failure_metrics(failures, len(outputs), result.retries, result.cleanup, budget_exceeded=budget_exceeded)
     )
+    metrics.update(result.metrics)
     loss_masks = _apply_filters(cfg, rewards, loss_masks, stop_reasons)
     if failures:
         assert trajectory_ids is not None or spec.resilience.failed_rollout_policy == "placeholder"

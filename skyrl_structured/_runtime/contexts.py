@@ -30,6 +30,7 @@ from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, fail
 from ..types import ConversationType, InferenceClient, RolloutOutput, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
 from .pauses import PausableDeadline, PauseClock
+from .slots import AdmissionCall
 
 __all__ = [
     "BatchContext",
@@ -190,6 +191,9 @@ class BatchContext:
     #: The generator's ``max_concurrent_rollouts`` limiter, shared by its concurrent calls (None:
     #: the supervisor makes one for this call if the settings bound it).
     slots: anyio.CapacityLimiter | None = None
+    #: With ``max_concurrent_rollouts="auto"``: the call's part in following the engines' load
+    #: (``slots`` is then its limiter).
+    admission: AdmissionCall | None = None
     #: The generator's pause clock: deadlines stop while it is paused.
     pauses: PauseClock | None = None
     #: ``default_params`` in the engine's names, built on first use (requests that carry no parameters).

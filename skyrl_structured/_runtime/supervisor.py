@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic
 
@@ -68,6 +68,8 @@ class BatchResult(Generic[OutputT]):
     #: The batch's failure-budget verdict (:func:`~skyrl_structured.failures.failure_budget_exceeded`),
     #: reached once here and handed to the collector and the metrics.
     over_budget: bool = False
+    #: ``rollout_metrics`` measured here (the admission limit's, with ``max_concurrent_rollouts="auto"``).
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _backoff(base: float, attempt: int) -> float:
@@ -218,6 +220,11 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
             if batch.pauses is not None and count:
                 # Warns about a pause that is never resumed; ends with the last rollout.
                 supervisor.background(group, batch.pauses.watch)
+            if batch.admission is not None and count:
+                # max_concurrent_rollouts="auto": reads the engines' load off the rollouts' path; ends
+                # with the last rollout.
+                admission = batch.admission
+                supervisor.background(group, lambda: admission.run(batch.observers))
             for index in range(count):
                 group.start_soon(supervisor.child, index, group)
     except BaseExceptionGroup as group_error:
@@ -242,6 +249,7 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
         retries=supervisor.retries,
         cleanup=batch.cleanup,
         over_budget=supervisor.over_budget,
+        metrics=batch.admission.metrics() if batch.admission is not None else {},
     )
 
 
@@ -270,8 +278,9 @@ class _Supervisor(Generic[OutputT]):
         self.interrupt: BaseException | None = None
         # The generator's limiter (shared across its concurrent calls), or one for this call alone.
         self.limiter = batch.slots
-        if self.limiter is None and settings.max_concurrent_rollouts:
-            self.limiter = anyio.CapacityLimiter(settings.max_concurrent_rollouts)
+        bound = settings.max_concurrent_rollouts
+        if self.limiter is None and isinstance(bound, int):  # "auto" comes with its limiter in batch.slots
+            self.limiter = anyio.CapacityLimiter(bound)
         self.native_cancellation = anyio.get_cancelled_exc_class()
         self.cutoff = _cutoff(settings, shape, batch)
         #: The attempt each rollout is on (read back when it is cut).

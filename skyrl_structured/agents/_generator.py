@@ -31,7 +31,7 @@ from .._runtime.contexts import (
 )
 from .._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from .._runtime.pauses import Pausable, PauseClock
-from .._runtime.slots import RolloutSlots
+from .._runtime.slots import ADMISSION_INTERVAL_S, RolloutSlots
 from .._runtime.supervisor import run_rollouts
 from ..config import (
     AGENT_ENDPOINT_KNOBS,
@@ -42,6 +42,7 @@ from ..config import (
     resolve_agent_endpoint,
     resolve_resilience,
 )
+from ..engines._load_source import load_reader
 from ..engines.bridge import bridged_client
 from ..errors import AgentError
 from ..failures import FailedRollout
@@ -206,6 +207,8 @@ class StructuredAgentGenerator(Pausable):
             straggler grace stop while it is paused.
         event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
             (``generate/event_loop_lag_mean`` and ``_max``); 0 turns it off.
+        admission_interval_s: with ``max_concurrent_rollouts="auto"``, the seconds between two reads of
+            the engines' load (1.0).
 
     Raises:
         TypeError: an unknown knob.
@@ -236,6 +239,7 @@ class StructuredAgentGenerator(Pausable):
         self.observers: list[RolloutObserver] = []
         self.pauses = PauseClock()
         self.event_loop_lag_interval_s: float = INTERVAL_S
+        self.admission_interval_s: float = ADMISSION_INTERVAL_S
         self._rollout_slots = RolloutSlots(self)
         self._server: CaptureServer | None = None
         #: Where sync agents run (its threads start on demand: none for an async agent).
@@ -336,6 +340,10 @@ class StructuredAgentGenerator(Pausable):
     ) -> GeneratorOutput:
         async with bridged_client(self.inference_engine_client) as client:
             progress = Progress(len(request.prompts), disable=disable_tqdm)
+            read = load_reader(self.inference_engine_client, client) if self.resilience.adaptive_admission else None
+            slots, admission = self._rollout_slots.for_call(
+                self.resilience, self.inference_engine_client, read, self.admission_interval_s
+            )
             batch = BatchContext(
                 generator=self,
                 client=client,
@@ -343,7 +351,8 @@ class StructuredAgentGenerator(Pausable):
                 observers=Observers([progress, *self.observers]),
                 sampling_seed=self.resilience.sampling_seed,
                 seed_scope=seed_scope(input_batch.get("batch_metadata")),
-                slots=self._rollout_slots.current(self.resilience.max_concurrent_rollouts),
+                slots=slots,
+                admission=admission,
                 pauses=self.pauses,
             )
             try:

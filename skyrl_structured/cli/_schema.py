@@ -348,6 +348,8 @@ def _type_name(annotation: Any) -> str:
         return names[annotation]
     if origin is list:
         return "list"
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
     if origin is dict or annotation is dict:
         return "mapping"
     if origin in (typing.Union, types.UnionType):

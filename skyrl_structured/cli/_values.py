@@ -86,6 +86,10 @@ def coerce(spec: KeySpec, value: Any, raw: str | None, where: str) -> Any:
             raise ConfigError(f"`{spec.path}`{where} must be one of {', '.join(spec.choices)}; got {text!r}{hint}")
         return text
     origin = typing.get_origin(base)
+    if origin is typing.Literal:  # a word a number knob also takes (`max_concurrent_rollouts=auto`)
+        if value in typing.get_args(base):
+            return value
+        raise _fail_type(spec, value, where)
     if origin in (typing.Union, types.UnionType):  # e.g. `data.path`: one file or a list of them
         for member in typing.get_args(base):
             try:

@@ -5,7 +5,8 @@ structured-concurrency knobs and provides the experiment and entrypoint that use
 
 - :class:`StructuredGeneratorConfig`: SkyRL's ``GeneratorConfig`` plus ``skip_failed_rollouts``,
   ``rollout_timeout_s``, ``max_rollout_retries``, ``rollout_retry_backoff_s``,
-  ``max_concurrent_rollouts``, ``env_cleanup_timeout_s``, ``max_failed_rollout_fraction``,
+  ``max_concurrent_rollouts`` (a number, ``auto`` or null) with the ``admission_*`` knobs of ``auto``,
+  ``env_cleanup_timeout_s``, ``max_failed_rollout_fraction``,
   ``failure_budget_action`` and ``failed_rollout_policy`` (the defaults of
   :class:`skyrl_structured.GeneratorConfig`), and ``agent`` (``generator.agent=default``,
   ``=module.path:function`` or ``=command:<command line>``: an OpenAI-API agent trained through
@@ -37,7 +38,7 @@ import textwrap
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._episode.chat import load_custom_chat_template
 from ..agents import AGENT_VALUES, check_agent_choice
@@ -124,7 +125,10 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     rollout_timeout_s: float | None = _knob("rollout_timeout_s")
     max_rollout_retries: int = _knob("max_rollout_retries")
     rollout_retry_backoff_s: float = _knob("rollout_retry_backoff_s")
-    max_concurrent_rollouts: int | None = _knob("max_concurrent_rollouts")
+    max_concurrent_rollouts: int | Literal["auto"] | None = _knob("max_concurrent_rollouts")
+    admission_min_rollouts: int = _knob("admission_min_rollouts")
+    admission_max_rollouts: int | None = _knob("admission_max_rollouts")
+    admission_kv_target: float = _knob("admission_kv_target")
     env_cleanup_timeout_s: float = _knob("env_cleanup_timeout_s")
     max_failed_rollout_fraction: float = _knob("max_failed_rollout_fraction")
     # None (not set) lets the integration choose: see fully_async_failure_budget.

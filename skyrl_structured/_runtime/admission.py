@@ -1,0 +1,192 @@
+"""The admission controller of ``max_concurrent_rollouts="auto"``: a pure function of the engines' load.
+
+:func:`decide` takes the controller's state, one reading of every engine server
+(:class:`~skyrl_structured.engines.load.EngineLoad`) and how many rollouts hold or wait for a slot,
+and returns the new limit with the reason for it. No clock, no I/O: the generator's driver
+(:mod:`~skyrl_structured._runtime.slots`) calls it at a bounded rate and applies the limit.
+
+The policy is AIMD (additive-increase, multiplicative-decrease, TCP's congestion control) with the
+increase tapered by KV-cache headroom, as prime-rl validated it (prime-rl #3285, #3556):
+
+- **grow** while rollouts wait for a slot and the fullest server's KV-cache usage ``u`` is below the
+  target ``t`` (default 0.8): the limit becomes ``max(limit + 1, floor(limit * (1 + 0.2 * (1 - u / t))))``,
+  1.2x at an empty cache tapering to +1 near the target. Multiplicative while there is room, so a
+  limit far too low reaches the engines' capacity in a few readings; tapered, so it approaches the
+  soft cap instead of jumping over it (KV usage lags admission: a new rollout fills its cache only
+  once its prompt is prefilled).
+- **hold** at or above the target, while no rollout waits (a limit nobody uses is no evidence of
+  room), on a reading no newer than the last change (its effect cannot show yet), and without a
+  reading at all.
+- **cut** to ``floor(limit * 0.7)`` on new preemptions (the engine evicted running requests to make
+  room: the cache is oversubscribed now) or on requests queued at a server whose cache is past the
+  target (the next turns will be preempted or wait). A queue with cache to spare is the server's
+  ``max_num_seqs`` cap, not memory: that holds. 0.7 rather than TCP's 0.5 because an admitted
+  rollout is never stopped, so a cut acts only as rollouts finish; halving would idle the engines
+  for the whole drain after a single burst. One cut per drain: while more rollouts hold a slot
+  than the limit allows, the signal still reflects the old limit, and cutting again would overshoot.
+
+Servers' counters are cumulative; a counter lower than last seen is a restarted server, whose count
+since the restart is all new. A server seen for the first time sets its baseline (its history is
+not this run's doing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Protocol
+
+__all__ = [
+    "CUT_FACTOR",
+    "GROWTH",
+    "AdmissionBounds",
+    "AdmissionState",
+    "Decision",
+    "LoadReading",
+    "Reason",
+    "decide",
+]
+
+#: Growth per reading at an empty KV cache (1.2x, prime-rl's), tapering to +1 at the target.
+GROWTH = 0.2
+#: What a cut keeps of the limit.
+CUT_FACTOR = 0.7
+
+#: Why the limit is what it is after a reading: ``grow``/``cut_*`` change it, ``hold_*`` keep it.
+Reason = Literal[
+    "grow",
+    "cut_preempted",
+    "cut_queued",
+    "hold_kv_target",
+    "hold_queued",
+    "hold_no_demand",
+    "hold_draining",
+    "hold_stale",
+    "hold_no_signal",
+    "hold_bound",
+]
+
+
+class LoadReading(Protocol):
+    """What the controller reads of one server's :class:`~skyrl_structured.engines.load.EngineLoad`
+    (named structurally: the runtime sits below the engines)."""
+
+    @property
+    def server(self) -> str: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def requests_waiting(self) -> int: ...
+    @property
+    def preemptions_total(self) -> int: ...
+    @property
+    def at(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class AdmissionBounds:
+    """The knobs: the limit stays within ``[floor, ceiling]`` (no ceiling: None) and aims below ``kv_target``."""
+
+    floor: int
+    ceiling: int | None
+    kv_target: float
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """What the controller remembers between readings."""
+
+    limit: int
+    #: Each server's ``preemptions_total`` when last read.
+    preemptions: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: ``time.monotonic()`` of the last change (a reading taken before it cannot show its effect).
+    changed_at: float = -math.inf
+
+    @classmethod
+    def start(cls, bounds: AdmissionBounds) -> AdmissionState:
+        """The first state: the limit at the floor, the one value known to fit."""
+        return cls(limit=bounds.floor)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The state after a reading, why, and what the reading said."""
+
+    state: AdmissionState
+    reason: Reason
+    #: The fullest server's KV-cache usage (None without a reading).
+    kv_cache_usage: float | None
+    #: Preemptions since the previous reading, over every server.
+    new_preemptions: int
+
+    @property
+    def limit(self) -> int:
+        return self.state.limit
+
+
+def _new_preemptions(state: AdmissionState, readings: Sequence[LoadReading]) -> tuple[int, dict[str, int]]:
+    seen = dict(state.preemptions)
+    new = 0
+    for reading in readings:
+        total = reading.preemptions_total
+        before = seen.get(reading.server)
+        if before is not None:
+            new += total - before if total >= before else total  # lower: restarted, all of it is new
+        seen[reading.server] = total
+    return new, seen
+
+
+def _clamp(limit: int, bounds: AdmissionBounds) -> int:
+    limit = max(limit, bounds.floor)
+    return min(limit, bounds.ceiling) if bounds.ceiling is not None else limit
+
+
+def decide(
+    state: AdmissionState,
+    readings: Sequence[LoadReading],
+    *,
+    admitted: int,
+    waiting: int,
+    bounds: AdmissionBounds,
+    now: float,
+) -> Decision:
+    """The limit after ``readings`` (one per server, possibly none), with ``admitted`` rollouts holding a
+    slot and ``waiting`` more waiting for one; ``now`` is ``time.monotonic()``, recorded on a change."""
+    if not readings:
+        return Decision(state, "hold_no_signal", None, 0)
+    new_preemptions, seen = _new_preemptions(state, readings)
+    kv = max(reading.kv_cache_usage for reading in readings)
+    queued = sum(reading.requests_waiting for reading in readings if reading.kv_cache_usage >= bounds.kv_target)
+    base = AdmissionState(state.limit, MappingProxyType(seen), state.changed_at)
+
+    def hold(reason: Reason) -> Decision:
+        return Decision(base, reason, kv, new_preemptions)
+
+    def change(limit: int, reason: Reason) -> Decision:
+        limit = _clamp(limit, bounds)
+        if limit == state.limit:
+            return hold("hold_bound")
+        return Decision(AdmissionState(limit, base.preemptions, now), reason, kv, new_preemptions)
+
+    # Preemptions are counted since the last reading, so they are news even on a reading taken
+    # before the last change; a queue is a level, read afresh only after it.
+    stale = max(reading.at for reading in readings) <= state.changed_at
+    pressure: Reason | None = "cut_preempted" if new_preemptions > 0 else None
+    if pressure is None and stale:
+        return hold("hold_stale")
+    if pressure is None and queued > 0:
+        pressure = "cut_queued"
+    if pressure is not None:
+        if admitted > state.limit:
+            return hold("hold_draining")
+        return change(math.floor(state.limit * CUT_FACTOR), pressure)
+    if kv >= bounds.kv_target:
+        return hold("hold_kv_target")
+    if any(reading.requests_waiting > 0 for reading in readings):
+        return hold("hold_queued")
+    if waiting <= 0:
+        return hold("hold_no_demand")
+    grown = math.floor(state.limit * (1.0 + GROWTH * (1.0 - kv / bounds.kv_target)))
+    return change(max(state.limit + 1, grown), "grow")
