@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import anyio
@@ -202,9 +202,9 @@ async def test_a_conversation_through_chat_completions_then_responses_then_messa
                         },
                         {"type": "function_call_output", "call_id": call.id, "output": "5"},
                     ],
-                    tools=[{"type": "function", "strict": True, **function}],
+                    tools=[cast(Any, {"type": "function", "strict": True, **function})],
                 )
-            tool_use = {"type": "tool_use", "id": call.id, "name": "add", "input": json.loads(arguments)}
+            tool_use: Any = {"type": "tool_use", "id": call.id, "name": "add", "input": json.loads(arguments)}
             with messages_client(session.anthropic_base_url) as client:
                 third = client.messages.create(
                     model="m",

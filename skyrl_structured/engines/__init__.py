@@ -21,6 +21,8 @@ from .errors import EngineResponseError as EngineResponseError
 from .errors import EngineTimeoutError as EngineTimeoutError
 from .http import HTTPEngine as HTTPEngine
 from .http import ServerStatus as ServerStatus
+from .load import EngineLoad as EngineLoad
+from .load import ReportsLoad as ReportsLoad
 from .sampling import SamplingSpec as SamplingSpec
 from .transformers import TransformersEngine as TransformersEngine
 from .vllm import VLLMEngine as VLLMEngine
@@ -31,9 +33,11 @@ __all__ = (
     "EngineConnectionError",
     "EngineError",
     "EngineHTTPError",
+    "EngineLoad",
     "EngineResponseError",
     "EngineTimeoutError",
     "HTTPEngine",
+    "ReportsLoad",
     "SamplingSpec",
     "ServerStatus",
     "TransformersEngine",
