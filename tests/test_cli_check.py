@@ -10,6 +10,7 @@ the one difference from the documented route.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,15 +88,28 @@ def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_a_swapped_entrypoint_is_checked_and_runs_one_generation_step(tmp_path, backend):
+#: One prompt in SkyRL's dataset format, for --data.
+_ROW = {
+    "prompt": [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does Tom have now?"}],
+    "env_class": "gsm8k",
+    "reward_spec": {"method": "rule", "ground_truth": "8"},
+}
+
+
+@pytest.mark.parametrize(
+    ("backend", "data", "rollouts"),
+    [("asyncio", None, 4), ("trio", "prompts.jsonl", 2)],  # the embedded problems; one row of the user's
+)
+def test_a_swapped_entrypoint_is_checked_and_runs_one_generation_step(tmp_path, backend, data, rollouts):
     (tmp_path / "my_entrypoint.py").write_text(_SWAPPED, encoding="utf-8")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(_ROW) + "\n", encoding="utf-8")
     proc = _check(
         tmp_path,
         "--entrypoint",
         "my_entrypoint.py",
         "--backend",
         backend,
+        *(() if data is None else ("--data", data)),
         *_SMALL,
         "generator.skip_failed_rollouts=true",
         "environment.skyrl_gym.max_env_workers=2",
@@ -106,14 +120,14 @@ def test_a_swapped_entrypoint_is_checked_and_runs_one_generation_step(tmp_path, 
         "entrypoint: my_entrypoint.py (MyExp), config StructuredTrainConfig",
         "generator: StructuredGymGenerator, built by MyExp.get_generator",
     ]
-    assert lines[2].startswith("generation step: 4 rollouts finished in ")
+    assert lines[2].startswith(f"generation step: {rollouts} rollouts finished in ")
     assert lines[2].endswith(f" s on {backend}; the output passes validate_generator_output")
     assert lines[3:] == [
         "check passed: the swap and the configuration are ready for SkyRL's trainer (the GPU stack is not tried)"
     ]
     # The user's own get_generator built it, from the overrides as SkyRL's parser read them.
     assert "MyExp.get_generator: skip_failed_rollouts=True max_env_workers=2\n" in proc.stderr
-    assert f"generation step: 4 rollouts on the embedded engine (tiny offline model), backend {backend}\n" in (
+    assert f"generation step: {rollouts} rollouts on the embedded engine (tiny offline model), backend {backend}\n" in (
         proc.stderr
     )
     assert "the entrypoint's main ran" not in proc.stderr  # imported, not run: no training starts
