@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("skyrl.train.config")
 pytest.importorskip("jaxtyping")  # SkyRL's trainer entrypoint imports it (the [skyrl] extra has it)
 
+pytestmark = pytest.mark.slow
+
 _SHIM = """\
 import sys
 
@@ -161,3 +163,25 @@ def test_check_help_says_what_it_runs_and_what_to_install():
     assert "through SkyRL's own parser" in text
     assert "pip install -e '/path/to/skyrl_structured[skyrl]' on Python 3.12" in text
     assert "--entrypoint FILE|MODULE[:CLASS]" in text
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="SkyRL's modules import on Python 3.12")
+def test_on_python_3_11_the_check_says_which_python_and_install_it_needs(tmp_path):
+    # No shim here: what a user on Python 3.11 sees, for this package's entrypoint and for their own.
+    (tmp_path / "my_entrypoint.py").write_text(_SWAPPED, encoding="utf-8")
+    for args in ((), ("--entrypoint", "my_entrypoint.py")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "skyrl_structured", "check", *args, *_SMALL],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+        (line,) = proc.stderr.splitlines()
+        assert "(PydanticUserError: Please use `typing_extensions.TypedDict` instead of `typing.TypedDict`" in line
+        assert line.endswith(
+            "for this check: pip install -e '/path/to/skyrl_structured[skyrl]' on Python 3.12 "
+            "(docs/swap.md, 'Before booking GPUs')"
+        )

@@ -106,12 +106,15 @@ def _structured_experiment(integration: ModuleType) -> type:
     try:
         structured: type = integration.StructuredPPOExp
     except ImportError as exc:  # SkyRL's trainer modules missing, or a Python they do not import on
-        cause = exc.__cause__ or exc
-        raise _Unavailable(
-            f"SkyRL's trainer entrypoint (skyrl.train.entrypoints.main_base) cannot be imported here "
-            f"({_first_line(cause)}); for this check: {CPU_INSTALL}"
-        ) from exc
+        what = "SkyRL's trainer entrypoint (skyrl.train.entrypoints.main_base) cannot be imported"
+        raise _unavailable(what, exc) from exc
     return structured
+
+
+def _unavailable(what: str, exc: ImportError) -> _Unavailable:
+    """One line: what cannot be imported, the first line of why, and this check's install (not the GPU stack's)."""
+    cause = exc.__cause__ or exc
+    return _Unavailable(f"{what} here ({_first_line(cause)}); for this check: {CPU_INSTALL}")
 
 
 @dataclass
@@ -208,7 +211,7 @@ def _parse(entry: _Entrypoint, overrides: list[str], integration: ModuleType) ->
         else:
             cfg = integration.parse_config(overrides, entry.config_cls)
     except ImportError as exc:  # SkyRLUnavailableError: a Python or install SkyRL cannot run on
-        raise _Unavailable(str(exc)) from exc
+        raise _unavailable("SkyRL cannot build its configuration", exc) from exc
     except ValueError as exc:
         raise _Refused(str(exc)) from exc
     return cfg
