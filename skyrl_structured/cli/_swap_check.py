@@ -198,7 +198,9 @@ def _entrypoint(where: str | None, integration: ModuleType) -> _Entrypoint:
             )
         if len(leaves) > 1:
             names = ", ".join(cls.__name__ for cls in leaves)
-            raise _Refused(f"{target} defines several experiment classes ({names}): name one as {target}:{names[0]}")
+            raise _Refused(
+                f"{target} defines several experiment classes ({names}): name one as {target}:{leaves[0].__name__}"
+            )
         experiment = leaves[0]
     return _Entrypoint(f"{target} ({experiment.__name__})", _config_class(module, integration), experiment)
 
@@ -246,6 +248,8 @@ def _batch(cfg: Any, data: str | None) -> GeneratorInput:
 
 @dataclass
 class _Step:
+    """What the generation step did: the generator's class name, its output, how long ``generate()`` took."""
+
     generator: str = ""
     output: GeneratorOutput | None = None
     seconds: float = 0.0
