@@ -228,8 +228,56 @@ def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parse
     assert cfg.generator.rollout_timeout_s == 45
     assert cfg.generator.max_turns == 3
     assert cfg.generator.max_rollout_retries == 0
-    with pytest.raises(ValueError, match=r"Invalid fields \{'skip_failed_rollout'\} for StructuredGeneratorConfig"):
+    with pytest.raises(ValueError, match=r"^unknown key") as refused:
         skyrl_cli_parser(["generator.skip_failed_rollout=true"])
+    assert str(refused.value) == (
+        "unknown key `generator.skip_failed_rollout`; did you mean `generator.skip_failed_rollouts` or "
+        "`generator.failed_rollout_policy`?"
+    )
+
+
+def test_skyrls_parser_refuses_an_unknown_key_in_one_line_with_close_matches(skyrl_cli_parser):
+    """SkyRL says ``Invalid fields {...} for <class>. Valid fields are {...}`` (unordered sets, no path); a
+    swapped entrypoint parsing with StructuredTrainConfig names the key and what it was probably meant to be."""
+    cases = {
+        # a sibling spelled alike, in a nested section
+        "generator.sampling_params.temprature=0.5": "unknown key `generator.sampling_params.temprature`; "
+        "did you mean `generator.sampling_params.temperature`?",
+        # the right name under another section
+        "trainer.max_turns=2": "unknown key `trainer.max_turns`; did you mean `generator.max_turns`?",
+        # a misspelled section: the same name under the real one
+        "generatr.max_turns=2": "unknown key `generatr.max_turns`; did you mean `generator.max_turns`?",
+        # a key of our gym section
+        "environment.skyrl_gym.env_exector=process": "unknown key `environment.skyrl_gym.env_exector`; "
+        "did you mean `environment.skyrl_gym.env_executor`?",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ValueError, match=r"^unknown key") as refused:
+            skyrl_cli_parser([override])
+        assert str(refused.value) == message
+        assert "Invalid fields" in str(refused.value.__cause__)  # SkyRL's refusal, translated
+    # Nothing alike: the section's keys, sorted, on the same line.
+    with pytest.raises(ValueError, match=r"^unknown key") as refused:
+        skyrl_cli_parser(["trainer.placement.zzz=1"])
+    (line,) = str(refused.value).splitlines()
+    names = sorted(f.name for f in dataclasses.fields(skyrl_config.PlacementConfig))
+    assert line == f"unknown key `trainer.placement.zzz`. Keys under `trainer.placement`: {', '.join(names)}"
+    # A key below a field that takes a mapping is SkyRL's to read: not refused as unknown.
+    cfg = skyrl_cli_parser(["generator.inference_engine.engine_init_kwargs.max_num_seqs=8"])
+    assert cfg.generator.inference_engine.engine_init_kwargs["max_num_seqs"] == 8
+    # The first unknown key, in the order given; the same through parse_config with SkyRL's own root class.
+    with pytest.raises(ValueError, match=r"^unknown key `generator.max_turn`; did you mean `generator.max_turns`"):
+        integration.parse_config(["generator.max_turn=2", "trainer.sed=1"], skyrl_config.SkyRLTrainConfig)
+
+
+def test_the_entrypoint_refuses_a_misspelled_key_in_one_line(skyrl_cli_parser, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        integration.main(["generator.skip_failed_rolouts=true"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unknown key `generator.skip_failed_rolouts`; did you mean `generator.skip_failed_rollouts` or "
+        "`generator.failed_rollout_policy`?"
+    ]
 
 
 def test_skyrls_parser_reads_max_concurrent_rollouts_auto_and_its_knobs(skyrl_cli_parser):

@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "failures": 0,
     "config": 0,
+    "keys": 0,
     "observe": 0,
     "_observers": 0,
     "progress": 0,

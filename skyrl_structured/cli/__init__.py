@@ -5,6 +5,10 @@
 on a CPU: the embedded arithmetic word problems, ``skyrl_gym``'s ``gsm8k`` environment and a tiny
 random model. Exit status: 0 done, 1 the step failed, 2 a configuration refused, 130/143 stopped
 by SIGINT/SIGTERM.
+
+``skyrl-structured check [--entrypoint FILE|MODULE[:CLASS]] [KEY=VALUE ...]`` tries a swapped SkyRL
+entrypoint on a CPU: SkyRL's parser, the experiment's ``get_generator`` and one generation step on
+the tiny model (see :mod:`._swap_check`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ._outputs import write_outputs, write_summary_json
 from ._run import RunResult, StepHooks, is_duplicate, run_step
 from ._schema import RolloutConfig
 from ._summary import agent_line, batch_line, environments_line, summarize
+from ._swap_check import CHECK_DESCRIPTION, add_check_arguments, check
 from ._table import format_summary
 from ._trajectories import TRAJECTORIES_FILE, jsonable
 from ._values import ConfigError
@@ -95,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the resolved configuration as YAML and exit"
     )
     rollout.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    check = commands.add_parser(
+        "check",
+        help="try a swapped SkyRL entrypoint and its configuration on a CPU",
+        description=CHECK_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_check_arguments(check)
     return parser
 
 
@@ -368,6 +380,10 @@ def _finish(plan: _Plan, args: argparse.Namespace, result: RunResult, finishing:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    return check(args, say=_status, error=_error)
+
+
 def _import_from_cwd() -> None:
     """Let ``env_class: my_envs.mod:MyEnv`` import from the current directory, as ``python -m`` does.
 
@@ -390,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     args.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
-    handlers: dict[str, Any] = {"rollout": _rollout}
+    handlers: dict[str, Any] = {"rollout": _rollout, "check": _check}
     status: int = handlers[args.command](args)
     if argv is None and status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         # Stopped, and everything is written: a repeat of the stop landing while the interpreter

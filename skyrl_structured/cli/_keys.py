@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 
+from ..keys import close_siblings, did_you_mean, look_alikes, same_name, siblings
 from ._schema import ENV_SECTIONS, SECTIONS, KeySpec, key_specs
 from ._values import ConfigError
 
@@ -86,19 +87,16 @@ def unknown_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigErr
     parent_spec = specs.get(parent)
     if parent_spec is not None and parent_spec.section is None:
         return ConfigError(f"`{parent}` is a single value, not a section: `{key}`{where} does not exist")
-    siblings = [p.rpartition(".")[2] for p in specs if p.rpartition(".")[0] == parent]
-    close = [f"{parent}.{c}" for c in difflib.get_close_matches(key.rpartition(".")[2], siblings, n=2, cutoff=0.6)]
+    close = close_siblings(key, specs)
     if not close:  # maybe the right name under another section
         leaves = [p for p, s in specs.items() if s.section is None]
-        name = key.rpartition(".")[2]
-        close = [p for p in leaves if p.rpartition(".")[2] == name][:2]
+        close = same_name(key, leaves)
         hint_text = None if close else _skyrl_hint(key, exact=False)
         if hint_text is not None:
             return ConfigError(f"unknown key `{key}`{where}: {hint_text}")
-        close = close or difflib.get_close_matches(key, leaves, n=2, cutoff=0.8)
-    hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
-    listing = f" Keys under `{parent}`: {', '.join(siblings)}" if parent in specs else ""
-    return ConfigError(f"unknown key `{key}`{where}{hint}{listing}")
+        close = close or look_alikes(key, leaves)
+    listing = f" Keys under `{parent}`: {', '.join(siblings(key, specs))}" if parent in specs else ""
+    return ConfigError(f"unknown key `{key}`{where}{did_you_mean(close)}{listing}")
 
 
 def _top_key_hint(key: str) -> str:
@@ -118,5 +116,6 @@ def _bare_key(key: str, specs: Mapping[str, KeySpec], where: str) -> ConfigError
         close = [path for name in names for path in by_name[name]][:2]
     if not close:
         close = [f"{c}.*" for c in difflib.get_close_matches(key, SECTIONS, n=1)]
-    hint = f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
-    return ConfigError(f"unknown key `{key}`{where}: keys are `section.name`{hint} Sections: {', '.join(SECTIONS)}")
+    return ConfigError(
+        f"unknown key `{key}`{where}: keys are `section.name`{did_you_mean(close)} Sections: {', '.join(SECTIONS)}"
+    )

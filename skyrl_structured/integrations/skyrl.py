@@ -36,7 +36,7 @@ import platform
 import sys
 import textwrap
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +54,7 @@ from ..config import (
     resolve_agent_endpoint,
     resolve_resilience,
 )
+from ..keys import dataclass_keys, did_you_mean, siblings, suggest
 from ..types import SkyRLConfig
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
@@ -93,6 +94,7 @@ __all__ = [
     "StructuredSkyRLGymConfig",
     "StructuredTrainConfig",
     "check_structured_config",
+    "entrypoint_config",
     "fully_async_failure_budget",
     "main",
     "parse_config",
@@ -189,12 +191,66 @@ class StructuredEnvironmentConfig(_SkyRLEnvironmentConfig):  # type: ignore[misc
     skyrl_gym: StructuredSkyRLGymConfig = field(default_factory=StructuredSkyRLGymConfig)  # type: ignore[valid-type]
 
 
+_Parsed = typing.TypeVar("_Parsed")
+
+
+def _override_keys(args: Sequence[str] | Mapping[str, Any]) -> list[str]:
+    if isinstance(args, Mapping):
+        return [str(key) for key in args]
+    return [arg.partition("=")[0] for arg in args]
+
+
+def _unknown_key(config_cls: type, args: Sequence[str] | Mapping[str, Any]) -> ValueError | None:
+    """The first override naming no field of ``config_cls`` (a key below a value field, a dict's, is SkyRL's call)."""
+    known = dataclass_keys(config_cls)
+    leaves = [key for key, takes_value in known.items() if takes_value]
+    for key in _override_keys(args):
+        if key in known or any(key.startswith(f"{leaf}.") for leaf in leaves):
+            continue
+        close = suggest(key, known, leaves)
+        parent = key.rpartition(".")[0]
+        if close:
+            listing = ""
+        elif parent in known:
+            listing = f" Keys under `{parent}`: {', '.join(sorted(siblings(key, known)))}"
+        else:
+            listing = (
+                f" Sections: {', '.join(k for k, takes_value in known.items() if '.' not in k and not takes_value)}"
+            )
+        return ValueError(f"unknown key `{key}`{did_you_mean(close)}{listing}")
+    return None
+
+
+def _suggesting(
+    config_cls: type, args: Sequence[str] | Mapping[str, Any], parse: typing.Callable[[], _Parsed]
+) -> _Parsed:
+    """Run SkyRL's parser; its refusal of an unknown key (``Invalid fields {...}``) becomes one line, with close
+    matches."""
+    try:
+        return parse()
+    except ValueError as exc:
+        refusal = _unknown_key(config_cls, args) if str(exc).startswith("Invalid fields") else None
+        if refusal is None:
+            raise
+        raise refusal from exc
+
+
 @dataclass
 class StructuredTrainConfig(_SkyRLTrainConfig):  # type: ignore[misc]
     """SkyRL's root config with our ``generator`` and ``environment`` sections (SkyRL's plus our knobs)."""
 
     generator: StructuredGeneratorConfig = field(default_factory=StructuredGeneratorConfig)
     environment: StructuredEnvironmentConfig = field(default_factory=StructuredEnvironmentConfig)
+
+    @classmethod
+    def from_cli_overrides(cls, args: Sequence[str] | Mapping[str, Any]) -> Any:
+        """SkyRL's parser, which refuses an unknown key; here in one line naming the key, with close matches.
+
+        Raises:
+            ValueError: an unknown key (``unknown key `generator.max_turn`; did you mean
+                `generator.max_turns`?``), or any refusal of SkyRL's own.
+        """
+        return _suggesting(cls, args, lambda: super(StructuredTrainConfig, cls).from_cli_overrides(args))
 
 
 def check_structured_config(cfg: SkyRLConfig) -> None:
@@ -262,17 +318,36 @@ def _strip_routing(args: Sequence[str]) -> list[str]:
     return [a for a in args if not a.startswith("trainer.override_entrypoint=")]
 
 
-def parse_config(argv: Sequence[str]) -> StructuredTrainConfig:
-    """:class:`StructuredTrainConfig` from SkyRL-style ``key=value`` overrides, checked before Ray starts.
+def parse_config(argv: Sequence[str], config_cls: type | None = None) -> Any:
+    """The config from SkyRL-style ``key=value`` overrides, checked before Ray starts.
+
+    ``config_cls`` is the root config class an entrypoint parses with (default
+    :class:`StructuredTrainConfig`; SkyRL's ``SkyRLTrainConfig`` or a subclass of it); SkyRL's own
+    parser reads the overrides either way.
 
     Raises:
         SkyRLUnavailableError: SkyRL cannot build its configuration on this Python or install
             (the message names the fix).
-        ValueError: an unknown key, or a configuration the generator refuses.
+        ValueError: an unknown key (one line, with close matches), or a configuration the generator refuses.
     """
     _require_skyrl_runtime()
-    cfg: StructuredTrainConfig = StructuredTrainConfig.from_cli_overrides(_strip_routing(argv))
+    root: Any = StructuredTrainConfig if config_cls is None else config_cls
+    args = _strip_routing(argv)
+    cfg = _suggesting(root, args, lambda: root.from_cli_overrides(args))
     check_structured_config(cfg)
+    return cfg
+
+
+def entrypoint_config(argv: Sequence[str]) -> StructuredTrainConfig:
+    """What this module's entrypoint trains with: :func:`parse_config`, and refused if fully-async (it drives
+    SkyRL's synchronous trainer).
+
+    Raises:
+        SkyRLUnavailableError: as :func:`parse_config`.
+        ValueError: as :func:`parse_config`, or ``trainer.fully_async.enabled=true``.
+    """
+    cfg: StructuredTrainConfig = parse_config(argv)
+    _refuse_fully_async(cfg)
     return cfg
 
 
@@ -343,8 +418,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(usage())
         return
     try:
-        cfg = parse_config(args)
-        _refuse_fully_async(cfg)
+        cfg = entrypoint_config(args)
         from ._skyrl_experiment import run
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
