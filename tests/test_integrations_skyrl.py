@@ -424,7 +424,15 @@ def test_main_refuses_fully_async_and_points_at_the_three_line_edit(skyrl_cli_pa
     sys.version_info >= (3, 12) and importlib.util.find_spec("ray") is not None,
     reason="SkyRL's experiment imports here: nothing to refuse",
 )
-def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser, capsys):
+def test_experiment_without_skyrls_training_stack_says_what_to_install(skyrl_cli_parser, capsys, monkeypatch):
+    # As if SkyRL's training stack were not installed. Not left to chance: with jaxtyping and torchdata
+    # installed (the `skyrl` extra), SkyRL's main_base imports here once another test has imported
+    # SkyRL's config modules, so the outcome depended on which tests ran before in this process.
+    import skyrl_structured.integrations as integrations
+
+    monkeypatch.setitem(sys.modules, "skyrl.train.entrypoints.main_base", None)
+    monkeypatch.delitem(sys.modules, "skyrl_structured.integrations._skyrl_experiment", raising=False)
+    monkeypatch.delattr(integrations, "_skyrl_experiment", raising=False)
     with pytest.raises(ImportError, match=r"running SkyRL's trainer needs SkyRL with its training dependencies"):
         integration.StructuredPPOExp  # noqa: B018 - the attribute access is the import
     # main() parses and checks first (SkyRL's override_entrypoint key is its routing, not a field).
