@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._anthropic import message_body, messages_request
-from ._capture import CallRecord, Capture, chat_completion_body, encode
+from ._capture import CallRecord, Capture, encode
+from ._chat import chat_completion_body
 from ._responses import chat_request
 
 __all__ = ["CallCheck", "CaptureCheck", "check_capture"]

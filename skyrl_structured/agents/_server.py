@@ -46,11 +46,10 @@ from ._capture import (
     CallRecord,
     Capture,
     Prepared,
-    chat_completion_body,
-    chat_completion_stream,
     check_encodable,
     engine_sampling_params,
 )
+from ._chat import chat_completion_body, chat_completion_stream
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
