@@ -184,7 +184,9 @@ async def measure(engine: HTTPEngine, generator: Any, batch: dict[str, Any], set
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "peak_kv_cache_usage": peak_kv,
         "peak_requests_waiting": peak_waiting,
-        "rollout_metrics": {k: v for k, v in output.get("rollout_metrics", {}).items() if "admission" in k},
+        "rollout_metrics": {
+            k: v for k, v in output.get("rollout_metrics", {}).items() if "admission" in k or "kv_cache" in k
+        },
     }
 
 

@@ -281,6 +281,39 @@ async def test_a_client_that_reports_no_load_runs_at_the_fixed_fallback_logged_o
         assert (metrics["generate/admission_limit_min"], metrics["generate/admission_limit_max"]) == (2.0, 2.0)
 
 
+async def test_preemptions_between_two_calls_are_neither_calls(tokenizer, anyio_backend):
+    gates = {"a": anyio.Event(), "b": anyio.Event()}
+    engine = ScriptedLoad(ScriptedEngine(tokenizer, gated(gates)))
+    gen = make_generator(tokenizer, engine, **AUTO, admission_min_rollouts=2)
+    gen.admission_interval_s = 0.0
+    watch = AdmissionWatch()
+    gen.observers.append(watch)
+    ledger = EnvLedger()
+    out: dict[str, GeneratorOutput] = {}
+
+    async def run(name: str) -> None:
+        out[name] = await gen.generate(batch_of(4, name, ledger), disable_tqdm=True)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, "a")
+            engine.give(0.1, preemptions=3)  # the server's first reading: its baseline
+            engine.give(0.1, preemptions=5)  # 2 new: a cut
+            await watch.until(lambda w: len(w.decisions) == 2)
+            gates["a"].set()
+        # Between the calls the server preempted 15 more times (another generator's batch, say).
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, "b")
+            engine.give(0.1, preemptions=20)  # b's first reading: a baseline again, no news
+            engine.give(0.1, preemptions=21)  # 1 new, during b: a cut
+            await watch.until(lambda w: len(w.decisions) == 4)
+            gates["b"].set()
+    assert [reason for _, _, reason in watch.decisions] == ["grow", "cut_preempted", "grow", "cut_preempted"]
+    a, b = out["a"]["rollout_metrics"] or {}, out["b"]["rollout_metrics"] or {}
+    assert a["generate/admission_engine_preemptions"] == 2.0
+    assert b["generate/admission_engine_preemptions"] == 1.0
+
+
 async def test_without_auto_the_metrics_are_the_drop_in_ones(tokenizer, anyio_backend):
     gen = make_generator(tokenizer, max_concurrent_rollouts=2)
     output = await gen.generate(batch_of(3, "a", EnvLedger()), disable_tqdm=True)

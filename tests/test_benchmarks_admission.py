@@ -43,18 +43,19 @@ async def test_every_contender_runs_and_reads_the_servers_counters(anyio_backend
     engine = ScriptedEngine(tokenizer, lambda call: Reply("ok"))
     async with serve_vllm(engine, model="tiny", intercept=metrics) as server:
         result = await run_all(server.url, "tiny", tokenizer, settings, log=lambda message: None)
-    assert served == 3 * 4 * 2  # every contender: 4 rollouts of 2 turns
+    assert served == 4 * 4 * 2  # every contender, auto too: 4 rollouts of 2 turns
     rows = {row["contender"]: row for row in result["rows"]}
     assert list(rows) == ["all at once", "fixed 1", "fixed 2", "auto"]
-    ran = [row for row in rows.values() if row["available"]]
+    ran = list(rows.values())
+    assert all(row["available"] for row in ran)
     for row in ran:
         assert row["prefix_cache_hit_rate"] == 0.4
         assert row["preemptions"] == 0
         assert row["response_tokens"] == ran[0]["response_tokens"] > 0
         assert row["wall_ratio_to_all_at_once"] == row["wall_s"]["median"] / rows["all at once"]["wall_s"]["median"]
     assert result["best_fixed"] in {"fixed 1", "fixed 2"}
-    if not rows["auto"]["available"]:  # until the generator takes max_concurrent_rollouts="auto"
-        assert "max_concurrent_rollouts" in rows["auto"]["why"]
+    assert rows["auto"]["rollout_metrics"]["generate/admission_fallback"] == 0.0  # it read the server's /metrics
+    assert rows["all at once"]["rollout_metrics"] == {}
     payload = {
         **result,
         "settings": {"rollouts": 4, "turns": 2, "max_tokens": 4, "env_step_s": 0.0, "repeats": 1},

@@ -145,3 +145,17 @@ def test_without_a_reading_it_holds():
     held = decide(state(20), [], admitted=20, waiting=5, bounds=BOUNDS, now=2)
     assert (held.limit, held.reason, held.kv_cache_usage, held.new_preemptions) == (20, "hold_no_signal", None, 0)
     assert held.state == state(20)
+
+
+def test_a_resumed_state_keeps_the_limit_and_counts_preemptions_from_its_first_reading():
+    # The servers preempted 20 times between two calls (another generator's batch): not news to the next call.
+    between = state(10, changed_at=3.0, preemptions={"a": 5})
+    reading = [load(0.1, at=4.0, preemptions=25)]
+    assert decide(between, reading, admitted=10, waiting=1, bounds=BOUNDS, now=5.0).reason == "cut_preempted"
+    resumed = between.resumed()
+    assert (resumed.limit, resumed.changed_at, dict(resumed.preemptions)) == (10, 3.0, {})
+    first = decide(resumed, reading, admitted=10, waiting=1, bounds=BOUNDS, now=5.0)
+    assert (first.new_preemptions, first.reason, first.limit) == (0, "grow", 11)
+    assert dict(first.state.preemptions) == {"a": 25}
+    later = decide(first.state, [load(0.1, at=6.0, preemptions=27)], admitted=11, waiting=1, bounds=BOUNDS, now=7.0)
+    assert (later.new_preemptions, later.reason, later.limit) == (2, "cut_preempted", 7)

@@ -16,6 +16,8 @@ Fixtures:
   (``.url``, ``.model``, ``.model_dir``, ``.log_path``, ``.metrics_text()``, ``.metric(name,
   **labels)``, ``.aborted_requests(since=...)``, ``.log_text()``, ``.kill()``, ``.restart()``);
 - ``vllm_server_pair`` (session, started only if a test asks): two more, on two ports;
+- ``vllm_server_small_kv`` (session, started only if a test asks): one more whose KV cache holds
+  1,024 tokens (``servers.SmallKVServer``), so that a few multi-turn rollouts at once preempt;
 - ``tokenizer`` (session): the tiny tokenizer, loaded from ``vllm_model_dir``;
 - ``anyio_backend``: ``"asyncio"`` and ``"trio"``.
 
@@ -38,7 +40,7 @@ import pytest
 
 from skyrl_structured.testing.envs import register_scripted_env
 
-from .servers import VLLMServer, build_model_dir
+from .servers import SmallKVServer, VLLMServer, build_model_dir
 
 register_scripted_env()
 
@@ -56,9 +58,10 @@ class _Servers:
         for name in names:
             if name in self.by_name:
                 continue
-            server = VLLMServer(self.model_dir, self.log_dir / f"{name}.log")
+            kind = _SERVER_KINDS.get(name, VLLMServer)
+            server = kind(self.model_dir, self.log_dir / f"{name}.log")
             while server.port in {s.port for s in self.by_name.values()}:
-                server = VLLMServer(self.model_dir, self.log_dir / f"{name}.log")
+                server = kind(self.model_dir, self.log_dir / f"{name}.log")
             self.by_name[name] = server
             server.launch()
 
@@ -76,7 +79,13 @@ class _Servers:
 
 
 #: The servers each server fixture stands for, by fixture name.
-_SERVER_FIXTURES = {"vllm_server": ("server",), "vllm_server_pair": ("pair-0", "pair-1")}
+_SERVER_FIXTURES = {
+    "vllm_server": ("server",),
+    "vllm_server_pair": ("pair-0", "pair-1"),
+    "vllm_server_small_kv": ("small-kv",),
+}
+#: The servers that are not a plain :class:`VLLMServer`, by name.
+_SERVER_KINDS: dict[str, type[VLLMServer]] = {"small-kv": SmallKVServer}
 
 
 @pytest.fixture(scope="session")
@@ -155,6 +164,12 @@ def _revive_killed_servers(request: pytest.FixtureRequest) -> Iterator[None]:
         for server in servers.by_name.values():
             if not server.alive():
                 server.relaunch()
+
+
+@pytest.fixture(scope="session")
+def vllm_server_small_kv(_vllm_servers: _Servers) -> VLLMServer:
+    """A real vLLM server of the tiny model whose KV cache is small (:class:`~vllm_tests.servers.SmallKVServer`)."""
+    return _vllm_servers.ready("small-kv")[0]
 
 
 @pytest.fixture(scope="session")

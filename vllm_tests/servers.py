@@ -35,6 +35,11 @@ MAX_MODEL_LEN = 4096
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "600"))
 MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
 OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")
+#: :class:`SmallKVServer`'s KV cache: 32 blocks of 32 tokens, 1,024 tokens in all; its context is
+#: shorter (vLLM keeps a block of the cache to itself and refuses a context the rest cannot hold).
+SMALL_KV_BLOCKS = 32
+SMALL_KV_BLOCK_SIZE = 32
+SMALL_KV_MAX_MODEL_LEN = 512
 
 
 def free_port() -> int:
@@ -338,6 +343,23 @@ class VLLMServer:
 
     def __repr__(self) -> str:
         return f"VLLMServer({self.url}, model={self.model!r}, alive={self.alive()})"
+
+
+class SmallKVServer(VLLMServer):
+    """A lane server whose KV cache holds only :data:`SMALL_KV_BLOCKS` blocks of :data:`SMALL_KV_BLOCK_SIZE`
+    tokens (``--num-gpu-blocks-override``): a small batch of multi-turn rollouts run all at once does
+    not fit, so vLLM preempts (the admission tests). No log line per request: nothing reads them."""
+
+    def command(self) -> list[str]:
+        cmd = [arg for arg in super().command() if arg != "--enable-log-requests"]
+        cmd[cmd.index("--max-model-len") + 1] = str(SMALL_KV_MAX_MODEL_LEN)
+        return [
+            *cmd,
+            "--block-size",
+            str(SMALL_KV_BLOCK_SIZE),
+            "--num-gpu-blocks-override",
+            str(SMALL_KV_BLOCKS),
+        ]
 
 
 def build_model_dir(path: Path, *, seed: int = MODEL_SEED, init_std: float = MODEL_INIT_STD) -> Path:

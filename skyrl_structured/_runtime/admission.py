@@ -27,7 +27,9 @@ increase tapered by KV-cache headroom, as prime-rl validated it (prime-rl #3285,
 
 Servers' counters are cumulative; a counter lower than last seen is a restarted server, whose count
 since the restart is all new. A server seen for the first time sets its baseline (its history is
-not this run's doing).
+not this run's doing), and so does every server when a ``generate()`` call starts while none of
+the generator's calls runs (:meth:`AdmissionState.resumed`): what the servers counted between
+calls (a weight sync, another generator's batch) is not this generator's doing either.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ class AdmissionState:
     def start(cls, bounds: AdmissionBounds) -> AdmissionState:
         """The first state: the limit at the floor, the one value known to fit."""
         return cls(limit=bounds.floor)
+
+    def resumed(self) -> AdmissionState:
+        """The state for a call that starts while none runs: the limit kept, every server's baseline taken afresh."""
+        return AdmissionState(self.limit, changed_at=self.changed_at)
 
 
 @dataclass(frozen=True)

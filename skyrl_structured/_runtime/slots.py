@@ -200,6 +200,8 @@ class Admission:
     async def drive(self, read: LoadReader, record: AdmissionRecord, observers: Observers, interval_s: float) -> None:
         """Follow the engines' load until cancelled: wait for the call driving now to end, then read,
         decide and apply every ``interval_s`` (the call's rollouts ending cancels this)."""
+        if not self._records:  # no call ran since the last ended: the servers' counts since are not ours
+            self.state = self.state.resumed()
         self._records.append(record)
         try:
             async with self._driving:
