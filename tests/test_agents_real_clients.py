@@ -146,6 +146,15 @@ def recipe_source() -> str:
     return str(block)
 
 
+#: What the recipe sets in the environment before it imports LiteLLM.
+RECIPE_ENV = (
+    "LITELLM_OFFLINE_MODE",
+    "LITELLM_LOCAL_MODEL_COST_MAP",
+    "MSWEA_SILENT_STARTUP",
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT",
+)
+
+
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
     """The recipe as a file (for the command agent) and as an imported module (for the thread agent).
@@ -158,7 +167,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
     path.write_text(recipe_source(), encoding="utf-8")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(folder / "mswea"))
-        for name in ("LITELLM_OFFLINE_MODE", "LITELLM_LOCAL_MODEL_COST_MAP", "MSWEA_SILENT_STARTUP"):
+        for name in RECIPE_ENV:
             patch.delenv(name, raising=False)  # set again by the recipe, and undone when the module's tests end
         spec = importlib.util.spec_from_file_location("mini_swe_agent_recipe", path)
         assert spec is not None
@@ -303,9 +312,13 @@ class HungThreadAgent:
             os.close(os.open(self.hold, os.O_WRONLY | os.O_NONBLOCK))
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["endpoint_per_call", "endpoint_kept"])
 async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus_the_cleanup_bound(
-    hermes, anyio_backend, recipe, tmp_path, caplog
+    hermes, anyio_backend, recipe, tmp_path, caplog, kept
 ):
+    """``kept``: the endpoint stays up across ``generate()`` calls (``serving()``), else it closes with the call,
+    as in SkyRL's trainer. The abandoned agent's next call then meets the ended session's 404, or a refused
+    connection; either ends its run at once (the recipe turns mini-swe-agent's retries off)."""
     pidfile = tmp_path / "pids"
     agent = HungThreadAgent(recipe, tmp_path / "hold")
     command = f"echo $$ > {{pids}}.tmp && mv {{pids}}.tmp {{pids}} && cat {agent.hold}"
@@ -328,8 +341,7 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
         agent.release()
 
     try:
-        # One endpoint across the step, as a trainer keeps it: the abandoned agent's next call is answered.
-        async with generator.serving(), anyio.create_task_group() as outer:
+        async with generator.serving() if kept else contextlib.nullcontext(), anyio.create_task_group() as outer:
             outer.start_soon(watchdog)
             out = await generate_paused_until(generator, pidfile, batch(1))
             (pid,) = pids_in(pidfile)
@@ -345,12 +357,16 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
     assert row(out, 0) == {**placeholder(hermes.pad_token_id), "lp": None}  # no row sampled: no logprobs
     metrics = out["rollout_metrics"] or {}
     assert (metrics["generate/num_timed_out_rollouts"], metrics["generate/env_cleanup_timeouts"]) == (1, 1)
-    # Its next call got the ended session's 404, which LiteLLM raises as NotFoundError and mini-swe-agent
-    # does not retry (no tenacity "Retrying" warning): the run ended there, and its thread with it.
-    import litellm
+    # Its next call failed once, and mini-swe-agent did not retry it (no tenacity "Retrying" warning): the run
+    # ended there, and its thread with it.
+    from litellm.exceptions import InternalServerError, NotFoundError
 
-    assert isinstance(agent.outcome, litellm.NotFoundError), agent.outcome
-    assert "rollout q0_0 has ended" in str(agent.outcome)
+    if kept:
+        assert isinstance(agent.outcome, NotFoundError), agent.outcome
+        assert "rollout q0_0 has ended" in str(agent.outcome)
+    else:
+        assert isinstance(agent.outcome, InternalServerError), agent.outcome  # LiteLLM's name for it
+        assert "Connection error" in str(agent.outcome)
     assert not [r for r in caplog.records if r.name == "litellm_model"]
     with anyio.fail_after(HANG_S):
         assert await anyio.to_thread.run_sync(wait_env_thread_calls, HANG_S)
