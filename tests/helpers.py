@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -102,6 +102,18 @@ def other_tasks() -> int:
     import trio
 
     return len(trio.lowlevel.current_task().child_nurseries)
+
+
+def run_asyncio(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on asyncio's own event loop, whatever ran before in this process.
+
+    Once anything imports ``trio_asyncio`` (the engines' trio bridge does), ``asyncio.run`` builds a
+    trio-asyncio ``SyncTrioEventLoop`` for the rest of the process, whose ``run_in_executor`` refuses
+    a ``ThreadPoolExecutor`` (SkyRL's generator passes one): a test calling ``asyncio.run`` would pass
+    or fail depending on which tests its worker ran before.
+    """
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        return runner.run(main)
 
 
 def token_rewards(out: GeneratorOutput) -> list[list[float]]:

@@ -13,7 +13,6 @@ are skipped. Nothing here needs the network: LiteLLM is kept offline by the reci
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import json
@@ -38,6 +37,7 @@ from skyrl_structured.types import GeneratorInput, GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
 from tests._agents import hermes_template, with_template
 from tests._upstream import load_upstream_validator
+from tests.helpers import run_asyncio
 from tests.test_agents_command import _dead, gone_within_bound, pids_in
 from tests.test_agents_runtime import placeholder, question, row
 
@@ -420,7 +420,7 @@ def sdk_agent(backend: str, *, streamed: bool) -> Any:
         return solve
 
     def in_thread(ctx: AgentContext) -> float:
-        return asyncio.run(solve(ctx))
+        return run_asyncio(solve(ctx))
 
     return in_thread
 

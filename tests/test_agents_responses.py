@@ -7,7 +7,6 @@ non-canonical token ids, so a re-tokenized reply would show. Nothing here waits 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, cast
 
@@ -28,6 +27,7 @@ from tests._agents import (
     in_thread,
     with_template,
 )
+from tests.helpers import run_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -359,7 +359,7 @@ def run_agents_sdk(base_url: str, api_key: str, *, streamed: bool) -> tuple[str,
             ]
             return str(run.final_output), deltas, tool
 
-    return asyncio.run(main())
+    return run_asyncio(main())
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

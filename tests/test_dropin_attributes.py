@@ -8,7 +8,6 @@ Each test makes the same assignment on SkyRL's generator and ours and requires t
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import pytest
 
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
+from tests.helpers import run_asyncio
 
 from ._upstream import load_upstream_generator
 from .test_parity_upstream import REPLIES, assert_same_output, batch, copy_batch, engine_inputs, turn_handler
@@ -202,7 +202,7 @@ async def test_generate_after_assignment(
 
     theirs_batch = copy_batch(b)
     # SkyRL's generator is asyncio-only: it runs on its own loop in a worker thread.
-    expected = await anyio.to_thread.run_sync(lambda: asyncio.run(theirs.generate(theirs_batch, disable_tqdm=True)))
+    expected = await anyio.to_thread.run_sync(lambda: run_asyncio(theirs.generate(theirs_batch, disable_tqdm=True)))
     got = await ours.generate(copy_batch(b), disable_tqdm=True)
 
     assert_same_output(dict(got), dict(expected))

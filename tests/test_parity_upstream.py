@@ -8,7 +8,6 @@ on asyncio and trio.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from skyrl_structured import (
 from skyrl_structured._episode.chat import BUILTIN_CHAT_TEMPLATES
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+from tests.helpers import run_asyncio
 
 from ._upstream import load_upstream_generator
 from ._upstream_keys import SKYRL_MAIN_ROLLOUT_METRICS
@@ -93,7 +93,7 @@ def copy_batch(b):
 
 def run_upstream(cfg, gym_cfg, engine, tokenizer, b, **kw):
     gen = SkyRLGymGenerator(cfg, gym_cfg, engine, tokenizer, **kw)
-    return asyncio.run(gen.generate(b, disable_tqdm=True))
+    return run_asyncio(gen.generate(b, disable_tqdm=True))
 
 
 def run_ours(cfg, gym_cfg, engine, tokenizer, b, backend, **kw):

@@ -13,7 +13,6 @@ and SkyRL's own ``decode_mm_kwargs`` concatenates them.
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from typing import Any
 
@@ -33,6 +32,7 @@ from skyrl_structured import (  # noqa: E402 - after the skip
 )
 from skyrl_structured.testing import Reply, ScriptedVLMEngine, image_part, png_image  # noqa: E402
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger  # noqa: E402
+from tests.helpers import run_asyncio  # noqa: E402
 
 from ._upstream import load_upstream_vlm_generator, vllm_item_decoder  # noqa: E402
 
@@ -137,7 +137,7 @@ def check_parity(tokenizer, backend, cfg, make_batch, *, replies=REPLIES, wv=Non
     theirs_engine = engine(tokenizer, replies, wv)
     ours_engine = engine(tokenizer, replies, wv)
     upstream = SkyRLVLMGymGenerator(cfg, gym_cfg, theirs_engine, tokenizer, **kw)
-    theirs = asyncio.run(upstream.generate(make_batch(), disable_tqdm=True))
+    theirs = run_asyncio(upstream.generate(make_batch(), disable_tqdm=True))
     ours_gen = StructuredVLMGymGenerator(cfg, gym_cfg, ours_engine, tokenizer, **kw)
     ours = anyio.run(lambda: ours_gen.generate(make_batch(), disable_tqdm=True), backend=backend)
     assert_same_output(ours, theirs)
