@@ -18,6 +18,7 @@ import sys
 import anyio
 
 from .agents import _agent, _Batch, _http_client, _httpx_call
+from .harness import run_loop
 
 
 async def _rollout(base_url: str, row: int, batch: _Batch) -> None:
@@ -36,7 +37,7 @@ async def _run(urls: list[str]) -> _Batch:
 def main() -> int:
     backend = sys.argv[1] if len(sys.argv) > 1 else "asyncio"
     urls = json.loads(sys.stdin.read())
-    batch = anyio.run(_run, urls, backend=backend)
+    batch = run_loop(_run, urls, backend=backend)
     json.dump(batch.latencies, sys.stdout)
     return 0
 

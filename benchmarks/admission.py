@@ -46,7 +46,7 @@ from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, St
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.load import EngineLoad
 
-from .harness import Context, median, package_version, spread, write_json
+from .harness import Context, median, package_version, run_loop, spread, write_json
 from .vllm_share import engine_defaults, served_tiny_model
 
 NAME = "admission"
@@ -337,7 +337,7 @@ def run(
         print(f"[{time.perf_counter() - t0:7.1f}s] {message}", flush=True)
 
     load_start = os.getloadavg()[0]
-    result = anyio.run(run_all, url, model, tokenizer, settings, log)
+    result = run_loop(run_all, url, model, tokenizer, settings, log)
     payload: dict[str, Any] = {
         "goal": "auto within 10% of the best fixed bound, faster than all at once, fewer preemptions than either",
         "engine": engine_info,

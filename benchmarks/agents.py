@@ -68,7 +68,7 @@ import openai
 
 from skyrl_structured.agents import CaptureServer, CaptureSession, serve_capture
 
-from .harness import median, settle
+from .harness import median, run_loop, settle
 from .tokenizer import load_tokenizer
 from .workload import InstantEngine, LatencyEngine, ReplyPool, question
 
@@ -270,7 +270,7 @@ def _rotate(
 
     def run(kind: str) -> tuple[float, float, _Batch]:
         settle()
-        return anyio.run(_measure, kind, make_engine(), tokenizer, rows, backend, backend=backend)
+        return run_loop(_measure, kind, make_engine(), tokenizer, rows, backend, backend=backend)
 
     for kind in CONTENDERS if not args.quick else ():
         run(kind)

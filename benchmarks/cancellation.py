@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from .harness import Context, settle, spread, write_json
+from .harness import Context, run_loop, settle, spread, write_json
 from .workload import COUNTERS, BlockingEngine, ReplyPool, make_batch, make_generator
 
 TURNS = 3
@@ -110,7 +110,7 @@ def _once(
             return await _asyncio_task_run(gen, engine, batch)
         return await _cancel_scope_run(gen, engine, batch)
 
-    latency = anyio.run(main, backend=backend)
+    latency = run_loop(main, backend=backend)
     if not (COUNTERS.opened == COUNTERS.closed == n and COUNTERS.live == 0):
         raise AssertionError(f"{COUNTERS.opened} envs opened, {COUNTERS.closed} closed (expected {n})")
     if engine.finished != n:
@@ -145,7 +145,7 @@ def run(ctx: Context) -> dict[str, Any]:
     floor: list[dict[str, Any]] = []
     for backend in ctx.backends:
         for n, repeats in plan:
-            latencies = [anyio.run(_floor_run, n, backend=backend) for _ in range(repeats)]
+            latencies = [run_loop(_floor_run, n, backend=backend) for _ in range(repeats)]
             floor.append({"backend": backend, "in_flight": n, "latency_s": spread(latencies)})
             ctx.log(
                 f"cancellation floor {backend:7s} {n:>5d} bare tasks: {floor[-1]['latency_s']['median'] * 1e3:.1f} ms"

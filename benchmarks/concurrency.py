@@ -16,9 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-import anyio
-
-from .harness import Context, settle, write_json
+from .harness import Context, run_loop, settle, write_json
 from .workload import COUNTERS, LatencyEngine, ReplyPool, make_batch, make_generator
 
 TURNS = 3
@@ -82,7 +80,7 @@ def measure(
         await gen.generate(batch, disable_tqdm=True)
         return time.perf_counter() - started
 
-    wall = anyio.run(main, backend=backend)
+    wall = run_loop(main, backend=backend)
     assert COUNTERS.opened == COUNTERS.closed == plan["n"], "every environment must be closed"
     ideal = simulate(latencies, limit=limit, capacity=capacity)
     return {

@@ -47,6 +47,8 @@ from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
 from skyrl_structured.tiny import build_chatml_tokenizer
 
+from .harness import run_loop
+
 
 def _generator(tokenizer: Any, executor: str, workers: int, **cfg: Any) -> StructuredGymGenerator:
     cfg.setdefault("max_turns", 3)
@@ -200,15 +202,15 @@ if __name__ == "__main__":
     if sys.argv[1] == "main":
         batch["env_classes"] = ["bench_main_env"] * 2
     began = time.perf_counter()
-    out = anyio.run(gen.generate, batch)
+    out = run_loop(gen.generate, batch)
     first_s = time.perf_counter() - began
-    anyio.run(gen.aclose)
+    run_loop(gen.aclose)
     assert out["stop_reasons"] == ["stop", "stop"], out["stop_reasons"]
     gen = _generator(build_chatml_tokenizer(), "process", 2, rollout_timeout_s=600.0)
     began = time.perf_counter()
-    out = anyio.run(gen.generate, batch)  # two new workers; the fork server runs already
+    out = run_loop(gen.generate, batch)  # two new workers; the fork server runs already
     fresh_s = time.perf_counter() - began
-    anyio.run(gen.aclose)
+    run_loop(gen.aclose)
     print(json.dumps({"first_batch_s": first_s, "fresh_pair_s": fresh_s, "main_import_s": import_s}))
 """
 
@@ -345,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     if args.quick:
         args.repeats = 1
-    results = anyio.run(run, args, backend=args.backend)
+    results = run_loop(run, args, backend=args.backend)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

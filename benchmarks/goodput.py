@@ -21,11 +21,9 @@ import logging
 import time
 from typing import Any
 
-import anyio
-
 from skyrl_structured.testing.chaos import ChaosEngine, ChaosPolicy, register_chaos_env
 
-from .harness import Context, median, settle, spread, write_json
+from .harness import Context, median, run_loop, settle, spread, write_json
 from .workload import BENCH_ENV, InstantEngine, ReplyPool, make_batch, make_generator, register_bench_env
 
 TURNS = 3
@@ -59,7 +57,7 @@ def _run_once(ctx: Context, pool: ReplyPool, *, n: int, backend: str, rate: floa
         out = await gen.generate(batch, disable_tqdm=True)
         return time.perf_counter() - wall, time.process_time() - cpu, out
 
-    elapsed, cpu, out = anyio.run(main, backend=backend)
+    elapsed, cpu, out = run_loop(main, backend=backend)
     fatal = sum(1 for e in policy.events if e.stage in FATAL_STAGES and e.kind == "failure")
     return {"elapsed": elapsed, "cpu": cpu, "output": out, "fatal": fatal, "served": engine.calls}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -10,13 +11,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
 
 BACKENDS = ("asyncio", "trio")
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,6 +36,17 @@ class Context:
 
     def log(self, message: str) -> None:
         print(f"[{time.perf_counter() - self.started:7.1f}s] {message}", flush=True)
+
+
+def run_loop(func: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio") -> T:
+    """``anyio.run(func, *args, backend=backend)``, on asyncio's own event loop for ``"asyncio"``.
+
+    Once ``trio_asyncio`` is imported in a process (the trio bridge, a trio contender), asyncio's
+    default loop becomes its ``SyncTrioEventLoop``, whose ``run_in_executor`` refuses the
+    ``ThreadPoolExecutor`` SkyRL's generator passes: every benchmark runs on the loop it names.
+    """
+    options = {"loop_factory": asyncio.SelectorEventLoop} if backend == "asyncio" else {}
+    return anyio.run(func, *args, backend=backend, backend_options=options)
 
 
 def median(values: Sequence[float]) -> float:

@@ -20,13 +20,12 @@ import statistics
 import time
 from typing import Any
 
-import anyio
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from skyrl_structured.envs import _adapters
 
-from .harness import settle
+from .harness import run_loop, settle
 from .tokenizer import load_tokenizer
 from .workload import InstantEngine, ReplyPool, make_batch, make_generator
 
@@ -62,7 +61,7 @@ def _once(tokenizer: Any, pool: ReplyPool, n: int, backend: str, shortcut: bool)
         assert shipped(NoopCloseEnv()), "the env must take the shortcut when it is on"
         settle()
         wall, cpu = time.perf_counter(), time.process_time()
-        output = anyio.run(functools.partial(gen.generate, batch, disable_tqdm=True), backend=backend)
+        output = run_loop(functools.partial(gen.generate, batch, disable_tqdm=True), backend=backend)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         _adapters.has_noop_close = shipped

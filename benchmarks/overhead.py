@@ -21,10 +21,8 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import anyio
-
 from .bare import BareWork, check_same_tokens
-from .harness import Context, median, settle, spread, write_json
+from .harness import Context, median, run_loop, settle, spread, write_json
 from .workload import InstantEngine, ReplyPool, make_batch, make_generator, make_skyrl_generator
 
 TURNS = 3
@@ -57,7 +55,7 @@ def _timed(work: Callable[[], Awaitable[Any]], backend: str) -> tuple[float, flo
         out = await work()
         return time.perf_counter() - wall, time.process_time() - cpu, out
 
-    return anyio.run(main, backend=backend)
+    return run_loop(main, backend=backend)
 
 
 def run_generator(gen: Any, batch: dict[str, Any], backend: str) -> tuple[float, Any]:

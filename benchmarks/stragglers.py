@@ -60,7 +60,7 @@ from skyrl_structured._runtime.stragglers import cutoff_threshold
 from skyrl_structured.config import FAILED_ROLLOUT_POLICIES, FailedRolloutPolicy
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 
-from .harness import package_version
+from .harness import package_version, run_loop
 from .tokenizer import load_tokenizer
 from .workload import InstantEngine, ReplyPool, question
 
@@ -184,7 +184,7 @@ def run_once(
         out = await gen.generate(batch, disable_tqdm=True)
         return time.perf_counter() - started, out
 
-    elapsed, out = anyio.run(main, backend=backend)
+    elapsed, out = run_loop(main, backend=backend)
     return {"elapsed": elapsed, "output": out}
 
 

@@ -21,6 +21,8 @@ import anyio
 
 from skyrl_structured.envs._threads import EnvCall, EnvThreadPool
 
+from .harness import run_loop
+
 
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
@@ -82,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for workers in (int(w) for w in args.workers.split(",")):
         started = time.perf_counter()
-        lags = sorted(anyio.run(_run, args, workers, backend=args.backend))
+        lags = sorted(run_loop(_run, args, workers, backend=args.backend))
         wall = time.perf_counter() - started
         name = f"{workers} threads" if workers else "inline"
         print(

@@ -66,7 +66,7 @@ from skyrl_structured._episode.chat import ChatTokenizer
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
 
-from .harness import Context, median, package_version, spread, write_json
+from .harness import Context, median, package_version, run_loop, spread, write_json
 
 NAME = "vllm_share"
 GOAL = 0.98  # generator tokens/s over the bare loop's, at least
@@ -650,7 +650,7 @@ def run(
     backends: dict[str, Any] = {}
     for backend in settings.backends:
         log(f"backend {backend}")
-        backends[backend] = anyio.run(run_backend, url, model, tokenizer, settings, log, backend=backend)
+        backends[backend] = run_loop(run_backend, url, model, tokenizer, settings, log, backend=backend)
     payload: dict[str, Any] = {
         "goal": f"generator tokens/s >= {GOAL} x the bare loop's at every size",
         "engine": engine_info,

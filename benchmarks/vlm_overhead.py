@@ -12,7 +12,6 @@ Not part of ``run_all``: it prints a table and writes nothing.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import statistics
 import time
@@ -20,12 +19,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import anyio
-
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredVLMGymGenerator, TrajectoryID
 from skyrl_structured.testing import EngineCall, ScriptedVLMEngine, image_part, png_image
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 from skyrl_structured.tiny import build_chatml_tokenizer
+
+from .harness import run_loop
 
 REPLIES = ("I see one square. #### 1", "Two now. #### 2", "#### 2")
 
@@ -60,14 +59,17 @@ def _batch(n: int) -> dict[str, Any]:
 
 
 def _skyrl_run(generator: Any, batch: dict[str, Any]) -> Callable[[], Any]:
-    return lambda: asyncio.run(generator.generate(batch, disable_tqdm=True))
+    async def generate() -> Any:
+        return await generator.generate(batch, disable_tqdm=True)
+
+    return lambda: run_loop(generate)
 
 
 def _our_run(generator: StructuredVLMGymGenerator, batch: Any, backend: str) -> Callable[[], Any]:
     async def generate() -> Any:
         return await generator.generate(batch, disable_tqdm=True)
 
-    return lambda: anyio.run(generate, backend=backend)
+    return lambda: run_loop(generate, backend=backend)
 
 
 def _timed(run: Callable[[], Any]) -> tuple[float, float, Any]:
