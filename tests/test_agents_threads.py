@@ -5,7 +5,9 @@ not stop behaves like mini-swe-agent on LiteLLM, which retried the session's err
 minutes: it ignores every answer and asks again until a ``threading.Event`` lets it go, and the test
 sets that event only after ``generate()`` has returned, so a ``generate()`` that waited on the thread
 could only end by the watchdog's 60 s (a bound only a hang reaches), and the test would fail then.
-A rollout's deadline fires only once its request is in the engine (the clock is paused until then).
+The clock is paused (no deadline runs) until row 0's request is in the engine and row 1's agent has
+returned, so row 1 never races the short deadline however loaded the machine is (a CI run on a busy
+machine once timed row 1 out while its thread started).
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ class Stubborn:
             self.ended.set()
 
 
-async def generate_paused_until(generator: StructuredAgentGenerator, entered: Any, release: threading.Event) -> Any:
-    """``generator.generate(batch(2))`` with the clock paused until row 0's request is in the engine.
+async def generate_paused_until(
+    generator: StructuredAgentGenerator, entered: Any, row1_returned: threading.Event, release: threading.Event
+) -> Any:
+    """``generator.generate(batch(2))`` with the clock paused until row 0's request is in the engine and row 1's
+    agent has returned.
 
     Returns ``(output, released_first)``: ``released_first`` is True when the watchdog had to release the
     agent (``generate()`` was waiting on its thread), so a regression fails instead of hanging the suite.
@@ -89,6 +94,7 @@ async def generate_paused_until(generator: StructuredAgentGenerator, entered: An
             generator.pause()
             group.start_soon(run)
             await entered()
+            assert await anyio.to_thread.run_sync(row1_returned.wait, HANG_S)
             generator.resume()
         outer.cancel_scope.cancel()
     return result["out"], released_first
@@ -99,6 +105,7 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
     blocker = Blocker(tokenizer, {0})
     stubborn = Stubborn()
     answered: list[str] = []
+    row1_returned = threading.Event()
 
     def agent(ctx: AgentContext) -> float:
         if ctx.rollout == "q0_0":
@@ -106,6 +113,7 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
         with client(ctx.base_url, ctx.api_key) as c:
             reply = c.chat.completions.create(model="any", messages=ctx.prompt)  # type: ignore[arg-type]
         answered.append(reply.choices[0].message.content or "")
+        row1_returned.set()
         return 1.0
 
     engine = ScriptedEngine(tokenizer, blocker)
@@ -118,7 +126,9 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
         skip_failed_rollouts=True,
     )
     try:
-        out, released_first = await generate_paused_until(generator, blocker.all_entered, stubborn.release)
+        out, released_first = await generate_paused_until(
+            generator, blocker.all_entered, row1_returned, stubborn.release
+        )
         assert not released_first, "generate() waited on the agent's thread until the watchdog released it"
         assert not stubborn.ended.is_set()  # returned while the thread still runs: abandoned, not waited for
         with anyio.fail_after(HANG_S):  # the abandoned agent goes on asking, and is answered (or refused)
@@ -143,7 +153,7 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
 async def test_a_sync_agent_that_stops_on_its_answer_is_waited_for_not_abandoned(tokenizer, anyio_backend):
     blocker = Blocker(tokenizer, {0})
     statuses: list[int] = []
-    ended = threading.Event()
+    ended, row1_returned = threading.Event(), threading.Event()
 
     def agent(ctx: AgentContext) -> float:
         try:
@@ -155,6 +165,7 @@ async def test_a_sync_agent_that_stops_on_its_answer_is_waited_for_not_abandoned
         finally:
             if ctx.rollout == "q0_0":
                 ended.set()
+        row1_returned.set()
         return 1.0
 
     generator = StructuredAgentGenerator(
@@ -165,7 +176,7 @@ async def test_a_sync_agent_that_stops_on_its_answer_is_waited_for_not_abandoned
         env_cleanup_timeout_s=HANG_S,  # waited for: the agent returns once its request is answered
         skip_failed_rollouts=True,
     )
-    out, released_first = await generate_paused_until(generator, blocker.all_entered, threading.Event())
+    out, released_first = await generate_paused_until(generator, blocker.all_entered, row1_returned, threading.Event())
     assert not released_first
     assert ended.is_set()  # generate() waited for the thread that stops by itself
     assert statuses == [499]
