@@ -241,6 +241,7 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
     cfg = load_config([f"run.output_dir={tmp_path}"])
     summary = summarize(cfg, dataset.source, 1, 2, result)
     (tmp_path / "summary.png").write_bytes(b"an earlier run's picture")
+    installed = sys.modules.get("matplotlib")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     write_outputs(tmp_path, summary, cfg, batch, result)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -255,7 +256,12 @@ async def test_no_picture_without_matplotlib(anyio_backend, tokenizer, tmp_path,
         "timings.json",
         "summary.json",
     ]
-    monkeypatch.delitem(sys.modules, "matplotlib")
+    # Installed again: the module an earlier test of this worker imported, if any. A fresh import beside
+    # that one's submodules (matplotlib.figure, ...) would be half a package (`matplotlib.image` missing).
+    if installed is not None:
+        monkeypatch.setitem(sys.modules, "matplotlib", installed)
+    else:
+        monkeypatch.delitem(sys.modules, "matplotlib")
     write_outputs(tmp_path, summary, cfg, batch, result)
     assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
