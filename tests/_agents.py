@@ -1,11 +1,15 @@
-"""Shared pieces of the agent tests: Hermes-style chat templates for the offline tokenizer, and an OpenAI client
-run in a worker thread (an agent in its own thread, as on trio the async client cannot run)."""
+"""Shared pieces of the agent tests: Hermes-style chat templates for the offline tokenizer, an OpenAI client
+run in a worker thread (an agent in its own thread, as on trio the async client cannot run), and what
+tells whether a closed endpoint's port is still answered (its tombstone thread) or closed."""
 
 from __future__ import annotations
 
 import copy
+import socket
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 import anyio
 import anyio.to_thread
@@ -165,3 +169,52 @@ class Blocked:
             self.cancelled.set()
             raise
         raise AssertionError("unreachable")
+
+
+def close_litellm_clients() -> None:
+    """Close the OpenAI clients LiteLLM cached (one per session's URL and key, for 10 minutes): their pooled
+    sockets would otherwise be collected, unclosed, in some later test."""
+    import litellm
+
+    cache = litellm.in_memory_llm_clients_cache
+    for cached in list(cache.cache_dict.values()):
+        if isinstance(cached, openai.OpenAI):
+            cached.close()
+    cache.flush_cache()
+
+
+#: A bound only a hang reaches.
+_HANG_S = 60.0
+
+
+def tombstones(port: int) -> list[threading.Thread]:
+    """The live threads answering for the closed endpoint on ``port``."""
+    return [t for t in threading.enumerate() if t.name == f"skyrl-structured-tombstone-{port}"]
+
+
+def refused(port: int) -> bool:
+    """Whether a connection to ``port`` is refused (nothing listens there)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=_HANG_S).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+async def assert_closed(port: int) -> None:
+    """The tombstone of ``port`` has ended (waited for under a bound only a hang reaches) and the port is closed."""
+
+    def join() -> None:
+        for thread in tombstones(port):
+            thread.join(_HANG_S)
+
+    await anyio.to_thread.run_sync(join)
+    assert tombstones(port) == []
+    assert await anyio.to_thread.run_sync(refused, port)
+
+
+def port_of(url: str) -> int:
+    """The port of a session's base URL (its endpoint's)."""
+    port = urlparse(url).port
+    assert port is not None
+    return port

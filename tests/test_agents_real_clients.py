@@ -35,7 +35,7 @@ from skyrl_structured.envs._threads import wait_env_thread_calls
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.types import GeneratorInput, GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import hermes_template, with_template
+from tests._agents import assert_closed, close_litellm_clients, hermes_template, port_of, with_template
 from tests._upstream import load_upstream_validator
 from tests.helpers import run_asyncio
 from tests.test_agents_command import _dead, gone_within_bound, pids_in
@@ -179,19 +179,6 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
     close_litellm_clients()
 
 
-def close_litellm_clients() -> None:
-    """Close the OpenAI clients LiteLLM cached (one per session's URL and key, for 10 minutes): their pooled
-    sockets would otherwise be collected, unclosed, in some later test."""
-    import litellm
-    import openai
-
-    cache = litellm.in_memory_llm_clients_cache
-    for client in list(cache.cache_dict.values()):
-        if isinstance(client, openai.OpenAI):
-            client.close()
-    cache.flush_cache()
-
-
 def mini_turns(wrong: set[int]) -> Callable[[int, int, str], str]:
     """mini-swe-agent's model: ``echo hi``, then the submission (``i + 3``, or ``i + 2`` for rows in ``wrong``)."""
 
@@ -294,8 +281,10 @@ class HungThreadAgent:
         os.mkfifo(hold)
         self.ended = threading.Event()
         self.outcome: BaseException | dict[str, Any] | None = None
+        self.base_url = ""
 
     def __call__(self, ctx: AgentContext) -> float:
+        self.base_url = ctx.base_url
         try:
             task = ctx.prompt[-1]["content"]
             self.outcome = self.recipe.run_agent(ctx.base_url, ctx.api_key, ctx.model, task, timeout=int(HANG_S * 10))
@@ -317,8 +306,9 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
     hermes, anyio_backend, recipe, tmp_path, caplog, kept
 ):
     """``kept``: the endpoint stays up across ``generate()`` calls (``serving()``), else it closes with the call,
-    as in SkyRL's trainer. The abandoned agent's next call then meets the ended session's 404, or a refused
-    connection; either ends its run at once (the recipe turns mini-swe-agent's retries off)."""
+    as in SkyRL's trainer. Either way the abandoned agent's next call meets the ended session's 404 (from the
+    live endpoint, or from the closed one's tombstone), which ends its run at once without a retry; without
+    ``serving()``, the port closes once the agent has returned."""
     pidfile = tmp_path / "pids"
     agent = HungThreadAgent(recipe, tmp_path / "hold")
     command = f"echo $$ > {{pids}}.tmp && mv {{pids}}.tmp {{pids}} && cat {agent.hold}"
@@ -359,18 +349,16 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
     assert (metrics["generate/num_timed_out_rollouts"], metrics["generate/env_cleanup_timeouts"]) == (1, 1)
     # Its next call failed once, and mini-swe-agent did not retry it (no tenacity "Retrying" warning): the run
     # ended there, and its thread with it.
-    from litellm.exceptions import InternalServerError, NotFoundError
+    from litellm.exceptions import NotFoundError
 
-    if kept:
-        assert isinstance(agent.outcome, NotFoundError), agent.outcome
-        assert "rollout q0_0 has ended" in str(agent.outcome)
-    else:
-        assert isinstance(agent.outcome, InternalServerError), agent.outcome  # LiteLLM's name for it
-        assert "Connection error" in str(agent.outcome)
+    assert isinstance(agent.outcome, NotFoundError), agent.outcome  # not a connection error, which LiteLLM retries
+    assert "rollout q0_0 has ended" in str(agent.outcome)
+    assert ("and so has the generate() call" in str(agent.outcome)) is not kept  # the tombstone's answer
     assert not [r for r in caplog.records if r.name == "litellm_model"]
     with anyio.fail_after(HANG_S):
         assert await anyio.to_thread.run_sync(wait_env_thread_calls, HANG_S)
         await gone_within_bound([pid])
+        await assert_closed(port_of(agent.base_url))  # the tombstone ended with the agent (kept: the endpoint did)
 
 
 # ------------------------------------------------------------------ the OpenAI Agents SDK (chat completions)

@@ -24,7 +24,7 @@ from skyrl_structured.envs._threads import wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.types import GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import client
+from tests._agents import assert_closed, client, port_of
 from tests.test_agents_generator import batch
 from tests.test_agents_runtime import DEADLINE, Blocker, placeholder, question, row, sampled
 
@@ -37,29 +37,35 @@ HANG_S = 60.0
 class Stubborn:
     """A sync agent that ignores the session's error answers and keeps asking until ``release`` is set.
 
-    ``statuses`` are the answers it got (a status, or ``"connection"`` once the endpoint is gone);
-    ``retried`` is set once it asked again after an error answer, ``ended`` when its thread leaves the agent.
+    ``statuses`` are the answers it got (a status, or ``"connection"`` for a connection error), those of
+    the calls it began once ``late`` was set (``generate()`` had returned) in ``late_statuses``; ``retried``
+    is set once it made two such calls, ``ended`` when its thread leaves the agent.
     """
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.late = threading.Event()
         self.retried = threading.Event()
         self.ended = threading.Event()
         self.statuses: list[int | str] = []
+        self.late_statuses: list[int | str] = []
         self.threads: set[str] = set()
+        self.base_url = ""
 
     def __call__(self, ctx: AgentContext) -> float:
         self.threads.add(threading.current_thread().name)
+        self.base_url = ctx.base_url
         try:
             with client(ctx.base_url, ctx.api_key) as c:
                 while not self.release.is_set():
+                    answers = self.late_statuses if self.late.is_set() else self.statuses
                     try:
                         c.chat.completions.create(model="any", messages=ctx.prompt)  # type: ignore[arg-type]
                     except openai.APIStatusError as exc:
-                        self.statuses.append(exc.status_code)
+                        answers.append(exc.status_code)
                     except openai.APIConnectionError:
-                        self.statuses.append("connection")
-                    if len(self.statuses) > 1:
+                        answers.append("connection")
+                    if len(self.late_statuses) > 1:
                         self.retried.set()
                     self.release.wait(0.02)  # a client's backoff before it retries
             return 1.0
@@ -131,18 +137,23 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
         )
         assert not released_first, "generate() waited on the agent's thread until the watchdog released it"
         assert not stubborn.ended.is_set()  # returned while the thread still runs: abandoned, not waited for
-        with anyio.fail_after(HANG_S):  # the abandoned agent goes on asking, and is answered (or refused)
+        stubborn.late.set()
+        with anyio.fail_after(HANG_S):  # the abandoned agent goes on asking after its endpoint closed
             assert await anyio.to_thread.run_sync(stubborn.retried.wait, HANG_S)
     finally:
         stubborn.release.set()
     with anyio.fail_after(HANG_S):
         assert await anyio.to_thread.run_sync(stubborn.ended.wait, HANG_S)
         assert await anyio.to_thread.run_sync(wait_env_thread_calls, HANG_S)  # nothing left in a worker thread
+        await assert_closed(port_of(stubborn.base_url))  # nor in the thread that answered for its closed endpoint
     validate_generator_output(2, out)
     assert row(out, 0) == placeholder(tokenizer.pad_token_id)
     assert out["response_ids"][1] == sampled(tokenizer, "3")
     assert answered == ["3"]
     assert stubborn.statuses[0] == 499  # its request in flight at the deadline; it asked again anyway
+    # Once generate() had returned and its endpoint closed, the port's tombstone answered: the ended session's 404,
+    # never a refused connection.
+    assert set(stubborn.late_statuses) == {404}
     assert all(name.startswith("skyrl-structured-agent") for name in stubborn.threads)
     metrics = out["rollout_metrics"] or {}
     assert (metrics["generate/num_timed_out_rollouts"], metrics["generate/failures/TimeoutError"]) == (1, 1)

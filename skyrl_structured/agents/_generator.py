@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.to_thread
 
 from .._output.collector import OutputSpec, collect
 from .._runtime.contexts import (
@@ -60,6 +61,7 @@ from ..validate import check_batch_input, check_failure_knobs
 from ._capture import Branch, Capture
 from ._server import CaptureServer, CaptureSession, serve_capture
 from ._threads import AgentThreads, is_async_agent
+from ._tombstone import Afterlife
 
 __all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator", "SyncAgentFn"]
 
@@ -244,6 +246,8 @@ class StructuredAgentGenerator(Pausable):
         self._server: CaptureServer | None = None
         #: Where sync agents run (its threads start on demand: none for an async agent).
         self._agent_threads = AgentThreads(max_agent_threads)
+        #: The closed endpoints whose ports still answer abandoned agent threads (see ``_tombstone``).
+        self._afterlives: list[Afterlife] = []
 
     @classmethod
     def from_config(
@@ -281,7 +285,15 @@ class StructuredAgentGenerator(Pausable):
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[CaptureServer]:
-        """Keep one capture endpoint up across ``generate()`` calls made inside the block (else one per call)."""
+        """Keep one capture endpoint up across ``generate()`` calls made inside the block (else one per call).
+
+        When it closes while sync agents abandoned on it still run, its port keeps answering them (the
+        ended session's 404) until they return; a fixed ``agent_endpoint_port`` is taken back for the
+        next endpoint.
+        """
+        self._afterlives = [a for a in self._afterlives if a.tombstone is not None]
+        if self.endpoint.agent_endpoint_port:
+            await self._stop_tombstones()  # they hold the port this endpoint binds
         async with serve_capture(
             self.inference_engine_client,
             self.tokenizer,
@@ -297,6 +309,7 @@ class StructuredAgentGenerator(Pausable):
                 yield server
             finally:
                 self._server = None
+                self._afterlives.append(server.afterlife)
 
     async def generate(self, input_batch: GeneratorInput, disable_tqdm: bool = False) -> GeneratorOutput:
         """Run the agent once per prompt (again from scratch per retry) and return SkyRL's ``GeneratorOutput``.
@@ -332,8 +345,17 @@ class StructuredAgentGenerator(Pausable):
             return await self._generate(server, request, input_batch, disable_tqdm)
 
     async def aclose(self) -> None:
-        """Nothing to release (the endpoint lives inside ``generate()`` or :meth:`serving`): the gym generator's
-        interface, for callers that close whichever generator they built."""
+        """Close the ports that still answer abandoned agent threads (the endpoint itself lives inside
+        ``generate()`` or :meth:`serving`): the gym generator's interface, for callers that close whichever
+        generator they built."""
+        await self._stop_tombstones()
+
+    async def _stop_tombstones(self) -> None:
+        """Close every port kept answering for this generator's abandoned agents, and wait until it is closed."""
+        afterlives, self._afterlives = self._afterlives, []
+        for tombstone in [t for t in (a.stop() for a in afterlives) if t is not None]:
+            if not await anyio.to_thread.run_sync(tombstone.join):
+                logger.warning("the port %d kept for abandoned agent threads did not close", tombstone.port)
 
     async def _generate(
         self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput, disable_tqdm: bool

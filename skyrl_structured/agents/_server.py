@@ -8,8 +8,10 @@ Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or un
 public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
 its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
 session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
-no state but a bounded tombstone (its id and rollout's name) so that a late request hears which
-rollout ended, with a status no agent's client retries (404, ``x-should-retry: false``).
+no state but a bounded record (its id and rollout's name) so that a late request hears which
+rollout ended, with a status no agent's client retries (404, ``x-should-retry: false``). Once the
+endpoint itself has closed, its port answers so for as long as an agent thread abandoned on it still
+runs (:mod:`._tombstone`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from anyio.abc import SocketAttribute
 
 from .._episode.calls import engine_call
 from .._runtime.cleanup import run_cleanups
+from .._runtime.completion import Completion
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
@@ -50,6 +53,7 @@ from ._capture import (
     engine_sampling_params,
 )
 from ._chat import chat_completion_body, chat_completion_stream
+from ._tombstone import Afterlife
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -95,6 +99,8 @@ class CaptureSession:
     engine_requests: int = 0
     #: The session's Responses API responses, for a later ``previous_response_id``; dropped when it closes.
     responses: dict[str, _responses.Remembered] = field(default_factory=dict)
+    #: The endpoint's abandoned agent calls (its server's): set by :meth:`CaptureServer.session`.
+    _afterlife: Afterlife = field(default_factory=Afterlife, repr=False)
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
     #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
     _drained: anyio.Event | None = None
@@ -121,6 +127,11 @@ class CaptureSession:
         self.responses.clear()
         for scope in list(self._inflight):
             scope.cancel()
+
+    def outlived_by(self, call: Completion[Any]) -> None:
+        """An agent call abandoned by this session's rollout still runs: the endpoint's port keeps answering
+        (once the endpoint has closed, with the ended session's 404) until ``call`` has returned."""
+        self._afterlife.hold(call)
 
     def _request_ended(self, scope: anyio.CancelScope) -> None:
         self._inflight.discard(scope)
@@ -191,6 +202,8 @@ class CaptureServer:
         #: Open sessions by key, and ended ones' (id, rollout) by key.
         self._sessions: dict[str, CaptureSession] = {}
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        #: The agent calls abandoned on this endpoint, and its tombstone once closed (see :mod:`._tombstone`).
+        self.afterlife = Afterlife()
 
     @property
     def open_sessions(self) -> int:
@@ -232,6 +245,7 @@ class CaptureServer:
             capture=Capture(self.tokenizer, self.chat_template_kwargs),
             sampling_params=sampling_params,
             context=context,
+            _afterlife=self.afterlife,
         )
         self._sessions[key] = session
         # An agent's environment is its capture session: observers and the cleanup stats count it
@@ -274,10 +288,8 @@ class CaptureServer:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
             path_key, bearer, route = _split_path(path, headers)
             anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
-            misplaced = route.startswith("/v1" + _anthropic.MESSAGES)  # an anthropic client given the chat base URL
-            if anthropic or misplaced:  # every answer of these routes, errors included, in Anthropic's shape
-                shape = _anthropic.error_body
-            if misplaced:
+            shape = _error_shape(route)
+            if _misplaced(route):
                 raise APIError(
                     404,
                     f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
@@ -347,12 +359,23 @@ class CaptureServer:
             return session
         ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
         if ended is not None:
-            raise APIError(
-                404,
-                f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended; stop the agent",
-                kind="rollout_ended",
-            )
+            raise _rollout_ended(ended)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
+
+    def _closed_answer(self, request: Any) -> _Response:
+        """What the closed endpoint's port answers every request (None: a malformed one) from its tombstone's thread.
+
+        The ended session's 404 (``rollout_ended``, ``x-should-retry: false``), naming the rollout when
+        the request names a session this endpoint served, in the error shape of the request's API.
+        """
+        if request is None:
+            return _Response.error(_rollout_ended(None))
+        path = request.target.decode("latin-1").split("?", 1)[0]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        path_key, bearer, route = _split_path(path, headers)
+        key = path_key if path_key is not None else bearer
+        ended = self._ended.get(key) if key is not None else None
+        return _Response.error(_rollout_ended(ended, endpoint_closed=True), _error_shape(route))
 
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
@@ -441,6 +464,36 @@ class CaptureServer:
         )
 
 
+def _rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = False) -> APIError:
+    """The answer of an ended session (its ``(id, rollout)``; None: any of a closed endpoint's), which no client
+    retries: 404, type ``rollout_ended``, ``x-should-retry: false`` (design rule 22)."""
+    if ended is None:
+        message = (
+            "this capture endpoint has closed: the generate() call (or generator.serving() block) that served it "
+            "has ended, and every rollout with it; stop the agent"
+        )
+    elif endpoint_closed:
+        message = (
+            f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended, and so has the generate() "
+            "call (or generator.serving() block) that served it; stop the agent"
+        )
+    else:
+        message = f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended; stop the agent"
+    return APIError(404, message, kind="rollout_ended")
+
+
+def _misplaced(route: str) -> bool:
+    """An ``anthropic`` client given the chat base URL (it calls ``.../v1/v1/messages``)."""
+    return route.startswith("/v1" + _anthropic.MESSAGES)
+
+
+def _error_shape(route: str) -> Callable[[APIError], Any]:
+    """The error shape of a route's API: Anthropic's on the Messages routes (a misplaced one too), else OpenAI's."""
+    if route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS) or _misplaced(route):
+        return _anthropic.error_body
+    return APIError.body
+
+
 def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
     """``(key in the path, header key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``.
 
@@ -510,6 +563,9 @@ async def serve_capture(
             except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
                 failure = exc
             finally:
+                # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
+                sockets = [one.extra(SocketAttribute.raw_socket) for one in listener.listeners]
+                server.afterlife.bury(sockets, server._closed_answer, what="capture endpoint")
                 with anyio.CancelScope(shield=True):
                     await listener.aclose()
                     await connections.close(close_timeout_s)

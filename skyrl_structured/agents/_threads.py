@@ -15,6 +15,10 @@ run in, under the same rules (design rule 9):
   thread returns, as for an env close abandoned in its thread. What it returns then is dropped.
   While it runs, :func:`~skyrl_structured.envs._threads.active_env_thread_calls` counts it (and
   ``wait_env_thread_calls`` waits for it), as it counts env calls.
+- an abandoned agent that calls again gets its ended session's 404, which its client does not retry,
+  also once the endpoint has closed with its ``generate()`` call: until the agent returns, the
+  endpoint's port is kept answering by a tombstone (:mod:`._tombstone`), where a refused connection
+  would be retried (for minutes by LiteLLM under mini-swe-agent) and keep the thread.
 
 An async agent that starts its own thread (``anyio.to_thread.run_sync``) is the agent's business:
 anyio waits for such a thread when the rollout is cancelled, so nothing bounds it.
@@ -89,6 +93,7 @@ class AgentThreads:
     def _abandon(call: EnvCall[Any], session: CaptureSession, context: RolloutContext, limit_s: float) -> None:
         context.cleanup.env_cleanup_timeouts += 1
         context.abandoned.append(call)  # the rollout's slot stays taken until the thread returns
+        session.outlived_by(call)  # and the endpoint's port answers it, after the endpoint closed too
         logger.warning(
             "the agent of rollout %s did not return within env_cleanup_timeout_s=%gs of its session's close; "
             "abandoned its worker thread (it still counts against max_agent_threads until it returns). A sync "
