@@ -15,7 +15,7 @@ latest context on its ``RolloutContext``. The admission driver sums the calls ru
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 __all__ = ["CommittedContexts", "HoldsContext", "committed_tokens"]
@@ -39,6 +39,10 @@ class CommittedContexts:
 
     def __len__(self) -> int:
         return len(self._admitted)
+
+    def __iter__(self) -> Iterator[HoldsContext]:
+        """The attempts admitted now."""
+        return iter(list(self._admitted.values()))
 
     def admit(self, attempt: HoldsContext) -> None:
         """``attempt`` got its slot."""

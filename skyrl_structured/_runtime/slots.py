@@ -188,6 +188,10 @@ class Admission:
                 else "generator.admission_min_rollouts",
             )
 
+    def committed_tokens(self) -> float | None:
+        """The context the admitted rollouts of the calls running now hold, in tokens (see ``committed.py``)."""
+        return committed_tokens(self._committed)
+
     async def _read(self, read: LoadReader) -> Sequence[LoadReading]:
         try:
             with anyio.move_on_after(READ_TIMEOUT_S):
@@ -240,7 +244,7 @@ class Admission:
                         waiting=limiter.statistics().tasks_waiting,
                         bounds=self.bounds,
                         now=time.monotonic(),
-                        committed_tokens=committed_tokens(self._committed),
+                        committed_tokens=self.committed_tokens(),
                     )
                     self._apply(decision, record, observers)
                     await anyio.sleep(interval_s)
