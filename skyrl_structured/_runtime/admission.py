@@ -213,7 +213,8 @@ def decide(
     kv = max(reading.kv_cache_usage for reading in readings)
     committed = committed_fraction(committed_tokens, readings)
     fill = kv if committed is None else max(kv, committed)
-    floor_fill = 0.0 if committed is None else committed  # what every server holds at least
+    # The committed share is the servers' together: taken as each one's (the rollouts spread over them).
+    floor_fill = 0.0 if committed is None else committed
     queued = sum(
         reading.requests_waiting for reading in readings if max(reading.kv_cache_usage, floor_fill) >= bounds.kv_target
     )

@@ -94,9 +94,9 @@ class AdmissionRecord:
     """What one ``generate()`` call saw of the admission limit, for its ``rollout_metrics``.
 
     The limit, the KV-cache usage and the committed fraction are seen by every call running while
-    they are read; the
-    changes and preemptions are counted by the call whose driver read them only, so that SkyRL's
-    fully-async trainer, which sums such counts over its concurrent calls, counts each once.
+    they are read; the changes and preemptions are counted by the call whose driver read them only,
+    so that SkyRL's fully-async trainer, which sums such counts over its concurrent calls, counts
+    each once.
     """
 
     limit_min: int
