@@ -285,8 +285,9 @@ class GeneratorConfig:
         _KNOB_DEFAULTS.admission_max_rollouts,
     )
     admission_kv_target: float = _help(
-        "With max_concurrent_rollouts='auto': the engines' KV-cache usage (a fraction in (0, 1]) the limit "
-        "grows towards and holds at.",
+        "With max_concurrent_rollouts='auto': how full the engines' KV cache may get (a fraction in (0, 1]), "
+        "the limit growing towards it and holding there: the larger of their KV usage and the share of their "
+        "capacity the admitted rollouts' contexts take.",
         _KNOB_DEFAULTS.admission_kv_target,
     )
     env_cleanup_timeout_s: float = _help(

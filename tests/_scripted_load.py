@@ -14,12 +14,13 @@ from typing import Any
 
 import anyio
 
+from skyrl_structured._runtime.slots import Admission
 from skyrl_structured.engines._wrapper import EngineWrapper
 from skyrl_structured.engines.load import EngineLoad
 from skyrl_structured.observe import RolloutObserver, RolloutRef
 
-#: (kv_cache_usage, requests_waiting, preemptions_total) of one reading of the one server.
-_Spec = tuple[float, int, int]
+#: (kv_cache_usage, requests_waiting, preemptions_total, kv_capacity_tokens) of one reading of the one server.
+_Spec = tuple[float, int, int, int | None]
 
 
 class ScriptedLoad(EngineWrapper):
@@ -32,9 +33,9 @@ class ScriptedLoad(EngineWrapper):
         self._given: anyio.Event | None = None
         self.reads = 0
 
-    def give(self, kv: float, *, waiting: int = 0, preemptions: int = 0) -> None:
-        """Queue the next reading the controller gets."""
-        self._queued.append((kv, waiting, preemptions))
+    def give(self, kv: float, *, waiting: int = 0, preemptions: int = 0, capacity: int | None = None) -> None:
+        """Queue the next reading the controller gets (``capacity``: the server's KV capacity in tokens)."""
+        self._queued.append((kv, waiting, preemptions, capacity))
         if self._given is not None:
             self._given.set()
 
@@ -42,7 +43,7 @@ class ScriptedLoad(EngineWrapper):
         while not self._queued:
             self._given = anyio.Event()
             await self._given.wait()
-        kv, waiting, preemptions = self._queued.popleft()
+        kv, waiting, preemptions, capacity = self._queued.popleft()
         self.reads += 1
         return [
             EngineLoad(
@@ -54,6 +55,7 @@ class ScriptedLoad(EngineWrapper):
                 prefix_cache_hits_total=0,
                 prefix_cache_queries_total=0,
                 at=time.monotonic(),
+                kv_capacity_tokens=capacity,
             )
         ]
 
@@ -89,3 +91,9 @@ class AdmissionWatch(RolloutObserver):
     def attempt_cancelled(self, rollout: RolloutRef) -> None:
         self.cancelled.append(rollout.index)
         self._notify()
+
+
+def admission_of(generator: Any) -> Admission:
+    """The generator's load-following slots (``max_concurrent_rollouts="auto"``) in the running event loop."""
+    admission: Admission = generator._rollout_slots._adaptive.get()
+    return admission

@@ -24,7 +24,7 @@ from skyrl_structured.observe import PrometheusObserver, TraceRecorder
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
-from ._scripted_load import AdmissionWatch, ScriptedLoad
+from ._scripted_load import AdmissionWatch, ScriptedLoad, admission_of
 from ._virtual_time import real_and_virtual_time, seconds
 from .helpers import make_batch, make_generator, other_tasks, turn_replies
 from .trace_check import spans_by_track
@@ -226,6 +226,7 @@ async def test_concurrent_generate_calls_share_one_adaptive_limit(tokenizer, any
             while slots.statistics().tasks_waiting < 3:  # noqa: ASYNC110 - until b's two have queued too
                 await anyio.sleep(0.01)
             assert len(watch.started) == 1  # one limit for both calls, not one each
+            assert len(admission_of(gen)._committed) == 2  # both calls' admitted rollouts count
             engine.give(0.0)
             await watch.until(lambda w: len(w.started) == 2)
             engine.give(0.0)

@@ -36,7 +36,7 @@ from tests._agents import (
     timeout_once_in_the_engine,
     with_template,
 )
-from tests._scripted_load import AdmissionWatch, ScriptedLoad
+from tests._scripted_load import AdmissionWatch, ScriptedLoad, admission_of
 from tests._upstream import load_upstream_validator
 from tests.test_agents_command import SCRIPT, _dead
 from tests.test_agents_generator import CALL_TEXT, batch, tool_agent
@@ -659,6 +659,45 @@ async def test_max_concurrent_rollouts_auto_follows_the_engines_load_for_agents_
     metrics = out["rollout_metrics"] or {}
     assert (metrics["generate/admission_limit_min"], metrics["generate/admission_limit_max"]) == (1.0, 2.0)
     assert metrics["generate/admission_changes/grow"] == 1.0
+
+
+async def test_an_agents_captured_calls_are_its_committed_context(tokenizer, anyio_backend):
+    """The capture session's engine calls are the rollout's own: admission counts what they hold."""
+    gate, entered = anyio.Event(), anyio.Event()
+    calls: list[EngineCall] = []
+
+    async def handler(call: EngineCall) -> str:
+        calls.append(call)
+        entered.set()
+        await gate.wait()
+        return "3"
+
+    async def agent(ctx: AgentContext) -> float:
+        await chat(ctx.base_url, ctx.api_key, messages=ctx.prompt)
+        return 1.0
+
+    engine = ScriptedLoad(ScriptedEngine(tokenizer, handler))
+    generator = StructuredAgentGenerator(
+        engine, tokenizer, agent, max_concurrent_rollouts="auto", admission_min_rollouts=1
+    )
+    outputs: list[GeneratorOutput] = []
+
+    async def run() -> None:
+        outputs.append(await generator.generate(batch(2)))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await entered.wait()
+            admission = admission_of(generator)
+            [tracker] = admission._committed
+            assert len(tracker) == 1  # the floor: one admitted, the other waits
+            assert admission.committed_tokens() == len(calls[0].prompt_token_ids)
+            gate.set()
+    (out,) = outputs
+    assert out["stop_reasons"] == ["stop"] * 2
+    assert len(tracker) == 0
+    assert admission.committed_tokens() == 0.0
 
 
 def test_every_knob_reaches_the_generator_by_keyword_or_from_config(tokenizer):

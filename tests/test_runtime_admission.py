@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 
-from skyrl_structured._runtime.admission import AdmissionBounds, AdmissionState, decide
+import pytest
+
+from skyrl_structured._runtime.admission import AdmissionBounds, AdmissionState, committed_fraction, decide
 from skyrl_structured.engines.load import EngineLoad
 
 BOUNDS = AdmissionBounds(floor=2, ceiling=100, kv_target=0.8)
 
 
-def load(kv: float, *, at: float, server: str = "a", waiting: int = 0, preemptions: int = 0) -> EngineLoad:
+def load(
+    kv: float, *, at: float, server: str = "a", waiting: int = 0, preemptions: int = 0, capacity: int | None = None
+) -> EngineLoad:
     return EngineLoad(
         server=server,
         kv_cache_usage=kv,
@@ -20,6 +27,7 @@ def load(kv: float, *, at: float, server: str = "a", waiting: int = 0, preemptio
         prefix_cache_hits_total=0,
         prefix_cache_queries_total=0,
         at=at,
+        kv_capacity_tokens=capacity,
     )
 
 
@@ -159,3 +167,177 @@ def test_a_resumed_state_keeps_the_limit_and_counts_preemptions_from_its_first_r
     assert dict(first.state.preemptions) == {"a": 25}
     later = decide(first.state, [load(0.1, at=6.0, preemptions=27)], admitted=11, waiting=1, bounds=BOUNDS, now=7.0)
     assert (later.new_preemptions, later.reason, later.limit) == (2, "cut_preempted", 7)
+
+
+# ---------------------------------------------------------------------- committed KV
+
+
+def test_the_committed_fraction_is_the_admitted_context_over_every_read_servers_capacity():
+    both = [load(0.1, at=1.0, server="a", capacity=4000), load(0.1, at=1.0, server="b", capacity=4000)]
+    assert committed_fraction(3000.0, both) == 0.375
+    assert committed_fraction(0.0, both) == 0.0
+    assert committed_fraction(20_000.0, both) == 2.5  # more than fits: not clipped
+    assert committed_fraction(None, both) is None  # nothing measured
+    assert committed_fraction(3000.0, []) is None
+    one_unknown = [load(0.1, at=1.0, server="a", capacity=4000), load(0.1, at=1.0, server="b")]
+    assert committed_fraction(3000.0, one_unknown) is None  # the contexts are spread over both
+    assert committed_fraction(3000.0, [load(0.1, at=1.0, capacity=0)]) is None
+
+
+def test_committed_context_past_the_target_holds_while_the_kv_usage_is_low():
+    # 40 rollouts between turns: their histories sit in the prefix cache, counted free (kv 0.25).
+    held = decide(
+        state(40),
+        [load(0.25, at=1.0, capacity=10_000)],
+        admitted=40,
+        waiting=9,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=8_500.0,
+    )
+    assert (held.limit, held.reason, held.kv_cache_usage, held.committed_kv) == (40, "hold_kv_target", 0.25, 0.85)
+    assert held.state.changed_at == 0.0
+
+
+def test_committed_context_tapers_the_growth_as_kv_usage_did():
+    # u = max(kv, committed) = 0.6: the plain taper, floor(10 * 1.05) = 10, so +1.
+    taper = decide(
+        state(10),
+        [load(0.1, at=1.0, capacity=1000)],
+        admitted=10,
+        waiting=5,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=600.0,
+    )
+    assert (taper.limit, taper.reason, taper.committed_kv) == (11, "grow", 0.6)
+    # KV usage above the committed fraction still decides.
+    kv_first = decide(
+        state(10),
+        [load(0.4, at=1.0, capacity=1000)],
+        admitted=10,
+        waiting=5,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=100.0,
+    )
+    assert (kv_first.limit, kv_first.reason, kv_first.committed_kv) == (11, "grow", 0.1)  # floor(10 * 1.1)
+
+
+@pytest.mark.parametrize(
+    ("committed", "limit"),
+    [
+        (0.0, 22),  # 1 + 0.2 + 1.0: 2.2x at an empty cache
+        (200.0, 16),  # u = t/4: 1 + 0.2 * 0.75 + 1.0 * 0.5 = 1.65
+        (400.0, 11),  # u = t/2: the plain 1.1x, no extra
+        (700.0, 11),  # past t/2: the plain taper (floor(10 * 1.025) = 10, so +1)
+    ],
+)
+def test_with_committed_context_known_it_grows_faster_far_below_the_target(committed, limit):
+    grown = decide(
+        state(10),
+        [load(0.0, at=1.0, capacity=1000)],
+        admitted=10,
+        waiting=5,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=committed,
+    )
+    assert (grown.limit, grown.reason) == (limit, "grow")
+
+
+def test_a_queue_at_a_server_whose_committed_context_is_past_the_target_cuts():
+    reading = [load(0.3, at=1.0, waiting=4, capacity=1000)]
+    queued = decide(state(30), reading, admitted=30, waiting=5, bounds=BOUNDS, now=1.5, committed_tokens=850.0)
+    assert (queued.limit, queued.reason) == (21, "cut_queued")
+    roomy = decide(state(30), reading, admitted=30, waiting=5, bounds=BOUNDS, now=1.5, committed_tokens=500.0)
+    assert (roomy.limit, roomy.reason) == (30, "hold_queued")  # the server's max_num_seqs, not its memory
+
+
+def test_preemptions_draining_and_bounds_hold_whatever_is_committed():
+    before = state(20, preemptions={"a": 7})
+    cut = decide(
+        before,
+        [load(0.1, at=1.0, preemptions=9, capacity=1000)],
+        admitted=20,
+        waiting=5,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=0.0,
+    )
+    assert (cut.limit, cut.reason) == (14, "cut_preempted")
+    draining = decide(
+        before,
+        [load(0.1, at=1.0, waiting=3, capacity=1000)],
+        admitted=25,
+        waiting=5,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=900.0,
+    )
+    assert (draining.limit, draining.reason) == (20, "hold_draining")
+    capped = decide(
+        state(60),
+        [load(0.0, at=1.0, capacity=1000)],
+        admitted=60,
+        waiting=50,
+        bounds=BOUNDS,
+        now=1.5,
+        committed_tokens=0.0,
+    )
+    assert (capped.limit, capped.reason) == (100, "grow")  # 132 clamped to the ceiling
+    stale = decide(
+        state(10, changed_at=2.0),
+        [load(0.0, at=2.0, capacity=1000)],
+        admitted=10,
+        waiting=5,
+        bounds=BOUNDS,
+        now=3.0,
+        committed_tokens=0.0,
+    )
+    assert (stale.limit, stale.reason) == (10, "hold_stale")
+
+
+def _scenarios() -> list[tuple[AdmissionState, list[EngineLoad], int, int]]:
+    """Readings over the controller's whole range: every rule fires in some of them."""
+    out = []
+    for kv, waiting_at_server, preemptions, changed_at, limit, admitted, waiting in itertools.product(
+        (0.0, 0.3, 0.79, 0.8, 0.95),
+        (0, 3),
+        (0, 2),
+        (0.0, 2.0),
+        (2, 10, 100),
+        (5, 10),
+        (0, 4),
+    ):
+        readings = [
+            load(kv, at=2.0, waiting=waiting_at_server, preemptions=preemptions),
+            load(kv / 2, at=1.0, server="b"),
+        ]
+        out.append((state(limit, changed_at=changed_at, preemptions={"a": 0, "b": 0}), readings, admitted, waiting))
+    return out
+
+
+def test_without_a_known_capacity_or_context_the_decisions_are_exactly_the_old_ones():
+    reasons = set()
+    for before, readings, admitted, waiting in _scenarios():
+        run = functools.partial(decide, before, admitted=admitted, waiting=waiting, bounds=BOUNDS, now=3.0)
+        old = run(readings)
+        reasons.add(old.reason)
+        assert old.committed_kv is None
+        assert run(readings, committed_tokens=10**9) == old  # no capacity: the context cannot count
+        with_capacity = [dataclasses.replace(r, kv_capacity_tokens=1000) for r in readings]
+        assert run(with_capacity, committed_tokens=None) == old  # capacity, nothing measured yet
+        partly = [with_capacity[0], readings[1]]
+        assert run(partly, committed_tokens=10**9) == old  # one server does not say: unknown
+    assert reasons == {
+        "grow",
+        "cut_preempted",
+        "cut_queued",
+        "hold_kv_target",
+        "hold_queued",
+        "hold_no_demand",
+        "hold_draining",
+        "hold_stale",
+        "hold_bound",
+    }

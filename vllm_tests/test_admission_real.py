@@ -23,6 +23,8 @@ from benchmarks.admission import Settings, make_batch, make_generator, measure
 from benchmarks.vllm_share import engine_defaults
 from skyrl_structured.engines import HTTPEngine
 
+from .servers import SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS
+
 pytestmark = pytest.mark.anyio
 
 ROLLOUTS = 32
@@ -47,6 +49,9 @@ async def test_auto_preempts_at_most_as_often_as_all_at_once(
     runs: dict[str, dict[str, Any]] = {}
     with anyio.fail_after(HANG_S):
         async with engine:
+            # The server's KV capacity, from its vllm:cache_config_info: 32 blocks of 32 tokens.
+            [load] = await engine.engine_load()
+            assert load.kv_capacity_tokens == SMALL_KV_BLOCKS * SMALL_KV_BLOCK_SIZE
             for name, limit in (("all at once", None), ("auto", "auto")):
                 generator = make_generator(engine, tokenizer, limit=limit, settings=SETTINGS)
                 generator.admission_interval_s = 0.1  # several readings in a run of seconds
@@ -63,5 +68,6 @@ async def test_auto_preempts_at_most_as_often_as_all_at_once(
     assert metrics["generate/admission_fallback"] == 0.0
     assert 4.0 <= metrics["generate/admission_limit_min"] <= metrics["generate/admission_limit_max"] <= ROLLOUTS
     assert 0.0 < metrics["generate/kv_cache_usage_max"] <= 1.0
+    assert metrics["generate/admission_committed_kv_max"] > 0.0  # the admitted rollouts' contexts, counted
     assert metrics["generate/admission_engine_preemptions"] <= auto["preemptions"]
     assert "generate/admission_limit_min" not in every["rollout_metrics"]

@@ -51,6 +51,8 @@ async def test_the_servers_load_before_while_and_after_requests(anyio_backend, v
         with anyio.fail_after(HANG_S):
             idle = await until(engine, lambda load: load.requests_running == load.requests_waiting == 0)
             assert idle.server == vllm_server.url
+            assert idle.kv_capacity_tokens is not None
+            assert idle.kv_capacity_tokens > 0
             async with anyio.create_task_group() as group:
                 group.start_soon(engine.generate, long_request)
                 busy = await until(engine, lambda load: load.requests_running == 1)

@@ -128,6 +128,8 @@ async def test_engine_load_reads_vllms_own_stats_while_a_request_runs(anyio_back
         await contract.poll_until(lambda: reading(lambda load: load.requests_running == 0))
         [after] = readings
     assert busy.server == "in-process"
+    assert busy.kv_capacity_tokens is not None
+    assert busy.kv_capacity_tokens > 0
     assert busy.kv_cache_usage > 0.0
     assert after.kv_cache_usage == 0.0
     assert after.prefix_cache_queries_total > 0

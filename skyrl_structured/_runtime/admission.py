@@ -1,29 +1,47 @@
 """The admission controller of ``max_concurrent_rollouts="auto"``: a pure function of the engines' load.
 
 :func:`decide` takes the controller's state, one reading of every engine server
-(:class:`~skyrl_structured.engines.load.EngineLoad`) and how many rollouts hold or wait for a slot,
-and returns the new limit with the reason for it. No clock, no I/O: the generator's driver
-(:mod:`~skyrl_structured._runtime.slots`) calls it at a bounded rate and applies the limit.
+(:class:`~skyrl_structured.engines.load.EngineLoad`), how many rollouts hold or wait for a slot and
+the context those holding one have committed to the engines, and returns the new limit with the
+reason for it. No clock, no I/O: the generator's driver (:mod:`~skyrl_structured._runtime.slots`)
+calls it at a bounded rate and applies the limit.
+
+Two measures of how full the KV cache is. The fullest server's usage ``kv`` counts the blocks of
+requests *at* the engine; a multi-turn rollout whose environment is stepping has none there (its
+history sits in the prefix cache, counted free, and is evicted under pressure), so ``kv`` misses
+what the admitted rollouts will ask on their next turns. The *committed* fraction ``c`` counts
+them: the context each admitted rollout holds (its latest engine call's prompt and response, in
+tokens; one admitted without a call yet counts as the mean of the others) summed over the
+generator's rollouts, over the KV capacity of the servers read (``EngineLoad.kv_capacity_tokens``).
+``c`` is known only when every server read says its capacity and some admitted rollout has made a
+call (or none is admitted); it overcounts prompts that share a prefix (vLLM stores them once) and
+can pass 1. Where the controller reads a fullness ``u`` below, it is ``max(kv, c)``, and ``kv``
+alone when ``c`` is unknown (the policy is then exactly the one without it).
 
 The policy is AIMD (additive-increase, multiplicative-decrease, TCP's congestion control) with the
 increase tapered by KV-cache headroom, as prime-rl validated it (prime-rl #3285, #3556):
 
-- **grow** while rollouts wait for a slot and the fullest server's KV-cache usage ``u`` is below the
-  target ``t`` (default 0.8): the limit becomes ``max(limit + 1, floor(limit * (1 + 0.2 * (1 - u / t))))``,
-  1.2x at an empty cache tapering to +1 near the target. Multiplicative while there is room, so a
-  limit far too low reaches the engines' capacity in a few readings; tapered, so it approaches the
-  soft cap instead of jumping over it (KV usage lags admission: a new rollout fills its cache only
-  once its prompt is prefilled).
-- **hold** at or above the target, while no rollout waits (a limit nobody uses is no evidence of
-  room), on a reading no newer than the last change (its effect cannot show yet), and without a
-  reading at all.
+- **grow** while rollouts wait for a slot and ``u`` is below the target ``t`` (default 0.8): the
+  limit becomes ``max(limit + 1, floor(limit * (1 + 0.2 * (1 - u / t) + b)))``, 1.2x at an empty
+  cache tapering to +1 near the target. Multiplicative while there is room, so a limit far too low
+  reaches the engines' capacity in a few readings; tapered, so it approaches the soft cap instead
+  of jumping over it (KV usage lags admission: a new rollout fills its cache only once its prompt
+  is prefilled). ``b`` is 0 without ``c``; with it, ``1.0 * max(0, 1 - 2u / t)``: 2.2x at an empty
+  cache, tapering to the plain rule at ``t / 2``. ``c`` does not lag admission (a rollout counts
+  from its slot on, and its prompt from the moment it is sent), so far below the target the limit
+  may grow faster; near it, the plain taper, since ``c`` is each rollout's context now, not what
+  its later turns will add.
+- **hold** at or above the target (``u >= t``), while no rollout waits (a limit nobody uses is no
+  evidence of room), on a reading no newer than the last change (its effect cannot show yet), and
+  without a reading at all.
 - **cut** to ``floor(limit * 0.7)`` on new preemptions (the engine evicted running requests to make
-  room: the cache is oversubscribed now) or on requests queued at a server whose cache is past the
-  target (the next turns will be preempted or wait). A queue with cache to spare is the server's
-  ``max_num_seqs`` cap, not memory: that holds. 0.7 rather than TCP's 0.5 because an admitted
-  rollout is never stopped, so a cut acts only as rollouts finish; halving would idle the engines
-  for the whole drain after a single burst. One cut per drain: while more rollouts hold a slot
-  than the limit allows, the signal still reflects the old limit, and cutting again would overshoot.
+  room: the cache is oversubscribed now) or on requests queued at a server whose fullness
+  (``max(its kv, c)``) is past the target (the next turns will be preempted or wait). A queue
+  with cache to spare is the server's ``max_num_seqs`` cap, not memory: that holds. 0.7 rather
+  than TCP's 0.5 because an admitted rollout is never stopped, so a cut acts only as rollouts
+  finish; halving would idle the engines for the whole drain after a single burst. One cut per
+  drain: while more rollouts hold a slot than the limit allows, the signal still reflects the old
+  limit, and cutting again would overshoot.
 
 Servers' counters are cumulative; a counter lower than last seen is a restarted server, whose count
 since the restart is all new. A server seen for the first time sets its baseline (its history is
@@ -41,6 +59,7 @@ from types import MappingProxyType
 from typing import Literal, Protocol
 
 __all__ = [
+    "COMMITTED_GROWTH",
     "CUT_FACTOR",
     "GROWTH",
     "AdmissionBounds",
@@ -48,11 +67,14 @@ __all__ = [
     "Decision",
     "LoadReading",
     "Reason",
+    "committed_fraction",
     "decide",
 ]
 
 #: Growth per reading at an empty KV cache (1.2x, prime-rl's), tapering to +1 at the target.
 GROWTH = 0.2
+#: Extra growth per reading at an empty cache when the committed context is known, tapering to 0 at half the target.
+COMMITTED_GROWTH = 1.0
 #: What a cut keeps of the limit.
 CUT_FACTOR = 0.7
 
@@ -85,6 +107,8 @@ class LoadReading(Protocol):
     def preemptions_total(self) -> int: ...
     @property
     def at(self) -> float: ...
+    @property
+    def kv_capacity_tokens(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -126,6 +150,8 @@ class Decision:
     kv_cache_usage: float | None
     #: Preemptions since the previous reading, over every server.
     new_preemptions: int
+    #: The committed context over the servers' KV capacity (None: unknown; see the module's docstring).
+    committed_kv: float | None = None
 
     @property
     def limit(self) -> int:
@@ -149,6 +175,22 @@ def _clamp(limit: int, bounds: AdmissionBounds) -> int:
     return min(limit, bounds.ceiling) if bounds.ceiling is not None else limit
 
 
+def committed_fraction(committed_tokens: float | None, readings: Sequence[LoadReading]) -> float | None:
+    """``committed_tokens`` over the KV capacity of the servers in ``readings``; None when either is unknown.
+
+    Every server read must say its capacity: the rollouts' contexts are spread over all of them.
+    """
+    if committed_tokens is None or not readings:
+        return None
+    capacity = 0
+    for reading in readings:
+        tokens = reading.kv_capacity_tokens
+        if tokens is None or tokens <= 0:
+            return None
+        capacity += tokens
+    return committed_tokens / capacity
+
+
 def decide(
     state: AdmissionState,
     readings: Sequence[LoadReading],
@@ -157,24 +199,35 @@ def decide(
     waiting: int,
     bounds: AdmissionBounds,
     now: float,
+    committed_tokens: float | None = None,
 ) -> Decision:
     """The limit after ``readings`` (one per server, possibly none), with ``admitted`` rollouts holding a
-    slot and ``waiting`` more waiting for one; ``now`` is ``time.monotonic()``, recorded on a change."""
+    slot and ``waiting`` more waiting for one; ``now`` is ``time.monotonic()``, recorded on a change.
+
+    ``committed_tokens`` is the context the admitted rollouts hold, in tokens (None: not measured);
+    with the servers' capacity it gives the committed fraction the module's docstring describes.
+    """
     if not readings:
         return Decision(state, "hold_no_signal", None, 0)
     new_preemptions, seen = _new_preemptions(state, readings)
     kv = max(reading.kv_cache_usage for reading in readings)
-    queued = sum(reading.requests_waiting for reading in readings if reading.kv_cache_usage >= bounds.kv_target)
+    committed = committed_fraction(committed_tokens, readings)
+    fill = kv if committed is None else max(kv, committed)
+    # The committed share is the servers' together: taken as each one's (the rollouts spread over them).
+    floor_fill = 0.0 if committed is None else committed
+    queued = sum(
+        reading.requests_waiting for reading in readings if max(reading.kv_cache_usage, floor_fill) >= bounds.kv_target
+    )
     base = AdmissionState(state.limit, MappingProxyType(seen), state.changed_at)
 
     def hold(reason: Reason) -> Decision:
-        return Decision(base, reason, kv, new_preemptions)
+        return Decision(base, reason, kv, new_preemptions, committed)
 
     def change(limit: int, reason: Reason) -> Decision:
         limit = _clamp(limit, bounds)
         if limit == state.limit:
             return hold("hold_bound")
-        return Decision(AdmissionState(limit, base.preemptions, now), reason, kv, new_preemptions)
+        return Decision(AdmissionState(limit, base.preemptions, now), reason, kv, new_preemptions, committed)
 
     # Preemptions are counted since the last reading, so they are news even on a reading taken
     # before the last change; a queue is a level, read afresh only after it.
@@ -188,11 +241,14 @@ def decide(
         if admitted > state.limit:
             return hold("hold_draining")
         return change(math.floor(state.limit * CUT_FACTOR), pressure)
-    if kv >= bounds.kv_target:
+    if fill >= bounds.kv_target:
         return hold("hold_kv_target")
     if any(reading.requests_waiting > 0 for reading in readings):
         return hold("hold_queued")
     if waiting <= 0:
         return hold("hold_no_demand")
-    grown = math.floor(state.limit * (1.0 + GROWTH * (1.0 - kv / bounds.kv_target)))
-    return change(max(state.limit + 1, grown), "grow")
+    headroom = 1.0 - fill / bounds.kv_target
+    factor = 1.0 + GROWTH * headroom
+    if committed is not None:  # a signal that does not lag admission: faster while far below the target
+        factor += COMMITTED_GROWTH * max(0.0, 1.0 - 2.0 * fill / bounds.kv_target)
+    return change(max(state.limit + 1, math.floor(state.limit * factor)), "grow")

@@ -220,6 +220,10 @@ class RolloutContext:
     #: The attempt's own ``rollout_timeout_s`` deadline (None without one): an env worker is killed
     #: when this one passes, never for a deadline or cancel in the caller's scopes (DESIGN rule 17).
     deadline: PausableDeadline | None = None
+    #: The context its latest engine call holds at the engine, in tokens: the prompt once sent, plus
+    #: the response once it came back (None before the first call). What ``max_concurrent_rollouts="auto"``
+    #: counts as committed while the attempt holds its slot (``_runtime/committed.py``).
+    engine_context_tokens: int | None = None
 
     @property
     def client(self) -> InferenceClient:

@@ -6,9 +6,11 @@ generator's, not each call's. A limiter belongs to one event loop, so there is o
 With ``max_concurrent_rollouts="auto"`` the limiter's size follows the engines' load
 (:class:`Admission`): each ``generate()`` call runs :meth:`AdmissionCall.run` beside its rollouts,
 and one of them at a time (the first to come; the next takes over when it ends) reads the engines
-every ``interval_s`` and applies :func:`~skyrl_structured._runtime.admission.decide`. Resizing a
-limiter never touches a slot already taken: a smaller limit admits no one until enough rollouts
-have finished, a larger one admits the waiting rollouts at once, in FIFO order.
+every ``interval_s`` and applies :func:`~skyrl_structured._runtime.admission.decide`, with the
+context the admitted rollouts of every call running then hold
+(:mod:`~skyrl_structured._runtime.committed`). Resizing a limiter never touches a slot already
+taken: a smaller limit admits no one until enough rollouts have finished, a larger one admits the
+waiting rollouts at once, in FIFO order.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from anyio.lowlevel import RunVar
 from ..config import ResilienceSettings
 from ..observe import Observers, RolloutObserver
 from .admission import AdmissionBounds, AdmissionState, Decision, LoadReading, decide
+from .committed import CommittedContexts, committed_tokens
 
 __all__ = ["ADMISSION_INTERVAL_S", "Admission", "AdmissionCall", "AdmissionRecord", "LoadReader", "RolloutSlots"]
 
@@ -90,9 +93,10 @@ class RolloutSlots:
 class AdmissionRecord:
     """What one ``generate()`` call saw of the admission limit, for its ``rollout_metrics``.
 
-    The limit and the KV-cache usage are seen by every call running while they are read; the
-    changes and preemptions are counted by the call whose driver read them only, so that SkyRL's
-    fully-async trainer, which sums such counts over its concurrent calls, counts each once.
+    The limit, the KV-cache usage and the committed fraction are seen by every call running while
+    they are read; the changes and preemptions are counted by the call whose driver read them only,
+    so that SkyRL's fully-async trainer, which sums such counts over its concurrent calls, counts
+    each once.
     """
 
     limit_min: int
@@ -101,6 +105,9 @@ class AdmissionRecord:
     kv_sum: float = 0.0
     kv_max: float = 0.0
     kv_readings: int = 0
+    committed_sum: float = 0.0
+    committed_max: float = 0.0
+    committed_readings: int = 0
     preemptions: int = 0
     changes: Counter[str] = field(default_factory=Counter)
 
@@ -111,6 +118,10 @@ class AdmissionRecord:
             self.kv_sum += decision.kv_cache_usage
             self.kv_max = max(self.kv_max, decision.kv_cache_usage)
             self.kv_readings += 1
+        if decision.committed_kv is not None:
+            self.committed_sum += decision.committed_kv
+            self.committed_max = max(self.committed_max, decision.committed_kv)
+            self.committed_readings += 1
 
     def metrics(self) -> dict[str, float]:
         """The call's admission metrics, named to aggregate right under SkyRL's rules (``min``, ``max``,
@@ -124,6 +135,9 @@ class AdmissionRecord:
         if self.kv_readings:
             out["generate/kv_cache_usage_mean"] = self.kv_sum / self.kv_readings
             out["generate/kv_cache_usage_max"] = self.kv_max
+        if self.committed_readings:
+            out["generate/admission_committed_kv_mean"] = self.committed_sum / self.committed_readings
+            out["generate/admission_committed_kv_max"] = self.committed_max
         for reason, count in sorted(self.changes.items()):
             out[f"generate/admission_changes/{reason}"] = float(count)
         return out
@@ -138,6 +152,8 @@ class Admission:
         self.limiter = anyio.CapacityLimiter(self.state.limit)
         self._driving = anyio.Lock()
         self._records: list[AdmissionRecord] = []
+        #: The admitted attempts of each call whose driver runs (every call with rollouts left).
+        self._committed: list[CommittedContexts] = []
         self._warned_fallback = False
         self._warned_read = False
 
@@ -172,6 +188,10 @@ class Admission:
                 else "generator.admission_min_rollouts",
             )
 
+    def committed_tokens(self) -> float | None:
+        """The context the admitted rollouts of the calls running now hold, in tokens (see ``committed.py``)."""
+        return committed_tokens(self._committed)
+
     async def _read(self, read: LoadReader) -> Sequence[LoadReading]:
         try:
             with anyio.move_on_after(READ_TIMEOUT_S):
@@ -197,12 +217,21 @@ class Admission:
             RolloutObserver.admission_decided, decision.limit, previous, decision.reason, decision.kv_cache_usage
         )
 
-    async def drive(self, read: LoadReader, record: AdmissionRecord, observers: Observers, interval_s: float) -> None:
+    async def drive(
+        self,
+        read: LoadReader,
+        record: AdmissionRecord,
+        committed: CommittedContexts,
+        observers: Observers,
+        interval_s: float,
+    ) -> None:
         """Follow the engines' load until cancelled: wait for the call driving now to end, then read,
-        decide and apply every ``interval_s`` (the call's rollouts ending cancels this)."""
+        decide and apply every ``interval_s`` (the call's rollouts ending cancels this). ``committed``
+        (the call's admitted attempts) counts towards every decision while the call runs."""
         if not self._records:  # no call ran since the last ended: the servers' counts since are not ours
             self.state = self.state.resumed()
         self._records.append(record)
+        self._committed.append(committed)
         try:
             async with self._driving:
                 while True:
@@ -215,18 +244,21 @@ class Admission:
                         waiting=limiter.statistics().tasks_waiting,
                         bounds=self.bounds,
                         now=time.monotonic(),
+                        committed_tokens=self.committed_tokens(),
                     )
                     self._apply(decision, record, observers)
                     await anyio.sleep(interval_s)
         finally:
             self._records.remove(record)
+            self._committed.remove(committed)
 
 
 @dataclass
 class AdmissionCall:
     """What one ``generate()`` call brings to the generator's :class:`Admission`: its reader and observers.
 
-    ``read`` is None for a client that cannot report load: the fallback bound, fixed.
+    ``read`` is None for a client that cannot report load: the fallback bound, fixed. ``committed``
+    holds the call's admitted attempts (the supervisor adds and removes them).
     """
 
     admission: Admission
@@ -234,6 +266,7 @@ class AdmissionCall:
     client: object
     interval_s: float
     record: AdmissionRecord = field(init=False)
+    committed: CommittedContexts = field(init=False, default_factory=CommittedContexts)
 
     def __post_init__(self) -> None:
         self.record = self.admission.record()
@@ -248,7 +281,7 @@ class AdmissionCall:
         """The call's part in following the load (in its task group, cancelled with its last rollout)."""
         if self.read is None:
             return
-        await self.admission.drive(self.read, self.record, observers, self.interval_s)
+        await self.admission.drive(self.read, self.record, self.committed, observers, self.interval_s)
 
     def metrics(self) -> dict[str, float]:
         return self.record.metrics()

@@ -278,6 +278,8 @@ class _Supervisor(Generic[OutputT]):
         self.interrupt: BaseException | None = None
         # The generator's limiter (shared across its concurrent calls), or one for this call alone.
         self.limiter = batch.slots
+        #: With max_concurrent_rollouts="auto": the call's admitted attempts, whose contexts admission counts.
+        self.committed = batch.admission.committed if batch.admission is not None else None
         bound = settings.max_concurrent_rollouts
         if self.limiter is None and isinstance(bound, int):  # "auto" comes with its limiter in batch.slots
             self.limiter = anyio.CapacityLimiter(bound)
@@ -348,7 +350,10 @@ class _Supervisor(Generic[OutputT]):
         borrower = object()
         if self.limiter is not None:
             await self.limiter.acquire_on_behalf_of(borrower)
+        committed = self.committed
         try:
+            if committed is not None:
+                committed.admit(context)
             context.started = time.monotonic()
             context.emit(RolloutObserver.attempt_started)
             with activate(context):
@@ -356,6 +361,9 @@ class _Supervisor(Generic[OutputT]):
             context.emit(RolloutObserver.attempt_finished, time.monotonic() - context.started)
             return result
         finally:
+            # Its engine context is done with now, even where its slot waits for an abandoned close.
+            if committed is not None:
+                committed.release(context)
             if self.limiter is not None:
                 _release_when_closed(self.limiter, borrower, context.abandoned)
 

@@ -275,7 +275,8 @@ class HTTPEngine(AsyncResource):
         every server (concurrent callers share that read), each waiting at most
         ``connect_timeout_s``. A server that cannot be read is left out and logged once; this
         never raises. A counter that goes down (the server restarted) continues from the last
-        value reported, so differences between readings are never negative.
+        value reported, so differences between readings are never negative. The KV capacity
+        (``kv_capacity_tokens``) is read from the labels of vLLM's ``vllm:cache_config_info``.
         """
         return await self._load.latest()
 

@@ -20,7 +20,9 @@ class EngineLoad:
 
     ``kv_cache_usage`` is the fraction (0.0-1.0) of the server's KV-cache blocks in use; the
     ``*_total`` fields are the server's own cumulative counters (so a reader takes differences);
-    ``at`` is ``time.monotonic()`` when the reading was taken.
+    ``at`` is ``time.monotonic()`` when the reading was taken. ``kv_capacity_tokens`` is how many
+    tokens the server's KV cache holds in all (its engines together), None where the server does not
+    say: with it, admission weighs the context its admitted rollouts hold against that capacity.
     """
 
     server: str
@@ -31,6 +33,7 @@ class EngineLoad:
     prefix_cache_hits_total: int
     prefix_cache_queries_total: int
     at: float
+    kv_capacity_tokens: int | None = None
 
 
 @runtime_checkable

@@ -22,7 +22,9 @@ signal): vLLM's own Prometheus stat logger, which ``AsyncLLM`` runs in this proc
 ``disable_log_stats=True``, keeps the same gauges and counters a ``vllm serve`` server shows on
 ``GET /metrics``; the engine renders vLLM's registry (``get_prometheus_registry()``, what the
 server's ``/metrics`` route renders) in a worker thread and reads it as
-:class:`~skyrl_structured.engines.HTTPEngine` reads a server's. That registry is the process's:
+:class:`~skyrl_structured.engines.HTTPEngine` reads a server's, the KV capacity included (vLLM's
+stat logger renders its engine's ``CacheConfig`` as ``vllm:cache_config_info`` when the engine
+starts, so the capacity comes from the same engine as the usage). That registry is the process's:
 with two vLLM engines in one process it holds the newer one's metrics. vLLM's ``StatLoggerBase``
 would give the same numbers but must be passed when the ``AsyncLLM`` is built, and the stats it
 receives are not a stable interface (vLLM's docstring says so); metric names are.

@@ -13,7 +13,7 @@ import pytest
 from skyrl_structured.engines import HTTPEngine, VLLMEngine
 from skyrl_structured.engines._load_reader import LoadReader
 from skyrl_structured.engines._prometheus import Sample, parse_samples
-from skyrl_structured.engines._vllm_metrics import engine_load_from_metrics
+from skyrl_structured.engines._vllm_metrics import engine_load_from_metrics, kv_capacity_tokens
 from skyrl_structured.engines.load import EngineLoad, ReportsLoad
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
@@ -56,6 +56,33 @@ def vllm_metrics(
                 ]
     lines.append('python_info{implementation="CPython",major="3"} 1.0')
     return "\n".join(lines) + "\n"
+
+
+#: ``vllm:cache_config_info`` as vLLM 0.32 writes it (rendered from its own ``CacheConfig.metrics_info()``
+#: with 128 blocks of 32 tokens), with its fields as placeholders.
+_CACHE_CONFIG_SAMPLE = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="{block_size}",cache_dtype="auto",'
+    'cache_hit_alignment_tokens="None",effective_attention_block_size="None",'
+    'enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="{engine}",'
+    'gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",'
+    'kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="2.0",'
+    'kv_cache_memory_bytes="None",kv_cache_size_tokens="{tokens}",kv_offloading_backend="native",'
+    'kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype="auto",'
+    'mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",num_cpu_blocks="None",'
+    'num_gpu_blocks="{blocks}",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",'
+    'prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",'
+    'skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",'
+    'use_replayssm="False",user_specified_block_size="True"} 1.0\n'
+)
+
+
+def cache_config_info(*, tokens: str = "4096", blocks: str = "128", block_size: str = "32", engines: int = 1) -> str:
+    """vLLM's info gauge of its ``CacheConfig``: one sample per data-parallel engine, the same labels on each."""
+    sample = _CACHE_CONFIG_SAMPLE.replace("{tokens}", tokens).replace("{blocks}", blocks)
+    sample = sample.replace("{block_size}", block_size)
+    return (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"
+    ) + "".join(sample.replace("{engine}", str(engine)) for engine in range(engines))
 
 
 class Scripted:
@@ -184,6 +211,56 @@ def test_the_name_before_vllm_v1_is_read_too():
     assert engine_load_from_metrics("s", text, at=0.0).kv_cache_usage == 0.5
 
 
+def test_the_kv_capacity_is_vllms_kv_cache_size_tokens_label():
+    load = engine_load_from_metrics("s", vllm_metrics() + cache_config_info(tokens="4000"), at=0.0)
+    assert load == EngineLoad("s", 0.25, 3, 1, 7, 40, 100, 0.0, kv_capacity_tokens=4000)
+
+
+def test_the_kv_capacity_of_data_parallel_engines_is_summed():
+    # vLLM's front end sums num_gpu_blocks over its engines; kv_cache_size_tokens stays one engine's.
+    text = vllm_metrics(kv=[0.5, 0.25]) + cache_config_info(tokens="4000", blocks="256", engines=2)
+    assert engine_load_from_metrics("s", text, at=0.0).kv_capacity_tokens == 8000
+
+
+@pytest.mark.parametrize("unset", ["None", ""])
+def test_without_kv_cache_size_tokens_the_capacity_is_num_gpu_blocks_times_block_size(unset):
+    one = cache_config_info(tokens="None", blocks="128", block_size="32")
+    if not unset:  # an older vLLM, whose CacheConfig has no such field
+        one = one.replace('kv_cache_size_tokens="None",', "")
+    assert engine_load_from_metrics("s", vllm_metrics() + one, at=0.0).kv_capacity_tokens == 4096
+    # Two engines: num_gpu_blocks is already the server's sum, so the product is taken once.
+    two = cache_config_info(tokens="None", blocks="256", block_size="32", engines=2)
+    assert engine_load_from_metrics("s", vllm_metrics(kv=[0.1, 0.2]) + two, at=0.0).kv_capacity_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        "",  # a server without the gauge
+        cache_config_info(tokens="None", blocks="None"),  # blocks not known yet
+        cache_config_info(tokens="None", block_size="0"),
+        cache_config_info(tokens="-5", blocks="abc"),
+        'vllm:cache_config_info{engine="0",model_name="tiny"} 1.0\n',
+    ],
+)
+def test_a_capacity_the_server_does_not_say_is_none_and_the_rest_of_the_reading_stands(info):
+    load = engine_load_from_metrics("s", vllm_metrics() + info, at=0.0)
+    assert load == EngineLoad("s", 0.25, 3, 1, 7, 40, 100, 0.0, kv_capacity_tokens=None)
+
+
+def test_the_capacity_reader_agrees_with_prometheus_clients_writer():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    labels = {"block_size": "16", "num_gpu_blocks": "1000", "kv_cache_size_tokens": "None", "engine": ""}
+    info = prometheus_client.Gauge(
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels), registry=registry
+    )
+    for engine in ("0", "1"):  # as vLLM's PrometheusStatLogger.log_metrics_info sets it
+        info.labels(**{**labels, "engine": engine}).set(1)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert kv_capacity_tokens(parse_samples(text)) == 16_000
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -236,6 +313,18 @@ async def test_http_engine_reports_each_servers_load_in_url_order(anyio_backend,
         loads = await engine.engine_load()
     assert stripped(loads) == [(a.url, 0.5, 3, 1, 7, 40, 100), (b.url, pytest.approx(0.2), 0, 4, 7, 40, 100)]
     assert first.requests[0].headers["authorization"] == "Bearer k"  # the engine's headers go along
+
+
+async def test_http_engine_reads_each_servers_kv_capacity(anyio_backend, tokenizer):
+    with_info = Scripted(vllm_metrics() + cache_config_info(tokens="4096"))
+    without = Scripted(vllm_metrics())
+    async with (
+        serve_vllm(echo(tokenizer), intercept=with_info) as a,
+        serve_vllm(echo(tokenizer), intercept=without) as b,
+        HTTPEngine([a.url, b.url], "test-model") as engine,
+    ):
+        loads = await engine.engine_load()
+    assert [(load.server, load.kv_capacity_tokens) for load in loads] == [(a.url, 4096), (b.url, None)]
 
 
 async def test_the_rate_is_bounded_by_requests_the_servers_received(anyio_backend, tokenizer):
