@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -8,6 +9,25 @@ from skyrl_structured.testing.envs import register_scripted_env
 from skyrl_structured.tiny import build_chatml_tokenizer
 
 register_scripted_env()
+
+#: Workers per core for ``-n logical`` / ``-n auto``, and the most workers added beyond the cores.
+_WORKERS_PER_CORE = 2
+_EXTRA_WORKERS_AT_MOST = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n logical`` (the README's test command) starts two workers per core, at most 8 more than cores.
+
+    The suite waits more than it computes: its subprocess, deadline and worker-start tests sleep or
+    wait on other processes: with 2 workers on 2 cores a full run used 594 s of CPU in 645 s of wall
+    time; with 4 workers on the same cores idle, 670 s of CPU in 449 s. No verdict depends on speed (DESIGN rule 20),
+    so more workers than cores only fill the waits. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides
+    when set (xdist's own hook reads it).
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores * _WORKERS_PER_CORE, cores + _EXTRA_WORKERS_AT_MOST)
 
 
 @pytest.fixture(
