@@ -227,13 +227,13 @@ def test_committed_context_tapers_the_growth_as_kv_usage_did():
 @pytest.mark.parametrize(
     ("committed", "limit"),
     [
-        (0.0, 22),  # 1 + 0.2 + 1.0: 2.2x at an empty cache
-        (200.0, 16),  # u = t/4: 1 + 0.2 * 0.75 + 1.0 * 0.5 = 1.65
-        (400.0, 11),  # u = t/2: the plain 1.1x, no extra
-        (700.0, 11),  # past t/2: the plain taper (floor(10 * 1.025) = 10, so +1)
+        (0.0, 12),  # 1.2x at an empty cache, as without it: no faster growth of its own
+        (200.0, 11),  # u = t/4: floor(10 * (1 + 0.2 * 0.75)) = 11
+        (400.0, 11),  # u = t/2: 1.1x
+        (700.0, 11),  # near t: floor(10 * 1.025) = 10, so +1
     ],
 )
-def test_with_committed_context_known_it_grows_faster_far_below_the_target(committed, limit):
+def test_with_committed_context_known_growth_tapers_on_it_as_on_kv_usage(committed, limit):
     grown = decide(
         state(10),
         [load(0.0, at=1.0, capacity=1000)],
@@ -277,15 +277,15 @@ def test_preemptions_draining_and_bounds_hold_whatever_is_committed():
     )
     assert (draining.limit, draining.reason) == (20, "hold_draining")
     capped = decide(
-        state(60),
+        state(90),
         [load(0.0, at=1.0, capacity=1000)],
-        admitted=60,
+        admitted=90,
         waiting=50,
         bounds=BOUNDS,
         now=1.5,
         committed_tokens=0.0,
     )
-    assert (capped.limit, capped.reason) == (100, "grow")  # 132 clamped to the ceiling
+    assert (capped.limit, capped.reason) == (100, "grow")  # 108 clamped to the ceiling
     stale = decide(
         state(10, changed_at=2.0),
         [load(0.0, at=2.0, capacity=1000)],

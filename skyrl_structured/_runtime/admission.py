@@ -22,15 +22,14 @@ The policy is AIMD (additive-increase, multiplicative-decrease, TCP's congestion
 increase tapered by KV-cache headroom, as prime-rl validated it (prime-rl #3285, #3556):
 
 - **grow** while rollouts wait for a slot and ``u`` is below the target ``t`` (default 0.8): the
-  limit becomes ``max(limit + 1, floor(limit * (1 + 0.2 * (1 - u / t) + b)))``, 1.2x at an empty
+  limit becomes ``max(limit + 1, floor(limit * (1 + 0.2 * (1 - u / t))))``, 1.2x at an empty
   cache tapering to +1 near the target. Multiplicative while there is room, so a limit far too low
   reaches the engines' capacity in a few readings; tapered, so it approaches the soft cap instead
   of jumping over it (KV usage lags admission: a new rollout fills its cache only once its prompt
-  is prefilled). ``b`` is 0 without ``c``; with it, ``1.0 * max(0, 1 - 2u / t)``: 2.2x at an empty
-  cache, tapering to the plain rule at ``t / 2``. ``c`` does not lag admission (a rollout counts
-  from its slot on, and its prompt from the moment it is sent), so far below the target the limit
-  may grow faster; near it, the plain taper, since ``c`` is each rollout's context now, not what
-  its later turns will add.
+  is prefilled). The committed fraction gets no faster growth of its own: it counts each rollout's
+  context now, while its later turns add to it, so a limit grown on it far below the target
+  overshoots (a version that grew 2.2x at an empty cache took the benchmark's limit to 33 and
+  preempted more than all at once in a lane run).
 - **hold** at or above the target (``u >= t``), while no rollout waits (a limit nobody uses is no
   evidence of room), on a reading no newer than the last change (its effect cannot show yet), and
   without a reading at all.
@@ -59,7 +58,6 @@ from types import MappingProxyType
 from typing import Literal, Protocol
 
 __all__ = [
-    "COMMITTED_GROWTH",
     "CUT_FACTOR",
     "GROWTH",
     "AdmissionBounds",
@@ -73,8 +71,6 @@ __all__ = [
 
 #: Growth per reading at an empty KV cache (1.2x, prime-rl's), tapering to +1 at the target.
 GROWTH = 0.2
-#: Extra growth per reading at an empty cache when the committed context is known, tapering to 0 at half the target.
-COMMITTED_GROWTH = 1.0
 #: What a cut keeps of the limit.
 CUT_FACTOR = 0.7
 
@@ -247,8 +243,5 @@ def decide(
         return hold("hold_queued")
     if waiting <= 0:
         return hold("hold_no_demand")
-    headroom = 1.0 - fill / bounds.kv_target
-    factor = 1.0 + GROWTH * headroom
-    if committed is not None:  # a signal that does not lag admission: faster while far below the target
-        factor += COMMITTED_GROWTH * max(0.0, 1.0 - 2.0 * fill / bounds.kv_target)
-    return change(max(state.limit + 1, math.floor(state.limit * factor)), "grow")
+    grown = math.floor(state.limit * (1.0 + GROWTH * (1.0 - fill / bounds.kv_target)))
+    return change(max(state.limit + 1, grown), "grow")
