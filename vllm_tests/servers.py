@@ -79,6 +79,17 @@ def parse_metric(text: str, name: str, **labels: str) -> float | None:
     return sum(values) if values else None
 
 
+def completed(text: str) -> float:
+    """Requests that ran to their end (a stop or the length), from Prometheus text.
+
+    vLLM's ``vllm:request_success_total`` counts aborted requests too (``finished_reason="abort"``),
+    and may count an abort before its ``Request <id> aborted.`` log line is written: a check that
+    took that counter for "it ran to its end" saw an aborted request as finished.
+    """
+    total = parse_metric(text, "vllm:request_success_total") or 0.0
+    return total - (parse_metric(text, "vllm:request_success_total", finished_reason="abort") or 0.0)
+
+
 class VLLMServer:
     """One real vLLM OpenAI-compatible server process serving ``model_dir`` as ``model``.
 

@@ -25,7 +25,7 @@ from skyrl_structured.engines import HTTPEngine
 from tests._agents import chat, client, error_of, in_thread
 from tests.engines.contract import LONG_DECODE_TOKENS
 
-from .servers import parse_metric
+from .servers import completed, parse_metric
 
 pytestmark = pytest.mark.anyio
 
@@ -120,7 +120,7 @@ def in_flight(server: Any) -> float:
 
 
 def finished(server: Any) -> float:
-    return server.metric("vllm:request_success_total") or 0.0
+    return completed(server.metrics_text())
 
 
 @dataclass

@@ -35,7 +35,7 @@ import pytest
 from skyrl_structured.engines import HTTPEngine, VLLMEngine
 from tests.engines import contract
 
-from .servers import MAX_MODEL_LEN, OMP_THREADS, VLLMServer, parse_metric
+from .servers import MAX_MODEL_LEN, OMP_THREADS, VLLMServer, completed, parse_metric
 
 pytestmark = [pytest.mark.anyio]
 
@@ -137,7 +137,7 @@ async def open_engine(kind: str, resources: dict[str, Any]) -> AsyncIterator[tup
     elif kind == "vllm-http":
         server: VLLMServer = resources["server"]
         log_start = len(server.log_text())
-        finished_start = await anyio.to_thread.run_sync(server.metric, "vllm:request_success_total") or 0.0
+        finished_start = completed(await anyio.to_thread.run_sync(server.metrics_text))
         seen = {"added": 0, "finished": 0.0}
 
         def on_server_now() -> int:
@@ -157,7 +157,7 @@ async def open_engine(kind: str, resources: dict[str, Any]) -> AsyncIterator[tup
                 return 0
             text = server.metrics_text()
             gauges = int(_metric(text, "vllm:num_requests_running") + _metric(text, "vllm:num_requests_waiting"))
-            seen["finished"] = (parse_metric(text, "vllm:request_success_total") or 0.0) - finished_start
+            seen["finished"] = completed(text) - finished_start
             return max(gauges, added - aborted - int(seen["finished"]))
 
         async def on_server() -> int:

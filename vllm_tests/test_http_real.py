@@ -26,7 +26,7 @@ from skyrl_structured.engines import EngineHTTPError, HTTPEngine, TransformersEn
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from tests.engines.contract import LONG_DECODE_TOKENS
 
-from .servers import MAX_MODEL_LEN, parse_metric
+from .servers import MAX_MODEL_LEN, completed, parse_metric
 
 pytestmark = pytest.mark.anyio
 
@@ -258,7 +258,7 @@ async def test_cancelling_the_caller_aborts_its_requests_inside_vllm(anyio_backe
         in_flight = (parse_metric(text, "vllm:num_requests_running") or 0.0) + (
             parse_metric(text, "vllm:num_requests_waiting") or 0.0
         )
-        return in_flight, parse_metric(text, "vllm:request_success_total") or 0.0
+        return in_flight, completed(text)
 
     _, finished_before = await anyio.to_thread.run_sync(counts)
     log_before = len(vllm_server.log_text())
