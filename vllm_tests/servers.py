@@ -373,14 +373,29 @@ class SmallKVServer(VLLMServer):
         ]
 
 
-def build_model_dir(path: Path, *, seed: int = MODEL_SEED, init_std: float = MODEL_INIT_STD) -> Path:
-    """Save the tiny tokenizer (with its chat template) and a seeded tiny Llama, in float32, to ``path``."""
+def build_model_dir(
+    path: Path, *, seed: int = MODEL_SEED, init_std: float = MODEL_INIT_STD, hidden_size: int = 64, num_layers: int = 2
+) -> Path:
+    """Save the tiny tokenizer (with its chat template) and a seeded tiny Llama, in float32, to ``path``.
+
+    ``hidden_size`` and ``num_layers`` make a larger model (one attention head per 32 of ``hidden_size``,
+    half as many key/value heads), for measurements where the model's compute must matter.
+    """
     import torch
 
     from skyrl_structured.tiny import build_chatml_tokenizer, build_tiny_model
 
     tokenizer = build_chatml_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, init_std=init_std).to(torch.float32)
+    heads = max(2, hidden_size // 32)
+    model = build_tiny_model(
+        tokenizer,
+        seed=seed,
+        init_std=init_std,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=heads // 2,
+    ).to(torch.float32)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path, safe_serialization=True)
