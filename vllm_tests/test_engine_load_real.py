@@ -26,13 +26,21 @@ HANG_S = 240
 PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
 
 
-async def until(engine: HTTPEngine, wanted: Callable[[EngineLoad], bool]) -> EngineLoad:
-    """The first reading of the one server for which ``wanted`` holds."""
+async def until(
+    engine: HTTPEngine, wanted: Callable[[EngineLoad], bool], seen: list[EngineLoad] | None = None
+) -> EngineLoad:
+    """The first reading of the one server for which ``wanted`` holds (every reading taken goes to ``seen``)."""
     while True:
         [load] = await engine.engine_load()
+        if seen is not None:
+            seen.append(load)
         if wanted(load):
             return load
         await anyio.sleep(0.05)  # spare the server; the verdict does not depend on it
+
+
+def _brief(load: EngineLoad) -> tuple[int, int, float]:
+    return (load.requests_running, load.requests_waiting, round(load.kv_cache_usage, 3))
 
 
 async def test_the_servers_load_before_while_and_after_requests(anyio_backend, vllm_server):
@@ -53,10 +61,30 @@ async def test_the_servers_load_before_while_and_after_requests(anyio_backend, v
             assert idle.server == vllm_server.url
             assert idle.kv_capacity_tokens is not None
             assert idle.kv_capacity_tokens > 0
+            seen: list[EngineLoad] = []
+            ended: list[str] = []  # the long request's end, if it ends before it is seen running
+
+            async def long() -> None:
+                try:
+                    out = await engine.generate(long_request)
+                except Exception as exc:
+                    ended.append(f"failed: {exc!r}")
+                    return
+                ended.append(f"finished: {out['stop_reasons']}, {len(out['response_ids'][0])} tokens")
+
             async with anyio.create_task_group() as group:
-                group.start_soon(engine.generate, long_request)
-                busy = await until(engine, lambda load: load.requests_running == 1)
+                group.start_soon(long)
+                with anyio.move_on_after(HANG_S / 2):
+                    await until(engine, lambda load: load.requests_running == 1 or bool(ended), seen)
                 group.cancel_scope.cancel()
+            # A failure says what the server showed (running, waiting, KV usage) and how the request ended.
+            if not seen or seen[-1].requests_running != 1 or ended:
+                head, tail = [_brief(x) for x in seen[:3]], [_brief(x) for x in seen[-3:]]
+                pytest.fail(
+                    f"the {LONG_DECODE_TOKENS}-token request was never seen running ({ended or 'it had not ended'}); "
+                    f"{len(seen)} readings of (running, waiting, KV usage), the first {head}, the last {tail}"
+                )
+            busy = seen[-1]
             assert busy.kv_cache_usage > 0.0
             assert busy.requests_waiting == 0
             after = await until(engine, lambda load: load.requests_running == 0)
