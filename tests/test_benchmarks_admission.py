@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.admission import Settings, SlowToolEnv, contenders, markdown, run_all
+from benchmarks.admission import Settings, SlowToolEnv, _args, contenders, markdown, run_all
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 
@@ -78,3 +78,11 @@ def test_each_tool_observation_carries_the_filler_words_asked_for():
         {"role": "user", "content": "<observation>line0 line1 line2 The tool returned 7.</observation> Go on."}
     ]
     assert env.step("b")["observations"] == []  # the last turn ends the episode
+
+
+def test_quick_asks_vllm_for_a_cache_it_starts_with_and_a_short_cache_is_refused_in_one_line(capsys):
+    args = _args(["--quick"])
+    assert (args.kv_blocks - 1) * args.block_size >= args.max_model_len  # vLLM keeps one block back
+    with pytest.raises(SystemExit):
+        _args(["--kv-blocks", "8", "--max-model-len", "256"])  # 224 usable tokens: vLLM refuses to start
+    assert "raise --kv-blocks or lower --max-model-len" in capsys.readouterr().err
