@@ -109,6 +109,7 @@ def build_tiny_model(
     num_heads: int = 2,
     num_kv_heads: int = 1,
     init_std: float = 0.02,
+    max_positions: int = 4096,
 ) -> Any:
     """A randomly initialised Llama-architecture causal LM sized to ``tokenizer`` (needs torch).
 
@@ -117,7 +118,8 @@ def build_tiny_model(
     so the same weights run in :class:`~skyrl_structured.engines.TransformersEngine` and behind a
     real ``vllm serve`` (saved with ``save_pretrained``). ``init_std`` is the weights' standard
     deviation (``initializer_range``): at the default, greedy decoding repeats one token; at 0.2
-    the output varies from token to token and sometimes ends with EOS.
+    the output varies from token to token and sometimes ends with EOS. ``max_positions`` is the
+    longest context the config allows (RoPE has no learned positions: the weights do not change).
 
     Raises:
         ImportError: torch is not installed; the message gives the install command.
@@ -137,7 +139,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

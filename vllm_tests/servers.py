@@ -15,7 +15,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import anyio
 
 from skyrl_structured.engines._prometheus import parse_samples
 
@@ -27,9 +31,16 @@ MODEL_SEED = 0
 #: greedy decoding varies from token to token and often ends with EOS, so that comparing engines
 #: token for token means something; top-1/top-2 logit gaps stay far above float32 noise.
 MODEL_INIT_STD = 0.2
-#: The tiny model's positions, all of them: room for a decode far longer than any poll interval
-#: (``tests/engines/contract.py``'s LONG_DECODE_TOKENS), which the cancellation checks cancel mid-flight.
-MAX_MODEL_LEN = 4096
+#: The served context: room for :data:`LONG_DECODE_TOKENS` after any of the lane's prompts (the tiny
+#: model is built with as many positions).
+MAX_MODEL_LEN = 32768
+#: The lane's long decode, which every in-flight check (cancellation, abort, load while running)
+#: starts and then catches or cancels. It must outlast the server's slowest answer: under load, its
+#: API process (``/metrics``, the abort on a closed connection) lags its engine core by seconds,
+#: and a loaded CI run once read ``/metrics`` only twice during a whole 4,000-token decode (about
+#: 10 s idle). 30,000 tokens take minutes on any CPU; a cancelled one costs only the time until its
+#: cancel.
+LONG_DECODE_TOKENS = 30000
 #: A hang bound, not a speed: the lane launches its three servers side by side at its start, on a
 #: 2-core machine that may be loaded (a pair took 152 s in a loaded run).
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "600"))
@@ -37,6 +48,8 @@ MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
 OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")
 #: :class:`SmallKVServer`'s KV cache: 32 blocks of 32 tokens, 1,024 tokens in all; its context is
 #: shorter (vLLM keeps a block of the cache to itself and refuses a context the rest cannot hold).
+#: How long a test's probe of a server (``/metrics``) waits for its answer: a hang bound, not a speed.
+PROBE_TIMEOUT_S = 120.0
 SMALL_KV_BLOCKS = 32
 SMALL_KV_BLOCK_SIZE = 32
 SMALL_KV_MAX_MODEL_LEN = 512
@@ -77,6 +90,24 @@ def parse_metric(text: str, name: str, **labels: str) -> float | None:
         if sample.name == name and all(dict(sample.labels).get(key) == want for key, want in labels.items())
     ]
     return sum(values) if values else None
+
+
+async def until_load(engine: Any, wanted: Callable[[Any], bool], seen: list[Any] | None = None) -> Any:
+    """The first reading of ``engine``'s one server (an ``EngineLoad``) for which ``wanted`` holds.
+
+    Every reading taken goes to ``seen``. A read that fails (a loaded server's ``/metrics`` can take
+    longer than the client's timeout) leaves the server out of that reading, as ``engine_load``
+    documents: this waits for the next one. The caller's deadline bounds the wait.
+    """
+    while True:
+        loads = await engine.engine_load()
+        if loads:
+            [load] = loads
+            if seen is not None:
+                seen.append(load)
+            if wanted(load):
+                return load
+        await anyio.sleep(0.05)  # spare the server; no verdict depends on it
 
 
 def completed(text: str) -> float:
@@ -295,8 +326,12 @@ class VLLMServer:
         return answer
 
     def metrics_text(self) -> str:
-        """The text of ``GET /metrics`` (Prometheus format)."""
-        status, body = http_get(f"{self.url}/metrics")
+        """The text of ``GET /metrics`` (Prometheus format), waited for as long as a hang allows.
+
+        Under load the API process that answers it can fall seconds behind its engine core (or be
+        stopped outright by SIGSTOP); a slow answer is still an answer.
+        """
+        status, body = http_get(f"{self.url}/metrics", timeout=PROBE_TIMEOUT_S)
         if status != 200:
             raise RuntimeError(f"{self.url}/metrics answered HTTP {status}")
         return body.decode()
@@ -395,6 +430,7 @@ def build_model_dir(
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=heads // 2,
+        max_positions=MAX_MODEL_LEN,
     ).to(torch.float32)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path)

@@ -24,7 +24,7 @@ from benchmarks.admission import Settings, make_batch, make_generator, measure
 from benchmarks.vllm_share import engine_defaults
 from skyrl_structured.engines import HTTPEngine
 
-from .servers import SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS
+from .servers import SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS, until_load
 
 pytestmark = pytest.mark.anyio
 
@@ -51,7 +51,7 @@ async def test_auto_preempts_at_most_as_often_as_all_at_once(
     with anyio.fail_after(HANG_S):
         async with engine:
             # The server's KV capacity, from its vllm:cache_config_info: 32 blocks of 32 tokens.
-            [load] = await engine.engine_load()
+            load = await until_load(engine, lambda _: True)
             assert load.kv_capacity_tokens == SMALL_KV_BLOCKS * SMALL_KV_BLOCK_SIZE
             for name, limit in (("all at once", None), ("auto", "auto")):
                 generator = make_generator(engine, tokenizer, limit=limit, settings=SETTINGS)
@@ -68,7 +68,9 @@ async def test_auto_preempts_at_most_as_often_as_all_at_once(
     metrics = auto["rollout_metrics"]
     assert metrics["generate/admission_fallback"] == 0.0
     assert 4.0 <= metrics["generate/admission_limit_min"] <= metrics["generate/admission_limit_max"] <= ROLLOUTS
-    assert 0.0 < metrics["generate/kv_cache_usage_max"] <= 1.0
+    # A reading, never a verdict: this run lasts seconds, and a loaded server's /metrics can lag it
+    # whole (CI once read only 0.0). test_engine_load_real shows the usage rise during a request.
+    assert 0.0 <= metrics["generate/kv_cache_usage_max"] <= 1.0
     assert metrics["generate/admission_committed_kv_max"] > 0.0  # the admitted rollouts' contexts, counted
     assert metrics["generate/admission_engine_preemptions"] <= auto["preemptions"]
     assert "generate/admission_limit_min" not in every["rollout_metrics"]

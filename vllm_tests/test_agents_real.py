@@ -23,9 +23,8 @@ import pytest
 from skyrl_structured.agents import serve_capture
 from skyrl_structured.engines import HTTPEngine
 from tests._agents import chat, client, error_of, in_thread
-from tests.engines.contract import LONG_DECODE_TOKENS
 
-from .servers import completed, parse_metric
+from .servers import LONG_DECODE_TOKENS, completed, parse_metric
 
 pytestmark = pytest.mark.anyio
 

