@@ -38,18 +38,18 @@ MAX_MODEL_LEN = 32768
 #: starts and then catches or cancels. It must outlast the server's slowest answer: under load, its
 #: API process (``/metrics``, the abort on a closed connection) lags its engine core by seconds,
 #: and a loaded CI run once read ``/metrics`` only twice during a whole 4,000-token decode (about
-#: 10 s idle). 30,000 tokens take minutes on any CPU; a cancelled one costs only the time until its
-#: cancel.
+#: 8 s idle). 30,000 tokens take a minute idle here, and longer on a busy machine; a cancelled one
+#: costs only the time until its cancel.
 LONG_DECODE_TOKENS = 30000
 #: A hang bound, not a speed: the lane launches its three servers side by side at its start, on a
 #: 2-core machine that may be loaded (a pair took 152 s in a loaded run).
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_TESTS_STARTUP_TIMEOUT_S", "600"))
 MAX_NUM_SEQS = int(os.environ.get("VLLM_TESTS_MAX_NUM_SEQS", "32"))
 OMP_THREADS = os.environ.get("VLLM_TESTS_OMP_THREADS", "1")
-#: :class:`SmallKVServer`'s KV cache: 32 blocks of 32 tokens, 1,024 tokens in all; its context is
-#: shorter (vLLM keeps a block of the cache to itself and refuses a context the rest cannot hold).
 #: How long a test's probe of a server (``/metrics``) waits for its answer: a hang bound, not a speed.
 PROBE_TIMEOUT_S = 120.0
+#: :class:`SmallKVServer`'s KV cache: 32 blocks of 32 tokens, 1,024 tokens in all; its context is
+#: shorter (vLLM keeps a block of the cache to itself and refuses a context the rest cannot hold).
 SMALL_KV_BLOCKS = 32
 SMALL_KV_BLOCK_SIZE = 32
 SMALL_KV_MAX_MODEL_LEN = 512
