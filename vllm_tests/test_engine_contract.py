@@ -250,8 +250,23 @@ async def test_errors_name_what_is_wrong(anyio_backend, kind, resources, tokeniz
 
 
 async def test_cancellation_stops_the_generation(anyio_backend, kind, resources, tokenizer):
+    server: VLLMServer | None = resources.get("server")
+    if server is not None:
+        log_start = len(server.log_text())
+        finished_start = completed(await anyio.to_thread.run_sync(server.metrics_text))
     async with open_engine(kind, resources) as (engine, in_flight):
         await contract.check_cancellation(engine, tokenizer, in_flight, decode_tokens=LONG_DECODE_TOKENS)
+    if server is not None:
+        # In flight drops to 0 whether vLLM aborts the request or lets it run to its end: the server
+        # says which. The long request was aborted (logged), and only the check's short one after it
+        # ran to its end (counted). Waited for, not timed: each of the two ends is logged or counted.
+        aborted, finished = 0, 0.0
+        with anyio.fail_after(120):
+            while aborted + finished < 2:
+                aborted = len(server.cancelled_requests(since=log_start))
+                finished = completed(await anyio.to_thread.run_sync(server.metrics_text)) - finished_start
+                await anyio.sleep(0.05)
+        assert (aborted, finished) == (1, 1.0), "the cancelled request ran to its end instead of being aborted"
 
 
 async def test_finish_session(anyio_backend, kind, resources, tokenizer):
