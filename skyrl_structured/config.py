@@ -129,6 +129,9 @@ class ResilienceSettings:
     straggler_cutoff: float | None = None
     straggler_grace_s: float = 0.0
     straggler_cutoff_scope: StragglerCutoffScope = "batch"
+    carry_over_cut_rollouts: bool = False
+    max_carry_over_steps: int = 1
+    mask_tokens_older_than: int | None = None
 
     @property
     def straggler_groups(self) -> bool:
@@ -336,6 +339,22 @@ class GeneratorConfig:
         "What straggler_cutoff counts: 'batch' (all rollouts of the generate() call) or 'group' (each prompt "
         "group, the rollouts sharing trajectory_ids[i].instance_id, on its own).",
         _KNOB_DEFAULTS.straggler_cutoff_scope,
+    )
+    carry_over_cut_rollouts: bool = _help(
+        "With straggler_cutoff: a rollout cut while its engine request runs is parked (its tokens, the partial "
+        "reply, its open environment) instead of discarded, and resumed by a later generate() whose batch has "
+        "the same trajectory id (docs/failures.md).",
+        _KNOB_DEFAULTS.carry_over_cut_rollouts,
+    )
+    max_carry_over_steps: int = _help(
+        "With carry_over_cut_rollouts: the most policy versions (weight syncs) a parked rollout may wait; one "
+        "parked longer is dropped, its environment closed (generate/carry_over/dropped_stale). An integer >= 0.",
+        _KNOB_DEFAULTS.max_carry_over_steps,
+    )
+    mask_tokens_older_than: int | None = _help(
+        "Zero the loss mask of sampled tokens more than this many policy versions older than the policy at the "
+        "end of generate() (rollout_policy_versions); an integer >= 0, or null to mask none.",
+        _KNOB_DEFAULTS.mask_tokens_older_than,
     )
     agent_endpoint_host: str = _help(
         "With an agent: the address StructuredAgentGenerator's capture endpoint listens on. The default is "
@@ -583,6 +602,15 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
     "straggler_grace_s": NumberRule(
         integer=False, minimum=0, seconds=True, fix="0 cuts the stragglers as soon as the cutoff is reached."
     ),
+    "max_carry_over_steps": NumberRule(
+        integer=True, minimum=0, fix="It is how many weight syncs a parked rollout may wait, e.g. 1 (the default)."
+    ),
+    "mask_tokens_older_than": NumberRule(
+        integer=True,
+        minimum=0,
+        null_means="masking none",
+        fix="It is how many policy versions old a sampled token may be and still train, e.g. 1.",
+    ),
 }
 
 #: Every choice knob of ours, by its path in SkyRL's config (its section included): the values it
@@ -670,6 +698,7 @@ def resolve_resilience(generator_cfg: SkyRLConfig) -> ResilienceSettings:
             f"at least generator.admission_min_rollouts={floor}, or null for no ceiling",
             "Raise it, or lower admission_min_rollouts.",
         )
-    if not isinstance(values["gc_tuning"], bool):
-        raise invalid_value("generator.gc_tuning", values["gc_tuning"], "true or false", with_type=True)
+    for flag in ("gc_tuning", "carry_over_cut_rollouts"):
+        if not isinstance(values[flag], bool):
+            raise invalid_value(f"generator.{flag}", values[flag], "true or false", with_type=True)
     return ResilienceSettings(**values)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
+from contextlib import AbstractAsyncContextManager
 from typing import Any, cast
 from uuid import uuid4
 
@@ -26,7 +28,7 @@ from ._episode.chat_attributes import ChatAttributes
 from ._episode.episode import Episode, EpisodeRunner
 from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import OutputSpec, collect
-from ._runtime.cleanup import Cleanup, run_cleanups
+from ._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
 from ._runtime.contexts import (
     BatchContext,
     BatchRequest,
@@ -36,10 +38,19 @@ from ._runtime.contexts import (
     seed_scope,
 )
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
+from ._runtime.parking import (
+    Parked,
+    ParkingLot,
+    RolloutParked,
+    close_parked,
+    close_parked_without_loop,
+    parking_key,
+)
 from ._runtime.pauses import Pausable, PauseClock
 from ._runtime.sessions import SessionEnd
 from ._runtime.slots import ADMISSION_INTERVAL_S, AdmissionCall, RolloutSlots
 from ._runtime.supervisor import run_rollouts
+from ._runtime.versions import PolicyVersion
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines._load_source import load_reader
 from .engines.bridge import bridged_client
@@ -49,6 +60,7 @@ from .observe import Observers, RolloutObserver
 from .progress import Progress
 from .types import (
     ConversationType,
+    EnvHandle,
     GeneratorInput,
     GeneratorOutput,
     InferenceClient,
@@ -125,6 +137,36 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         self._rollout_slots = RolloutSlots(self)
         #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
         self.pauses = PauseClock()
+        self._versions = PolicyVersion()
+        #: Parked rollouts (generator.carry_over_cut_rollouts), made on first use: see _parking_lot.
+        self._parking: ParkingLot | None = None
+
+    # ------------------------------------------------------------------ policy versions, parked rollouts
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engines hold: 0 until the first weight sync, one more after each.
+
+        Every sampled token records it (``rollout_policy_versions``). SkyRL's integration advances it
+        after each ``save_weights_for_sampler``; call :meth:`advance_policy_version` where you swap weights.
+        """
+        return self._versions.value
+
+    def advance_policy_version(self) -> int:
+        """Count one weight sync (the engines now hold new weights); returns the new version."""
+        return self._versions.advance()
+
+    @property
+    def parked_rollouts(self) -> int:
+        """Rollouts parked now, waiting for a later ``generate()`` (``generator.carry_over_cut_rollouts``)."""
+        return len(self._parking) if self._parking is not None else 0
+
+    def _parking_lot(self) -> ParkingLot | None:
+        """The generator's parked rollouts with carry-over on (closed at interpreter exit), else None."""
+        if self._parking is None and self.resilience.carry_over_cut_rollouts:
+            self._parking = ParkingLot()
+            weakref.finalize(self, close_parked_without_loop, self._parking)
+        return self._parking
 
     # ------------------------------------------------------------------ subclass hooks (SkyRL's)
 
@@ -210,10 +252,16 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             return sampling_params.get("logprobs", None) is not None
         return self.generator_cfg.sampling_params.logprobs is not None
 
-    def _output_spec(self, sampling_params: dict[str, Any] | None) -> OutputSpec:
-        """What shapes this call's output (see :class:`~skyrl_structured._output.collector.OutputSpec`)."""
+    def _output_spec(self, sampling_params: dict[str, Any] | None, started_version: int | None = None) -> OutputSpec:
+        """What shapes this call's output (see :class:`~skyrl_structured._output.collector.OutputSpec`).
+
+        ``started_version``: the policy version when the call started (rows without their own versions get it).
+        """
         pad = self.tokenizer.pad_token_id
+        now = self._versions.value
         return OutputSpec(
+            policy_version=now,
+            started_version=now if started_version is None else started_version,
             generator_cfg=self.generator_cfg,
             resilience=self.resilience,
             # Set: ChatTokenizer refuses a tokenizer without an eos_token_id at construction.
@@ -257,6 +305,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             Exception: whatever the engine, the environment or the tokenizer raised.
         """
         context = current_rollout(self, trajectory_id)
+        resume, context.resume = context.resume, None
         started = time.monotonic()
         session_id: str = (
             f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}" if trajectory_id is not None else uuid4().hex
@@ -267,26 +316,56 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         session_end = self._session_end(context, session_id)
         try:
             env_extras["max_turns"] = self.max_turns
-            env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
-            async with open_env(
-                env_class,
-                self._env_settings(),
-                extras=env_extras,
-                stats=context.cleanup,
-                rollout=context,
-                then=session_end,
-            ) as env:
-                output: RolloutOutput = await self._episode.run(
-                    env,
-                    prompt,
-                    context=context,
-                    max_input_length=max_input_length,
-                    sampling_params=sampling_params,
-                    cache_salt=cache_salt,
+            opened: AbstractAsyncContextManager[EnvHandle]
+            if resume is None:
+                env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
+                opened = open_env(
+                    env_class,
+                    self._env_settings(),
+                    extras=env_extras,
+                    stats=context.cleanup,
+                    rollout=context,
+                    then=session_end,
                 )
+            else:  # a parked rollout resumed: its environment is still open (and now this attempt's)
+                opened = resume.env.adopt(context.cleanup, context, session_end)
+            async with opened as env:
+                output: RolloutOutput
+                if resume is None:
+                    output = await self._episode.run(
+                        env,
+                        prompt,
+                        context=context,
+                        max_input_length=max_input_length,
+                        sampling_params=sampling_params,
+                        cache_salt=cache_salt,
+                    )
+                else:
+                    output = await resume.episode.resume(
+                        env,
+                        context=context,
+                        max_input_length=max_input_length,
+                        sampling_params=sampling_params,
+                        cache_salt=cache_salt,
+                    )
             output = self._post_process_agent_loop_output(output, env_extras, trajectory_id)
             output.e2e_time = time.monotonic() - started
             output.time_splits = context.time_splits
+        except RolloutParked as parked:
+            # Its environment was handed over open; the generator keeps both until a later call resumes it.
+            key = parking_key(trajectory_id)
+            if parked.env is not None and key is not None:
+                parked.record = Parked(
+                    key=key,
+                    env_class=env_class,
+                    prompt=prompt,
+                    sampling_params=sampling_params,
+                    episode=parked.episode,
+                    env=parked.env,
+                    session_id=session_id,
+                    parked_at=context.policy_version,
+                )
+            raise
         except BaseException as exc:
             if not session_end.started:
                 await run_cleanups([session_end], limit_s=self.resilience.env_cleanup_timeout_s, error=exc)
@@ -312,6 +391,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             step_wise=bool(cfg.step_wise_trajectories),
             policy=self.resilience.failed_rollout_policy,
             straggler_groups=self.resilience.straggler_groups,
+            carry_over=self.resilience.carry_over_cut_rollouts,
         )
         prompts = input_batch["prompts"]
         env_extras = input_batch.get("env_extras")
@@ -357,6 +437,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 slots=slots,
                 admission=admission,
                 pauses=self.pauses,
+                versions=self._versions,
+                parking=self._parking_lot(),
             )
             try:
                 return await self._generate_rollouts(batch, request)
@@ -364,10 +446,14 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 progress.close()
 
     async def aclose(self) -> None:
-        """Stop the generator's env workers (``env_executor`` process or ray); threads need nothing.
+        """Close the parked rollouts' environments, then stop the env workers (``env_executor`` process or ray).
 
         Also run at garbage collection and at interpreter exit; call it when done with the generator.
         """
+        lot = self._parking
+        if lot is not None and len(lot):
+            async with bridged_client(self.inference_engine_client) as client:
+                await close_parked(lot.take_all(), CleanupStats(), client)
         await self._envs.aclose()
 
     async def generate_batched(
@@ -407,28 +493,99 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             )
             return await generate_batched(batch, setup, request, max_tokens)
 
+    async def _claim_parked(
+        self, lot: ParkingLot, batch: BatchContext, request: BatchRequest
+    ) -> tuple[list[Parked | None], dict[str, float]]:
+        """Each row's parked rollout to resume (None: it starts afresh), after dropping the stale ones and those
+        a row claims with another env class, prompt or sampling; and the ``generate/carry_over/*`` metrics."""
+        version = self._versions.value
+        dropped_stale = lot.take_stale(version, self.resilience.max_carry_over_steps)
+        mismatched: list[Parked] = []
+        resumes: list[Parked | None] = []
+        ids: list[TrajectoryID | None] = [None] * len(request.prompts)
+        if request.trajectory_ids is not None:
+            ids = list(request.trajectory_ids)
+        for i, trajectory_id in enumerate(ids):
+            claimed, mismatch = lot.claim(
+                parking_key(trajectory_id), request.env_classes[i], request.prompts[i], request.sampling_params
+            )
+            resumes.append(claimed)
+            if mismatch is not None:
+                mismatched.append(mismatch)
+        if dropped_stale or mismatched:
+            logger.info(
+                "carry-over: dropped %d parked rollout(s) older than generator.max_carry_over_steps=%d and %d claimed "
+                "with another env class, prompt or sampling; their environments are closed",
+                len(dropped_stale),
+                self.resilience.max_carry_over_steps,
+                len(mismatched),
+            )
+            await close_parked([*dropped_stale, *mismatched], batch.cleanup, batch.client)
+        resumed = [r for r in resumes if r is not None]
+        staleness = [version - _first_version(r, version) for r in resumed]
+        metrics = {
+            "generate/carry_over/resumed": float(len(resumed)),
+            "generate/carry_over/tokens_kept": float(sum(r.episode.tokens for r in resumed)),
+            "generate/carry_over/dropped_stale": float(len(dropped_stale)),
+            "generate/carry_over/dropped_mismatch": float(len(mismatched)),
+            "generate/carry_over/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "generate/carry_over/staleness_max": float(max(staleness, default=0)),
+        }
+        return resumes, metrics
+
     async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest) -> GeneratorOutput:
         cfg = self.generator_cfg
         prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
         trajectory_ids = request.trajectory_ids
+        started_version = self._versions.value
+        lot = batch.parking
+        resumes: list[Parked | None] = [None] * len(prompts)
+        carried: dict[str, float] = {}
+        if lot is not None:
+            resumes, carried = await self._claim_parked(lot, batch, request)
 
         async def rollout(i: int) -> RolloutOutput:
-            return await self.agent_loop(
-                prompts[i],
-                env_classes[i],
-                env_extras[i],
-                cfg.sampling_params.max_generate_length,
-                cfg.max_input_length,
-                sampling_params=request.sampling_params,
-                trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
-                cache_salt=request.cache_salt,
-            )
+            trajectory_id = trajectory_ids[i] if trajectory_ids is not None else None
+            context = current_rollout(self, trajectory_id)
+            context.resume, resumes[i] = resumes[i], None
+            try:
+                return await self.agent_loop(
+                    prompts[i],
+                    env_classes[i],
+                    env_extras[i],
+                    cfg.sampling_params.max_generate_length,
+                    cfg.max_input_length,
+                    sampling_params=request.sampling_params,
+                    trajectory_id=trajectory_id,
+                    cache_salt=request.cache_salt,
+                )
+            finally:
+                if context.resume is not None:  # an agent_loop of a subclass's own that did not take it
+                    resumes[i], context.resume = context.resume, None
 
         shape = request.shape(step_wise=bool(cfg.step_wise_trajectories))
         lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
-        result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
-        output = collect(result, shape, self._output_spec(request.sampling_params))
+        try:
+            result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
+            output = collect(result, shape, self._output_spec(request.sampling_params, started_version))
+        except BaseException:
+            if lot is not None:  # a failed or cancelled call leaves nothing parked behind
+                left = [*(r for r in resumes if r is not None), *lot.take_all()]
+                await close_parked(left, batch.cleanup, batch.client)
+            raise
+        if lot is not None:
+            for unstarted in resumes:  # claimed by a row cut before it started: kept for a later call
+                if unstarted is not None and (displaced := lot.park(unstarted)) is not None:
+                    await close_parked([displaced], batch.cleanup, batch.client)
+        if carried:
+            output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **carried}
         if lag is not None:
             output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
             lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)
         return output
+
+
+def _first_version(parked: Parked, default: int) -> int:
+    """The policy version of a parked rollout's oldest sampled token (``default`` where it sampled none)."""
+    first = parked.episode.first_version
+    return default if first is None else first

@@ -105,6 +105,8 @@ class GeneratorOutput(TypedDict):
     env_metrics: NotRequired[list[dict[str, Any]] | None]
     pixel_values: NotRequired[list[Any] | None]
     image_grid_thw: NotRequired[list[Any] | None]
+    #: Ours (SkyRL's trainer ignores it): the policy version that sampled each response token, -1 where none did.
+    rollout_policy_versions: NotRequired[list[list[int]]]
 
 
 class InferenceEngineInput(TypedDict, total=False):
@@ -244,6 +246,8 @@ class TrajectoryOutput:
     e2e_time: float | None = None
     #: Wall-clock seconds by phase: ``"llm"`` (engine calls) and ``"env"`` (``env.step``).
     time_splits: dict[str, float] | None = None
+    #: The policy version that sampled each response token (-1: not sampled); None where not tracked.
+    policy_versions: list[int] | None = None
 
 
 @dataclass

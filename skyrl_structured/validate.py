@@ -82,6 +82,11 @@ def check_generator_config(
                 "expert indices to stand in for a failed rollout's. Disable one of them."
             )
     check_failure_knobs(settings)
+    if settings.carry_over_cut_rollouts and settings.straggler_cutoff is None:
+        raise ValueError(
+            "`generator.carry_over_cut_rollouts=true` needs `generator.straggler_cutoff`: only a rollout the cutoff "
+            "cut is parked. Set straggler_cutoff (e.g. 0.9, with skip_failed_rollouts=true) or turn carry-over off."
+        )
     NumberRule(integer=True, minimum=0, fix="0 runs environment calls inline, on the event loop.").check(
         "environment.skyrl_gym.max_env_workers", getattr(skyrl_gym_cfg, "max_env_workers", 0)
     )
@@ -176,13 +181,24 @@ def _check_straggler_budget(settings: ResilienceSettings) -> None:
         )
 
 
-def check_generator_input(input_batch: Any, *, step_wise: bool, policy: str, straggler_groups: bool = False) -> None:
+def check_generator_input(
+    input_batch: Any, *, step_wise: bool, policy: str, straggler_groups: bool = False, carry_over: bool = False
+) -> None:
     """Reject a malformed batch before any rollout starts: its shape (:func:`check_batch_input`), then its env classes.
+
+    ``carry_over``: ``generator.carry_over_cut_rollouts`` is on, so rows need trajectory ids (a parked
+    rollout is resumed by the row with its id).
 
     Raises:
         ValueError: naming the field, what is wrong with it, and the fix.
     """
     check_batch_input(input_batch, step_wise=step_wise, policy=policy, straggler_groups=straggler_groups)
+    if carry_over and input_batch.get("trajectory_ids") is None:
+        raise ValueError(
+            "`generator.carry_over_cut_rollouts=true` resumes a parked rollout in the later batch row with the same "
+            "trajectory id, but input_batch has no `trajectory_ids`: pass them (SkyRL's trainers do), or turn "
+            "carry-over off"
+        )
     _check_env_classes(input_batch)
 
 

@@ -12,7 +12,12 @@ Keys are listed, not built, so that a rename on our side fails the superset chec
 
 from __future__ import annotations
 
-__all__ = ["SKYRL_MAIN_ROLLOUT_METRICS"]
+__all__ = ["OUTPUT_KEYS_BEYOND_SKYRL_0_3", "SKYRL_MAIN_ROLLOUT_METRICS"]
+
+#: ``GeneratorOutput`` keys beyond skyrl 0.3.0's: SkyRL main's ``trajectory_time_splits``, and ours,
+#: ``rollout_policy_versions`` (a list per row, which SkyRL's trainers ignore and its fully-async
+#: trainer's ``concatenate_generator_outputs`` carries along as an additional list key).
+OUTPUT_KEYS_BEYOND_SKYRL_0_3 = frozenset({"trajectory_time_splits", "rollout_policy_versions"})
 
 _TOKENS = (
     "generate/min_num_tokens",

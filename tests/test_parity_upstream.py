@@ -32,7 +32,7 @@ from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from tests.helpers import run_asyncio
 
 from ._upstream import load_upstream_generator
-from ._upstream_keys import SKYRL_MAIN_ROLLOUT_METRICS
+from ._upstream_keys import OUTPUT_KEYS_BEYOND_SKYRL_0_3, SKYRL_MAIN_ROLLOUT_METRICS
 
 SkyRLGymGenerator = load_upstream_generator()
 
@@ -103,7 +103,7 @@ def run_ours(cfg, gym_cfg, engine, tokenizer, b, backend, **kw):
 
 def assert_same_output(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     # SkyRL 0.3.0 predates `trajectory_time_splits`; everything else it returns must match exactly.
-    assert set(ours) - set(theirs) <= {"trajectory_time_splits"}
+    assert set(ours) - set(theirs) <= OUTPUT_KEYS_BEYOND_SKYRL_0_3
     for key, value in theirs.items():
         if key == "rollout_metrics":
             continue

@@ -35,6 +35,7 @@ from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger  # noqa: E402
 from tests.helpers import run_asyncio  # noqa: E402
 
 from ._upstream import load_upstream_vlm_generator, vllm_item_decoder  # noqa: E402
+from ._upstream_keys import OUTPUT_KEYS_BEYOND_SKYRL_0_3  # noqa: E402
 
 SkyRLVLMGymGenerator = load_upstream_vlm_generator()
 
@@ -108,7 +109,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def assert_same_output(ours: Any, theirs: Any) -> None:
-    assert set(ours) - set(theirs) <= {"trajectory_time_splits"}
+    assert set(ours) - set(theirs) <= OUTPUT_KEYS_BEYOND_SKYRL_0_3
     assert set(theirs) <= set(ours)
     for key, value in theirs.items():
         if key == "rollout_metrics":

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
+from .._runtime.parking import RolloutParked
+from .._runtime.versions import NOT_SAMPLED
+from ..engines.partial import PartialReply, collecting_partial
 from ..errors import PromptTooLongError
 from ..types import (
     ConversationType,
@@ -92,6 +95,8 @@ class _Turn:
     output_logprobs: list[float] | None
     rollout_expert_indices: Any | None
     added_eos: bool
+    #: The policy version that sampled each of ``output_ids`` (:data:`NOT_SAMPLED` for an EOS we appended).
+    versions: list[int] = field(default_factory=list)
     new_obs: ConversationType = field(default_factory=list)
     obs_ids: list[int] = field(default_factory=list)
 
@@ -106,6 +111,20 @@ class _Turn:
         if not self.output_logprobs:
             return None
         return self.output_logprobs + [0.0] * len(self.obs_ids)
+
+    def version_row(self) -> list[int]:
+        """Each token's policy version, aligned with :meth:`loss_mask` (observations were not sampled)."""
+        return self.versions + [NOT_SAMPLED] * len(self.obs_ids)
+
+
+@dataclass
+class _Partial:
+    """What a parked rollout's cut request had sampled, kept to be continued (never sampled again)."""
+
+    ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    versions: list[int]
 
 
 @dataclass
@@ -129,6 +148,48 @@ class _Run:
     steps: list[TrajectoryOutput] = field(default_factory=list)
     #: Engine calls made so far: the turn part of each request's derived seed.
     engine_calls: int = 0
+    #: The policy version of each token in ``loss_mask``'s positions (None where the response is
+    #: re-tokenized at the end, or step-wise, where each step carries its own).
+    versions: list[int] | None = field(default_factory=list)
+    #: A parked request's partial reply, continued by the next engine call.
+    partial: _Partial | None = None
+
+
+@dataclass
+class _ParkedState:
+    """A parked episode (:class:`~skyrl_structured._runtime.parking.ParkedEpisode`): its run, kept as it was."""
+
+    episode: Episode
+    run: _Run
+
+    def _sampled(self) -> list[int]:
+        run = self.run
+        found = [v for v in run.versions or () if v != NOT_SAMPLED]
+        for step in run.steps:
+            found += [v for v in step.policy_versions or () if v != NOT_SAMPLED]
+        if run.partial is not None:
+            found += run.partial.versions
+        return found
+
+    @property
+    def tokens(self) -> int:
+        return len(self._sampled())
+
+    @property
+    def first_version(self) -> int | None:
+        return min(self._sampled(), default=None)
+
+    async def resume(
+        self,
+        env: EnvHandle,
+        *,
+        context: RolloutContext,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> RolloutOutput:
+        """Go on from where it was parked, in ``env`` (the same environment, still open)."""
+        return await self.episode._play(env, self.run, context, max_input_length, sampling_params, cache_salt)
 
 
 class Episode:
@@ -164,9 +225,28 @@ class Episode:
         sampling_params: dict[str, Any] | None,
         cache_salt: str | None,
     ) -> RolloutOutput:
-        """Play ``env`` against the engine until it is done (or out of input) and build the trajectory."""
+        """Play ``env`` against the engine until it is done (or out of input) and build the trajectory.
+
+        Raises:
+            RolloutParked: the straggler cutoff parked it (``generator.carry_over_cut_rollouts``).
+        """
         run = await self._start(env, prompt, context, sampling_params)
+        return await self._play(env, run, context, max_input_length, sampling_params, cache_salt)
+
+    async def _play(
+        self,
+        env: EnvHandle,
+        run: _Run,
+        context: RolloutContext,
+        max_input_length: int | None,
+        sampling_params: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> RolloutOutput:
+        park = context.park
         while not run.done:
+            if park is not None and park.requested:
+                # Asked to park while its engine call returned anyway: parks at this turn boundary.
+                raise RolloutParked(_ParkedState(self, run))
             if max_input_length is not None and len(run.input_ids) > max_input_length:
                 run.stop_reason = "length"
                 if not self.step_wise and not run.per_step_rewards:
@@ -181,6 +261,7 @@ class Episode:
                 run.input_ids = self._render(run.chat_history, add_generation_prompt=True)
                 run.loss_mask = []
                 run.rollout_logprobs = None
+                run.versions = None
             turn = await self._generate(run, context, sampling_params, cache_salt)
             reward = await self._step(env, run, turn, context)
             self._record(env, run, turn, reward)
@@ -211,6 +292,7 @@ class Episode:
             initial_history_length=len(chat_history),
             params=params,
             rollout_logprobs=[] if params.get("logprobs", None) is not None else None,
+            versions=None if self.retokenize or self.step_wise else [],
         )
 
     async def _generate(
@@ -220,21 +302,37 @@ class Episode:
         sampling_params: dict[str, Any] | None,
         cache_salt: str | None,
     ) -> _Turn:
-        engine_input: InferenceEngineInput = {
-            "prompt_token_ids": [list(run.input_ids)],
-            "session_ids": [context.ref.session_id],
-            # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
-            "sampling_params": context.request_params(sampling_params, run.engine_calls),
-            "cache_salt": cache_salt,
-        }
-        turn = run.engine_calls
-        run.engine_calls += 1
-        output, output_ids, run.stop_reason, output_logprobs, expert_indices = await engine_call(
-            context,
-            turn,
-            len(run.input_ids),
-            lambda: context.client.generate(engine_input, model=self.policy_model_name),
-        )
+        partial = run.partial
+        # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
+        params = context.request_params(sampling_params, run.engine_calls)
+        prompt_ids = list(run.input_ids)
+        if partial is not None:
+            # A parked request continued: its sampled tokens extend the prompt, the budget shrinks by them.
+            prompt_ids += partial.ids
+            params = self._continuation_params(params, context, len(partial.ids))
+        version = context.policy_version
+        if params is not None and params.get("max_tokens") == 0:
+            # The parked request had sampled its whole budget: nothing is left to ask for.
+            output, output_ids, run.stop_reason, output_logprobs, expert_indices = "", [], "length", [], None
+            run.engine_calls += 1
+        else:
+            engine_input: InferenceEngineInput = {
+                "prompt_token_ids": [prompt_ids],
+                "session_ids": [context.ref.session_id],
+                "sampling_params": params,
+                "cache_salt": cache_salt,
+            }
+            output, output_ids, run.stop_reason, output_logprobs, expert_indices = await self._call_engine(
+                run, context, engine_input, version
+            )
+        versions = [version] * len(output_ids)
+        if partial is not None:
+            run.partial = None
+            output = partial.text + output
+            output_ids = partial.ids + output_ids
+            versions = partial.versions + versions
+            if output_logprobs is not None:
+                output_logprobs = (partial.logprobs or [0.0] * len(partial.ids)) + output_logprobs
         if output_logprobs is not None and self.custom_chat_template is not None:
             raise ValueError(
                 "the engine returned logprobs, but logprob bookkeeping is not supported with a custom "
@@ -248,7 +346,71 @@ class Episode:
         added_eos = self.multi_turn and eos_after_stop_string(
             self.cfg, run.params.get("stop", None), output, output_ids, output_logprobs, self.chat.eos_token_id
         )
-        return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos)
+        if added_eos:
+            versions.append(NOT_SAMPLED)
+        return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos, versions)
+
+    async def _call_engine(
+        self, run: _Run, context: RolloutContext, engine_input: InferenceEngineInput, version: int
+    ) -> Any:
+        """One engine request; with carry-over, in a scope the cutoff may cancel to park the rollout."""
+        turn = run.engine_calls
+        run.engine_calls += 1
+        prompt_tokens = len((engine_input.get("prompt_token_ids") or [[]])[0])
+
+        def request() -> Any:
+            return context.client.generate(engine_input, model=self.policy_model_name)
+
+        park = context.park
+        if park is None:
+            return await engine_call(context, turn, prompt_tokens, request)
+        parts = None
+        scope = park.call_scope()
+        try:
+            with scope, collecting_partial() as sink:
+                parts = await engine_call(context, turn, prompt_tokens, request)
+        finally:
+            park.call_ended()
+        if parts is None:  # the cutoff cancelled the request: park with what the engine had sampled
+            run.engine_calls = turn  # the continuation is the same request: the same turn, the same seed
+            run.partial = self._kept_partial(run.partial, sink.reply, version, context)
+            raise RolloutParked(_ParkedState(self, run))
+        return parts
+
+    def _kept_partial(
+        self, before: _Partial | None, offered: PartialReply | None, version: int, context: RolloutContext
+    ) -> _Partial | None:
+        """The partial reply a parked rollout keeps: what an earlier cut kept plus what this engine offered."""
+        if offered is None:
+            parking = context.batch.parking
+            if parking is not None and not parking.said_no_partial:
+                parking.said_no_partial = True
+                logger.info(
+                    "the engine handed back no partial reply for a request the straggler cutoff stopped: the "
+                    "parked rollout resumes from its last finished turn and that request is sampled again"
+                )
+            return before
+        kept = before or _Partial([], [], "", [])
+        logprobs = None
+        if kept.logprobs is not None and offered.logprobs is not None:
+            logprobs = kept.logprobs + offered.logprobs
+        return _Partial(
+            kept.ids + offered.token_ids,
+            logprobs,
+            kept.text + offered.text,
+            kept.versions + [version] * len(offered.token_ids),
+        )
+
+    def _continuation_params(
+        self, params: dict[str, Any] | None, context: RolloutContext, sampled: int
+    ) -> dict[str, Any]:
+        """The request's parameters with ``max_tokens`` lowered by the ``sampled`` tokens it continues."""
+        base = dict(params if params is not None else context.batch.engine_defaults())
+        default = self.cfg.sampling_params.max_generate_length
+        budget = base.get("max_tokens", base.get("max_generate_length", default))
+        base["max_tokens"] = max(0, int(budget) - sampled)
+        base.pop("max_generate_length", None)
+        return base
 
     async def _step(self, env: EnvHandle, run: _Run, turn: _Turn, context: RolloutContext) -> float:
         step = run.engine_calls - 1
@@ -279,6 +441,7 @@ class Episode:
                     stop_reason=run.stop_reason,
                     env_metrics=env.get_metrics() if run.done else {},
                     rollout_expert_indices=turn.rollout_expert_indices,
+                    policy_versions=turn.version_row(),
                 )
             )
         run.chat_history.append({"role": "assistant", "content": self.chat.strip_eos_text(turn.output)})
@@ -310,6 +473,8 @@ class Episode:
         run.response_end_idx = len(run.input_ids) + len(turn.output_ids) - 1
         run.input_ids += turn.output_ids + turn.obs_ids
         run.loss_mask += turn.loss_mask()
+        if run.versions is not None:
+            run.versions += turn.version_row()
         if run.rollout_logprobs is not None and turn_logprobs is not None:
             run.rollout_logprobs += turn_logprobs
         if turn.rollout_expert_indices is not None:
@@ -325,6 +490,8 @@ class Episode:
         run.response_end_idx = len(run.input_ids) + len(response) - 1
         run.input_ids += response + turn.obs_ids
         run.loss_mask += [1] * len(response) + [0] * len(turn.obs_ids)
+        if run.versions is not None:
+            run.versions += turn.versions[: len(response)] + [NOT_SAMPLED] * len(turn.obs_ids)
         if run.rollout_logprobs is not None and turn.output_logprobs is not None:
             run.rollout_logprobs += turn.output_logprobs[: len(response)] + [0.0] * len(turn.obs_ids)
         if self.routed_experts and turn.rollout_expert_indices is not None:
@@ -347,6 +514,7 @@ class Episode:
         """The rollout's final trajectory: the last observation cut off, rewards placed on tokens."""
         prompt_ids = run.input_ids[: run.initial_prompt_length]
         logprobs: list[float] | None = None
+        versions: list[int] | None = None
         expert_indices = None
         if self.retokenize:
             assert self.custom_chat_template is not None
@@ -363,6 +531,8 @@ class Episode:
             response_ids = run.input_ids[run.initial_prompt_length : run.response_end_idx + 1]
             if run.rollout_logprobs is not None:
                 logprobs = run.rollout_logprobs[:end]
+            if run.versions is not None:
+                versions = run.versions[:end]
             if run.rollout_expert_indices is not None:
                 expert_indices = run.rollout_expert_indices[: run.response_end_idx + 1]
             rewards_at = [
@@ -378,6 +548,8 @@ class Episode:
             loss_mask.append(1)
             if logprobs is not None:
                 logprobs.append(0.0)
+            if versions is not None:
+                versions.append(NOT_SAMPLED)
             appended_eos = True
 
         return TrajectoryOutput(
@@ -389,6 +561,7 @@ class Episode:
             rollout_logprobs=logprobs,
             env_metrics=env_metrics,
             rollout_expert_indices=expert_indices,
+            policy_versions=versions,
         )
 
     def _place_rewards(

@@ -31,6 +31,7 @@ from ..types import (
     TrajectoryOutput,
 )
 from .metrics import TrajectoryTimes, failure_metrics, rollout_metrics
+from .versions import mask_stale_tokens, version_rows
 
 __all__ = [
     "OutputSpec",
@@ -296,6 +297,10 @@ class OutputSpec:
     routed_experts: bool
     #: Whether rows carry ``rollout_logprobs``.
     get_logprobs: bool
+    #: The generator's policy version now (``mask_tokens_older_than`` counts from it).
+    policy_version: int = 0
+    #: The policy version the call started under (what rows that track no versions get).
+    started_version: int = 0
 
     @property
     def step_wise(self) -> bool:
@@ -407,7 +412,13 @@ def build_generator_output(
         failure_metrics(failures, len(outputs), result.retries, result.cleanup, budget_exceeded=budget_exceeded)
     )
     metrics.update(result.metrics)
+    versions = version_rows(rows, spec.started_version)
     loss_masks = _apply_filters(cfg, rewards, loss_masks, stop_reasons)
+    older_than = spec.resilience.mask_tokens_older_than
+    if older_than is not None:
+        loss_masks = [list(mask) for mask in loss_masks]  # masked here, never in a row's own list
+        masked = mask_stale_tokens(versions, loss_masks, now=spec.policy_version, older_than=older_than)
+        metrics["generate/tokens_masked_stale"] = float(masked)
     if failures:
         assert trajectory_ids is not None or spec.resilience.failed_rollout_policy == "placeholder"
         failed_index = {f.index for f in failures}
@@ -443,6 +454,7 @@ def build_generator_output(
         "rollout_expert_indices": [r.rollout_expert_indices for r in rows] if spec.routed_experts else None,
         "is_last_step": list(flat.is_last) if step_wise else None,
         "env_metrics": env_metrics,
+        "rollout_policy_versions": versions,
     }
     if any(getattr(o, "pixel_values", None) is not None for o in outputs):
         generator_output["pixel_values"] = [getattr(o, "pixel_values", None) for o in outputs]

@@ -29,8 +29,10 @@ from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, failed_record, finished_record
 from ..types import ConversationType, InferenceClient, RolloutOutput, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
+from .parking import Parked, ParkingLot, ParkRequest
 from .pauses import PausableDeadline, PauseClock
 from .slots import AdmissionCall
+from .versions import PolicyVersion
 
 __all__ = [
     "BatchContext",
@@ -196,6 +198,10 @@ class BatchContext:
     admission: AdmissionCall | None = None
     #: The generator's pause clock: deadlines stop while it is paused.
     pauses: PauseClock | None = None
+    #: The generator's policy version (the weights the engines hold), stamped on every sampled token.
+    versions: PolicyVersion | None = None
+    #: With ``generator.carry_over_cut_rollouts``: the generator's parked rollouts (the cutoff parks, not cuts).
+    parking: ParkingLot | None = None
     #: ``default_params`` in the engine's names, built on first use (requests that carry no parameters).
     _engine_defaults: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -224,6 +230,16 @@ class RolloutContext:
     #: the response once it came back (None before the first call). What ``max_concurrent_rollouts="auto"``
     #: counts as committed while the attempt holds its slot (``_runtime/committed.py``).
     engine_context_tokens: int | None = None
+    #: With carry-over: the cutoff's request to park this attempt (None: the cutoff cuts, or there is none).
+    park: ParkRequest | None = None
+    #: The parked rollout this attempt resumes (taken by ``agent_loop``; None: it starts afresh).
+    resume: Parked | None = None
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version now (0 where the batch has no counter)."""
+        versions = self.batch.versions
+        return versions.value if versions is not None else 0
 
     @property
     def client(self) -> InferenceClient:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -78,6 +78,9 @@ class StragglerCutoff:
         #: One INFO line per cut in batch scope; per-group cuts (many per batch) are logged at DEBUG.
         self._level = logging.INFO if len(scopes) == 1 else logging.DEBUG
         self._cancel = [anyio.CancelScope() for _ in groups]
+        #: With carry-over: asks rollout ``i`` to park; True where it will (its engine call is cancelled
+        #: instead of the rollout), False where it must be cut (the supervisor's).
+        self.park: Callable[[int], bool] | None = None
         self._final = [False] * len(groups)
         self._cut = [False] * len(groups)
 
@@ -126,7 +129,8 @@ class StragglerCutoff:
                 if not self._final[index]:
                     self._cut[index] = True
                     scope.cut += 1
-                    self._cancel[index].cancel()
+                    if self.park is None or not self.park(index):
+                        self._cancel[index].cancel()
             logger.log(
                 self._level,
                 "straggler cutoff: cut %d of the %d rollouts of %s after %d were final",

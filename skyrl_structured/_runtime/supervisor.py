@@ -41,6 +41,7 @@ from ..types import TrajectoryID
 from .cleanup import AbandonedClose, CleanupStats
 from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
+from .parking import Parked, ParkRequest, RolloutParked, close_parked
 from .pauses import PausableDeadline, use_clock, use_rollout_deadline
 from .stragglers import StragglerCutError, StragglerCutoff
 from .wakers import loop_scheduler
@@ -249,7 +250,7 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
         retries=supervisor.retries,
         cleanup=batch.cleanup,
         over_budget=supervisor.over_budget,
-        metrics=batch.admission.metrics() if batch.admission is not None else {},
+        metrics={**(batch.admission.metrics() if batch.admission is not None else {}), **supervisor.metrics()},
     )
 
 
@@ -287,8 +288,25 @@ class _Supervisor(Generic[OutputT]):
         self.cutoff = _cutoff(settings, shape, batch)
         #: The attempt each rollout is on (read back when it is cut).
         self.contexts: list[RolloutContext | None] = [None] * count
+        #: Rollouts parked for a later call (generator.carry_over_cut_rollouts), and their sampled tokens.
+        self.parked_rows: set[int] = set()
+        self.parked_tokens = 0
+        #: Rollouts cut with carry-over on that could not park (in an environment call, or not started).
+        self.cut_not_parked = 0
+        if self.cutoff is not None and batch.parking is not None:
+            self.cutoff.park = self._ask_to_park
         self._live = count
         self._background: list[anyio.CancelScope] = []
+
+    def metrics(self) -> dict[str, float]:
+        """What this call parked (with carry-over on; nothing otherwise)."""
+        if self.batch.parking is None:
+            return {}
+        return {
+            "generate/carry_over/parked": float(len(self.parked_rows)),
+            "generate/carry_over/parked_tokens": float(self.parked_tokens),
+            "generate/carry_over/cut_not_parked": float(self.cut_not_parked),
+        }
 
     def background(self, group: anyio.abc.TaskGroup, task: Callable[[], Awaitable[Any]]) -> None:
         """Run ``task`` in ``group`` until the last rollout has finished."""
@@ -317,10 +335,37 @@ class _Supervisor(Generic[OutputT]):
                 for scope in self._background:
                     scope.cancel()
 
+    def _ask_to_park(self, index: int) -> bool:
+        context = self.contexts[index]
+        return context is not None and context.park is not None and context.park.request()
+
+    async def _park(self, index: int, parked: RolloutParked) -> None:
+        """Hand a parked rollout to the generator's lot (what it displaces, or a malformed one, is closed)."""
+        lot = self.batch.parking
+        record = parked.record
+        to_close: list[Parked] = []
+        if lot is None or record is None:  # not parked by our agent_loop: close what it handed over
+            if parked.env is not None:
+                async with parked.env.adopt(self.batch.cleanup, None, None):
+                    pass
+            return
+        displaced = lot.park(record)
+        self.parked_rows.add(index)
+        self.parked_tokens += record.episode.tokens
+        if displaced is not None:
+            to_close.append(displaced)
+        if to_close:
+            await close_parked(to_close, self.batch.cleanup, self.batch.client)
+
     def _record_cut(self, index: int, cutoff: StragglerCutoff) -> None:
         context = self.contexts[index]
         assert context is not None
-        error = StragglerCutError(f"{_describe(index, context.ref.trajectory_id)} was cut: {cutoff.describe(index)}")
+        what = "was cut"
+        if index in self.parked_rows:
+            what = "was cut and parked (a later generate() with its trajectory id resumes it)"
+        elif self.batch.parking is not None:
+            self.cut_not_parked += 1
+        error = StragglerCutError(f"{_describe(index, context.ref.trajectory_id)} {what}: {cutoff.describe(index)}")
         self._record_failure(index, context, error, time.monotonic() - context.started, timed_out=False)
 
     async def _rollout(self, index: int, group: anyio.abc.TaskGroup) -> None:
@@ -329,9 +374,15 @@ class _Supervisor(Generic[OutputT]):
         while True:
             attempt += 1
             context = RolloutContext(self.batch, RolloutRef(index, attempt, trajectory_id))
+            if self.batch.parking is not None and self.cutoff is not None:
+                context.park = ParkRequest()
             self.contexts[index] = context
             try:
                 result = await self._attempt(index, context)
+            except RolloutParked as parked:
+                with anyio.CancelScope(shield=True):
+                    await self._park(index, parked)
+                return
             except BaseException as raised:
                 error = _as_rollout_error(raised, index, trajectory_id, self.native_cancellation)
                 if error is None:

@@ -166,6 +166,11 @@ def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputCon
         raise TypeError(f"StructuredAgentGenerator got unknown knob(s) {unknown}; the generator knobs are: {known}")
     settings = resolve_resilience(knobs)
     check_failure_knobs(settings)
+    if settings.carry_over_cut_rollouts:
+        raise ValueError(
+            "`generator.carry_over_cut_rollouts=true` is not supported with an agent: an agent is a running program, "
+            "which cannot be parked between generate() calls (only state can); set it to false."
+        )
     flags: dict[str, bool] = {}
     for name, default in _OUTPUT_KNOBS.items():
         value = knobs.get(name, default)

@@ -54,6 +54,7 @@ from .bridge import AsyncioLoopThread, wait_future
 from .completions import Completion
 from .errors import EngineError, EngineResponseError
 from .load import EngineLoad
+from .partial import offer_partial, partial_wanted
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
 __all__ = [
@@ -155,7 +156,13 @@ def _vllm_sampling_params(kwargs: dict[str, Any]) -> Any:
     vllm = import_optional("vllm", "vllm", needed_by="VLLMEngine")
     from vllm.sampling_params import RequestOutputKind
 
-    return vllm.SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+    # FINAL_ONLY unless the caller keeps partial replies (then every step's output, to hand back at an abort).
+    kind = (
+        RequestOutputKind.CUMULATIVE
+        if kwargs.pop("output_kind", None) == "cumulative"
+        else RequestOutputKind.FINAL_ONLY
+    )
+    return vllm.SamplingParams(**kwargs, output_kind=kind)
 
 
 # ---------------------------------------------------------------------- the engine
@@ -176,7 +183,9 @@ class VLLMEngine(AsyncResource):
         owns_engine: shut the vLLM engine down in :meth:`aclose` (set by :meth:`from_engine_args`).
         sampling_params_factory: builds the engine's sampling-parameter object from
             :func:`vllm_sampling_kwargs`; default: ``vllm.SamplingParams`` with
-            ``output_kind=FINAL_ONLY``. For engines that are not vLLM's, and for tests.
+            ``output_kind=FINAL_ONLY``, or ``CUMULATIVE`` where the kwargs carry ``output_kind="cumulative"``
+            (a caller that keeps partial replies: ``engines/partial.py``). For engines that are not vLLM's,
+            and for tests.
         loop_thread: the event loop the engine runs on; default: one started on first use.
             :meth:`aclose` stops it either way.
         shutdown_timeout_s: how long :meth:`aclose` waits for vLLM's shutdown and for the loop's
@@ -344,7 +353,10 @@ class VLLMEngine(AsyncResource):
         """
         spec = resolve_sampling(input_batch.get("sampling_params"), self.default_sampling)
         prompts = request_prompt_ids(input_batch, self.tokenizer, engine="VLLMEngine")
-        params = self._params_factory(vllm_sampling_kwargs(spec))
+        kwargs = vllm_sampling_kwargs(spec)
+        if partial_wanted():
+            kwargs["output_kind"] = "cumulative"
+        params = self._params_factory(kwargs)
         cache_salt = input_batch.get("cache_salt")
         want_logprobs = spec.logprobs is not None
         loop = self._loop()
@@ -364,7 +376,8 @@ class VLLMEngine(AsyncResource):
         self, loop: AsyncioLoopThread, prompt: dict[str, Any], params: Any, want_logprobs: bool
     ) -> Completion:
         request_id = f"skyrl-structured-{uuid.uuid4().hex}"
-        future = loop.submit(self._final_output(prompt, params, request_id))
+        latest: list[Any] = []  # vLLM's last (cumulative) output so far, for a partial reply
+        future = loop.submit(self._final_output(prompt, params, request_id, latest))
         try:
             final = await wait_future(future)
         except concurrent.futures.CancelledError as exc:  # the loop was stopped under the request
@@ -372,11 +385,17 @@ class VLLMEngine(AsyncResource):
         except BaseException:
             if not future.done():  # our caller was cancelled (or interrupted) while vLLM works on it
                 await self._abort(loop, request_id)
+            if latest:  # what it had sampled, for a caller that keeps it (carry_over_cut_rollouts)
+                sampled = completion_from_request_output(latest[-1], want_logprobs=want_logprobs)
+                offer_partial(sampled.token_ids, sampled.logprobs, sampled.text)
             raise
         return completion_from_request_output(final, want_logprobs=want_logprobs)
 
-    async def _final_output(self, prompt: dict[str, Any], params: Any, request_id: str) -> Any:
-        """On the engine loop: drain vLLM's output stream for one request, return its last output."""
+    async def _final_output(self, prompt: dict[str, Any], params: Any, request_id: str, latest: list[Any]) -> Any:
+        """On the engine loop: drain vLLM's output stream for one request, return its last output.
+
+        ``latest`` holds the last output seen (one reference, replaced per step), read after an abort.
+        """
         task = asyncio.current_task()
         assert task is not None
         self._tasks[request_id] = task
@@ -385,6 +404,7 @@ class VLLMEngine(AsyncResource):
             async with aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for output in stream:
                     final = output
+                    latest[:] = (output,)
         finally:
             self._tasks.pop(request_id, None)
         if final is None:

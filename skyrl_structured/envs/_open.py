@@ -10,9 +10,10 @@ from typing import Any
 
 from .._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
 from .._runtime.contexts import RolloutContext
+from .._runtime.parking import RolloutParked
 from ..observe import CleanupOutcome, RolloutObserver
 from ..types import EnvHandle, SkyRLConfig
-from ._adapters import _wrap
+from ._adapters import SyncEnvAdapter, _wrap
 from ._executors import EnvExecutor
 
 
@@ -39,7 +40,7 @@ class _OpenEnv(Cleanup):
     beyond itself.
     """
 
-    __slots__ = ("_cleanup_timeout", "_env", "_env_class", "_exit", "_rollout", "_stats", "_then")
+    __slots__ = ("_cleanup_timeout", "_entered", "_env", "_env_class", "_exit", "_rollout", "_stats", "_then")
 
     def __init__(
         self,
@@ -58,14 +59,19 @@ class _OpenEnv(Cleanup):
         self._rollout = rollout
         self._then = then
         self._exit: tuple[type[BaseException] | None, BaseException | None, TracebackType | None] = (None, None, None)
+        #: The handle once entered: a parked environment is entered once and adopted after (``adopt``).
+        self._entered: EnvHandle | None = None
 
     async def __aenter__(self) -> EnvHandle:
+        if self._entered is not None:  # adopted: already open
+            return self._entered
         # Opened once its constructor has returned: for an env in a worker process or a Ray actor
         # that is here (the worker builds it), for an env with its own __aenter__ once that returned.
         # A start that fails (an env the executor cannot send, a constructor or __aenter__ that
         # raised) is a failed start: nothing was opened, so nothing is left to close (an async env
         # whose own __aenter__ failed cleans up after itself, the protocol's rule).
         handle = await self._env.__aenter__()
+        self._entered = handle
         self._stats.envs_opened += 1
         if self._rollout is not None:
             self._rollout.emit(RolloutObserver.env_opened)
@@ -74,6 +80,10 @@ class _OpenEnv(Cleanup):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if isinstance(exc, RolloutParked):
+            # Parked (generator.carry_over_cut_rollouts): handed over open, closed by whoever adopts it.
+            exc.env = self
+            return
         if self._rollout is not None:
             self._rollout.emit(RolloutObserver.cleanup_started, "env_close")
         self._exit = (exc_type, exc, tb)
@@ -82,6 +92,26 @@ class _OpenEnv(Cleanup):
             await run_cleanups(steps, limit_s=self._cleanup_timeout, error=exc)
         finally:
             self._exit = (None, None, None)  # no reference cycle through the traceback
+
+    # ------------------------------------------------------------------ parked (carry-over)
+
+    def adopt(self, stats: CleanupStats, rollout: RolloutContext | None, then: Cleanup | None) -> _OpenEnv:
+        """This open environment for a new owner: its exit closes it (counted in ``stats``), then runs ``then``."""
+        self._stats = stats
+        self._rollout = rollout
+        self._then = then
+        self.started = False
+        rebind = getattr(self._env, "rebind", None)  # an env in a worker: its kill deadline and counters
+        if rebind is not None:
+            rebind(stats, rollout.deadline if rollout is not None else None)
+        return self
+
+    def close_without_loop(self) -> bool:
+        """Close a synchronous env class from synchronous code (interpreter exit); False for any other."""
+        if not isinstance(self._env, SyncEnvAdapter):
+            return False
+        self._env.env.close()
+        return True
 
     # ------------------------------------------------------------------ as a cleanup step
 

@@ -72,6 +72,11 @@ class WorkerEnv:
         self._metrics: tuple[bool, Any] = (True, {})
         self._closed = False
 
+    def rebind(self, stats: CleanupStats, deadline: PausableDeadline | None) -> None:
+        """A parked env adopted by a later rollout: its counters and its kill deadline are that rollout's."""
+        self._stats = stats
+        self._deadline = deadline
+
     # ------------------------------------------------------------------ the async env protocol
 
     async def __aenter__(self) -> WorkerEnv:

@@ -52,7 +52,8 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
         # and the fully-async trainer alike; see _weight_sync.py.
         generator = getattr(trainer, "generator", None)
         if isinstance(generator, StructuredGymGenerator):
-            pause_during_weight_sync(trainer, generator.pauses)
+            # Each sync also advances the generator's policy version (rollout_policy_versions).
+            pause_during_weight_sync(trainer, generator.pauses, generator.advance_policy_version)
         return trainer
 
 

@@ -30,27 +30,28 @@ logger = logging.getLogger(__name__)
 _HOOKED = "_skyrl_structured_pauses"
 
 
-def pause_during_weight_sync(trainer: Any, clock: PauseClock) -> None:
+def pause_during_weight_sync(trainer: Any, clock: PauseClock, synced: Callable[[], Any] | None = None) -> None:
     """Hold ``clock`` paused during every ``trainer.dispatch.save_weights_for_sampler()`` call.
 
     ``trainer`` is SkyRL's ``RayPPOTrainer`` or ``FullyAsyncRayPPOTrainer`` (or anything with a
-    ``dispatch`` and an ``init_weight_sync_state``); ``clock`` is the generator's ``pauses``.
+    ``dispatch`` and an ``init_weight_sync_state``); ``clock`` is the generator's ``pauses``;
+    ``synced`` is called after each sync that returned (the generator's ``advance_policy_version``).
     """
-    _hook_dispatch(trainer, clock)
+    _hook_dispatch(trainer, clock, synced)
     init = getattr(trainer, "init_weight_sync_state", None)
     if init is None or getattr(init, _HOOKED, None) is clock:
         return
 
     def init_weight_sync_state(*args: Any, **kwargs: Any) -> Any:
         result = init(*args, **kwargs)
-        _hook_dispatch(trainer, clock)  # a new dispatch may have been installed
+        _hook_dispatch(trainer, clock, synced)  # a new dispatch may have been installed
         return result
 
     setattr(init_weight_sync_state, _HOOKED, clock)
     trainer.init_weight_sync_state = init_weight_sync_state
 
 
-def _hook_dispatch(trainer: Any, clock: PauseClock) -> None:
+def _hook_dispatch(trainer: Any, clock: PauseClock, synced: Callable[[], Any] | None) -> None:
     dispatch: Any = getattr(trainer, "dispatch", None)
     sync: Callable[..., Awaitable[Any]] | None = getattr(dispatch, "save_weights_for_sampler", None)
     if sync is None or getattr(sync, _HOOKED, None) is clock:
@@ -59,7 +60,10 @@ def _hook_dispatch(trainer: Any, clock: PauseClock) -> None:
     async def save_weights_for_sampler(*args: Any, **kwargs: Any) -> Any:
         clock.pause()
         try:
-            return await sync(*args, **kwargs)
+            result = await sync(*args, **kwargs)
+            if synced is not None:  # before the resume: no token is sampled under the new weights uncounted
+                synced()
+            return result
         finally:
             clock.resume()
 

@@ -148,6 +148,9 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     straggler_cutoff: float | None = _knob("straggler_cutoff")
     straggler_grace_s: float = _knob("straggler_grace_s")
     straggler_cutoff_scope: StragglerCutoffScope = _knob("straggler_cutoff_scope")
+    carry_over_cut_rollouts: bool = _knob("carry_over_cut_rollouts")
+    max_carry_over_steps: int = _knob("max_carry_over_steps")
+    mask_tokens_older_than: int | None = _knob("mask_tokens_older_than")
     agent: str | None = field(
         default=None,
         metadata={

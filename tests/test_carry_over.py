@@ -1,0 +1,306 @@
+"""Carry-over of cut rollouts (``generator.carry_over_cut_rollouts``) and per-token policy versions.
+
+A rollout the straggler cutoff cuts while its engine request runs is parked: its tokens, the partial
+reply the engine handed back, its open environment. A later ``generate()`` whose batch has its
+trajectory id resumes it, and its row is then exactly the row of a run that was never cut. Every
+parked environment is closed exactly once on every path (resumed, stale, mismatched, ``aclose()``,
+a cancelled call), and every row says which policy version sampled each of its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import anyio
+import pytest
+
+from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, StructuredGymGenerator
+from skyrl_structured.engines.partial import offer_partial
+from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
+from skyrl_structured.testing.envs import EnvLedger
+
+from .helpers import make_batch, make_generator, other_tasks
+
+pytestmark = pytest.mark.anyio
+
+FIRST = "first #### 7"
+SECOND = "second #### 8"
+#: How many of the first reply's tokens the hung request had sampled when it was cut.
+HEAD = 3
+CARRY: dict[str, Any] = {
+    "skip_failed_rollouts": True,
+    "failure_budget_action": "warn",
+    "straggler_cutoff": 0.75,
+    "carry_over_cut_rollouts": True,
+}
+
+
+class Script:
+    """The engine: a deterministic reply per turn, whose first reply a hung session starts and never ends.
+
+    A hung session's first request offers the first ``HEAD`` tokens of its reply as a partial reply,
+    then waits to be cancelled; every other session's requests wait until the hung ones are in the
+    engine, so the cut always finds them there. A request whose prompt ends with those ``HEAD``
+    tokens is the parked request continued: it gets the rest of the reply.
+    """
+
+    def __init__(self, tokenizer: Any, hung: set[str] | None = None, *, offer: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.hung = set(hung or ())
+        self.offer = offer
+        self.entered: set[Any] = set()
+        self.hung_in = anyio.Event()
+        if not self.hung:
+            self.hung_in.set()
+        self.continued: list[EngineCall] = []
+        self.first_ids = [*tokenizer.encode(FIRST, add_special_tokens=False), tokenizer.eos_token_id]
+        self.first_logprobs = [-0.1 * (k + 1) for k in range(len(self.first_ids))]
+        self.observation_ids = tokenizer.encode("keep going", add_special_tokens=False)
+
+    def _turn(self, call: EngineCall) -> int:
+        prompt = call.prompt_token_ids
+        n = len(self.observation_ids)
+        return int(any(prompt[k : k + n] == self.observation_ids for k in range(len(prompt) - n + 1)))
+
+    async def __call__(self, call: EngineCall) -> Reply | str:
+        self.entered.add(call.session_id)
+        if self.hung <= self.entered:
+            self.hung_in.set()
+        if self._turn(call) == 1:
+            await self.hung_in.wait()
+            return SECOND
+        head, rest = self.first_ids[:HEAD], self.first_ids[HEAD:]
+        if call.prompt_token_ids[-HEAD:] == head:
+            self.continued.append(call)
+            text = self.tokenizer.decode(rest, skip_special_tokens=True)
+            return Reply(text, token_ids=rest, logprobs=self.first_logprobs[HEAD:])
+        if call.session_id in self.hung:
+            self.hung.discard(call.session_id)  # hung once: the next call of this session answers
+            if self.offer:
+                offer_partial(head, self.first_logprobs[:HEAD], self.tokenizer.decode(head, skip_special_tokens=True))
+            await anyio.sleep_forever()
+        await self.hung_in.wait()
+        return Reply(FIRST, token_ids=list(self.first_ids), logprobs=list(self.first_logprobs))
+
+
+def carrying(tokenizer: Any, script: Script, **cfg: Any) -> StructuredGymGenerator:
+    return make_generator(tokenizer, ScriptedEngine(tokenizer, script), **{**CARRY, **cfg})
+
+
+def no_more_cuts(gen: StructuredGymGenerator) -> None:
+    """From now on the cutoff cuts nothing (``straggler_cutoff=1.0``): a later call's rows all run to their end."""
+    gen.resilience = dataclasses.replace(gen.resilience, straggler_cutoff=1.0)
+
+
+def row(out: GeneratorOutput, i: int) -> dict[str, Any]:
+    """Row ``i`` as the trainer reads it."""
+    logprobs = out["rollout_logprobs"]
+    return {
+        "prompt": out["prompt_token_ids"][i],
+        "response": out["response_ids"][i],
+        "loss_mask": out["loss_masks"][i],
+        "reward": out["rewards"][i],
+        "logprobs": logprobs[i] if logprobs is not None else None,
+        "stop_reason": (out["stop_reasons"] or [])[i],
+    }
+
+
+async def test_a_resumed_row_is_the_uncut_row_token_for_token(tokenizer: Any) -> None:
+    before = other_tasks()
+    reference_ledger, ledger = EnvLedger(), EnvLedger()
+    reference = make_generator(tokenizer, ScriptedEngine(tokenizer, Script(tokenizer)))
+    expected = await reference.generate(make_batch(4, reference_ledger), disable_tqdm=True)
+
+    script = Script(tokenizer, hung={"q1_0"})
+    gen = carrying(tokenizer, script)
+    first = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    # The cut row is a placeholder in the step it was cut in; its environment stays open, parked.
+    assert first["stop_reasons"] == ["stop", "stop", ROLLOUT_ERROR_STOP_REASON, "stop"]
+    metrics = first["rollout_metrics"] or {}
+    assert metrics["generate/carry_over/parked"] == 1.0
+    assert metrics["generate/carry_over/parked_tokens"] == float(HEAD)
+    assert metrics["generate/carry_over/cut_not_parked"] == 0.0
+    assert gen.parked_rollouts == 1
+    assert len(ledger.never_closed()) == 1  # the parked one
+
+    gen.advance_policy_version()  # a weight sync between the steps
+    no_more_cuts(gen)
+    second = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert second["stop_reasons"] == ["stop"] * 4
+    for i in range(4):
+        assert row(second, i) == row(expected, i), i
+    # The continued request sent the sampled head as sampled (never re-tokenized), with a budget short by it.
+    [continued] = script.continued
+    assert continued.prompt_token_ids[-HEAD:] == script.first_ids[:HEAD]
+    assert continued.sampling_params is not None
+    assert continued.sampling_params["max_tokens"] == 1024 - HEAD
+    # Versions: the head was sampled under version 0, the rest under 1; observations by no policy.
+    versions = second["rollout_policy_versions"][2]
+    mask = second["loss_masks"][2]
+    sampled = [v for v, m in zip(versions, mask, strict=True) if m]
+    assert sampled[:HEAD] == [0] * HEAD
+    assert set(sampled[HEAD:]) == {1}
+    assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+    assert second["rollout_policy_versions"][0] == [1 if m else -1 for m in second["loss_masks"][0]]
+    metrics = second["rollout_metrics"] or {}
+    assert metrics["generate/carry_over/resumed"] == 1.0
+    assert metrics["generate/carry_over/tokens_kept"] == float(HEAD)
+    assert metrics["generate/carry_over/staleness_max"] == 1.0
+    # Four envs in the first call, three new ones in the second (row 2 went on in its own): each closed once.
+    assert ledger.opened == 7
+    ledger.assert_all_closed_once()
+    assert gen.parked_rollouts == 0
+    assert other_tasks() == before
+
+
+async def test_an_engine_without_partial_replies_resumes_from_the_last_turn_and_says_so_once(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference = make_generator(tokenizer, ScriptedEngine(tokenizer, Script(tokenizer)))
+    expected = await reference.generate(make_batch(4, EnvLedger()), disable_tqdm=True)
+    ledger = EnvLedger()
+    script = Script(tokenizer, hung={"q0_1", "q1_0"}, offer=False)
+    gen = carrying(tokenizer, script, straggler_cutoff=0.5)
+    with caplog.at_level(logging.INFO, logger="skyrl_structured._episode.episode"):
+        first = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    said = [r for r in caplog.records if r.name == "skyrl_structured._episode.episode" and "no partial" in r.message]
+    assert len(said) == 1, [r.message for r in said]
+    metrics = first["rollout_metrics"] or {}
+    assert metrics["generate/carry_over/parked"] == 2.0
+    assert metrics["generate/carry_over/parked_tokens"] == 0.0
+    no_more_cuts(gen)
+    second = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    for i in range(4):
+        assert row(second, i) == row(expected, i), i
+    assert script.continued == []  # nothing to continue: the cut request was sent again whole
+    ledger.assert_all_closed_once()
+
+
+async def test_aclose_closes_a_parked_environment_and_ends_its_session(tokenizer: Any) -> None:
+    ledger = EnvLedger()
+    script = Script(tokenizer, hung={"q1_0"})
+    engine = ScriptedEngine(tokenizer, script)
+    gen = make_generator(tokenizer, engine, **CARRY)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert gen.parked_rollouts == 1
+    assert "q1_0" not in engine.finished_sessions
+    await gen.aclose()
+    assert gen.parked_rollouts == 0
+    ledger.assert_all_closed_once()
+    assert engine.finished_sessions.count("q1_0") == 1
+
+
+async def test_a_stale_parked_rollout_is_dropped_and_closed(tokenizer: Any) -> None:
+    ledger = EnvLedger()
+    gen = carrying(tokenizer, Script(tokenizer, hung={"q1_0"}))
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    gen.advance_policy_version()
+    gen.advance_policy_version()  # two syncs: past max_carry_over_steps=1
+    no_more_cuts(gen)
+    out = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    metrics = out["rollout_metrics"] or {}
+    assert metrics["generate/carry_over/dropped_stale"] == 1.0
+    assert metrics["generate/carry_over/resumed"] == 0.0
+    assert out["stop_reasons"] == ["stop"] * 4  # row 2 started afresh
+    ledger.assert_all_closed_once()
+    assert ledger.opened == 8
+
+
+async def test_a_row_with_other_sampling_drops_the_parked_rollout_instead_of_resuming_it(tokenizer: Any) -> None:
+    ledger = EnvLedger()
+    script = Script(tokenizer, hung={"q1_0"})
+    gen = carrying(tokenizer, script)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    batch = make_batch(4, ledger)
+    batch["sampling_params"] = {"max_tokens": 64, "temperature": 0.5}
+    no_more_cuts(gen)
+    out = await gen.generate(batch, disable_tqdm=True)
+    metrics = out["rollout_metrics"] or {}
+    assert metrics["generate/carry_over/dropped_mismatch"] == 1.0
+    assert metrics["generate/carry_over/resumed"] == 0.0
+    assert script.continued == []
+    ledger.assert_all_closed_once()
+
+
+async def test_a_cancelled_call_closes_every_parked_rollout_and_leaves_nothing(tokenizer: Any) -> None:
+    before = other_tasks()
+    ledger = EnvLedger()
+    script = Script(tokenizer, hung={"q1_0"})
+    engine = ScriptedEngine(tokenizer, script)
+    gen = make_generator(tokenizer, engine, **CARRY)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert gen.parked_rollouts == 1
+    # The next call: every fresh request hangs; it is cancelled once they are all in the engine.
+    script.hung = {"q0_0", "q0_1", "q1_1"}
+    script.hung_in = anyio.Event()
+    script.entered.clear()
+    script.offer = True
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+
+            async def cancel_when_in() -> None:
+                await script.hung_in.wait()
+                scope.cancel()
+
+            group.start_soon(cancel_when_in)
+            await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert scope.cancelled_caught
+    assert gen.parked_rollouts == 0
+    ledger.assert_all_closed_once()
+    assert other_tasks() == before
+
+
+async def test_stale_tokens_are_masked_and_counted(tokenizer: Any) -> None:
+    ledger = EnvLedger()
+    gen = carrying(tokenizer, Script(tokenizer, hung={"q1_0"}), max_carry_over_steps=2, mask_tokens_older_than=1)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    gen.advance_policy_version()
+    gen.advance_policy_version()
+    no_more_cuts(gen)
+    out = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    versions, mask = out["rollout_policy_versions"][2], out["loss_masks"][2]
+    # The head (version 0) is 2 versions old at version 2: masked; the rest (version 2) trains.
+    assert [m for v, m in zip(versions, mask, strict=True) if v == 0] == [0] * HEAD
+    assert any(m for v, m in zip(versions, mask, strict=True) if v == 2)
+    assert (out["rollout_metrics"] or {})["generate/tokens_masked_stale"] == float(HEAD)
+    ledger.assert_all_closed_once()
+
+
+async def test_every_row_carries_its_policy_versions_without_carry_over(tokenizer: Any) -> None:
+    gen = make_generator(tokenizer)
+    gen.advance_policy_version()
+    out = await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
+    for versions, mask, response in zip(
+        out["rollout_policy_versions"], out["loss_masks"], out["response_ids"], strict=True
+    ):
+        assert len(versions) == len(response)
+        assert versions == [1 if m else -1 for m in mask]
+    assert gen.policy_version == 1
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"carry_over_cut_rollouts": True}, r"carry_over_cut_rollouts=true.* needs `generator.straggler_cutoff`"),
+        ({**CARRY, "max_carry_over_steps": -1}, r"generator.max_carry_over_steps"),
+        ({**CARRY, "max_carry_over_steps": 1.5}, r"generator.max_carry_over_steps"),
+        ({"mask_tokens_older_than": -1}, r"generator.mask_tokens_older_than"),
+        ({**CARRY, "carry_over_cut_rollouts": "yes"}, r"generator.carry_over_cut_rollouts"),
+    ],
+)
+async def test_bad_carry_over_knobs_are_refused_at_construction(
+    tokenizer: Any, knobs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_generator(tokenizer, **knobs)
+
+
+async def test_a_batch_without_trajectory_ids_is_refused_before_any_rollout(tokenizer: Any) -> None:
+    engine = ScriptedEngine(tokenizer, Script(tokenizer))
+    gen = make_generator(tokenizer, engine, **CARRY)
+    batch: GeneratorInput = make_batch(4, EnvLedger(), with_ids=False)
+    with pytest.raises(ValueError, match=r"carry_over_cut_rollouts=true.*no `trajectory_ids`"):
+        await gen.generate(batch, disable_tqdm=True)
+    assert engine.calls == []
