@@ -656,7 +656,7 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
     SimTrainer.init_weight_sync_state = init_weight_sync_state  # type: ignore[attr-defined]
     trainer: Any = SimTrainer()
     if hooked:
-        pause_during_weight_sync(trainer, generator.pauses)
+        pause_during_weight_sync(trainer, generator.pauses, generator.advance_policy_version)
     trainer.init_weight_sync_state()  # installs SkyRL's _SimDispatch, as train() does first
     assert isinstance(trainer.dispatch, sim_dispatch)
     result: dict[str, Any] = {}
@@ -672,6 +672,8 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
     assert client.pauses == 1
     assert client.weight_version == 1
     assert not generator.pauses.paused
+    # The sync advanced the policy version (rollout_policy_versions), only where hooked.
+    assert generator.policy_version == (1 if hooked else 0)
     out = result["out"]
     metrics = out["rollout_metrics"]
     assert metrics is not None
