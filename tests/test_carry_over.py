@@ -304,3 +304,59 @@ async def test_a_batch_without_trajectory_ids_is_refused_before_any_rollout(toke
     with pytest.raises(ValueError, match=r"carry_over_cut_rollouts=true.*no `trajectory_ids`"):
         await gen.generate(batch, disable_tqdm=True)
     assert engine.calls == []
+
+
+_EXIT_SCRIPT = """
+import sys
+import anyio
+from tests.helpers import make_batch, make_generator
+from tests.test_carry_over import CARRY, Script
+from skyrl_structured.testing import ScriptedEngine
+from skyrl_structured.testing.envs import EnvLedger, register_scripted_env
+from skyrl_structured.tiny import build_chatml_tokenizer
+register_scripted_env()
+
+class FileLedger(EnvLedger):
+    def enter(self, env_id, what):
+        super().enter(env_id, what)
+        if what == "close":
+            with open(sys.argv[1], "a") as f:
+                f.write(f"closed {env_id}\\n")
+
+tokenizer = build_chatml_tokenizer()
+ledger = FileLedger()
+
+async def main():
+    gen = make_generator(tokenizer, ScriptedEngine(tokenizer, Script(tokenizer, hung={"q1_0"})), **CARRY)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert gen.parked_rollouts == 1
+    globals()["kept"] = gen  # alive until the interpreter exits, never aclose()d
+
+anyio.run(main, backend=sys.argv[2])
+print("parked", len(ledger.never_closed()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the subprocess runs each backend itself
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+async def test_interpreter_exit_closes_a_parked_environment_once(tmp_path: Any, backend: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "closes.txt"
+    root = Path(__file__).resolve().parent.parent
+    done = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-c", _EXIT_SCRIPT, str(marker), backend],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=600,  # a hang bound: the run takes seconds
+        )
+    )
+    assert done.returncode == 0, done.stderr
+    assert "parked 1" in done.stdout
+    closes = marker.read_text().splitlines()
+    # Three closed during the call, the parked one at exit: four envs, each closed exactly once.
+    assert len(closes) == 4 and len(set(closes)) == 4, closes
