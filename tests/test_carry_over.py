@@ -345,7 +345,7 @@ async def test_interpreter_exit_closes_a_parked_environment_once(tmp_path: Any, 
     from pathlib import Path
 
     marker = tmp_path / "closes.txt"
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).parent.parent
     done = await anyio.to_thread.run_sync(
         lambda: subprocess.run(
             [sys.executable, "-c", _EXIT_SCRIPT, str(marker), backend],
@@ -359,4 +359,5 @@ async def test_interpreter_exit_closes_a_parked_environment_once(tmp_path: Any, 
     assert "parked 1" in done.stdout
     closes = marker.read_text().splitlines()
     # Three closed during the call, the parked one at exit: four envs, each closed exactly once.
-    assert len(closes) == 4 and len(set(closes)) == 4, closes
+    assert len(closes) == 4, closes
+    assert len(set(closes)) == 4, closes
