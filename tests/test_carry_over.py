@@ -57,18 +57,18 @@ class Script:
         self.continued: list[EngineCall] = []
         self.first_ids = [*tokenizer.encode(FIRST, add_special_tokens=False), tokenizer.eos_token_id]
         self.first_logprobs = [-0.1 * (k + 1) for k in range(len(self.first_ids))]
-        self.observation_ids = tokenizer.encode("keep going", add_special_tokens=False)
 
-    def _turn(self, call: EngineCall) -> int:
-        prompt = call.prompt_token_ids
-        n = len(self.observation_ids)
-        return int(any(prompt[k : k + n] == self.observation_ids for k in range(len(prompt) - n + 1)))
+    def _answered_once(self, prompt: list[int]) -> bool:
+        """Whether the prompt already holds the whole first reply (so this is a later turn)."""
+        ids, n = self.first_ids, len(self.first_ids)
+        return any(prompt[k : k + n] == ids for k in range(len(prompt) - n + 1))
 
     async def __call__(self, call: EngineCall) -> Reply | str:
-        self.entered.add(call.session_id)
+        session = call.session_id
+        self.entered.add(session)
         if self.hung <= self.entered:
             self.hung_in.set()
-        if self._turn(call) == 1:
+        if self._answered_once(call.prompt_token_ids):
             await self.hung_in.wait()
             return SECOND
         head, rest = self.first_ids[:HEAD], self.first_ids[HEAD:]
@@ -76,7 +76,7 @@ class Script:
             self.continued.append(call)
             text = self.tokenizer.decode(rest, skip_special_tokens=True)
             return Reply(text, token_ids=rest, logprobs=self.first_logprobs[HEAD:])
-        if call.session_id in self.hung:
+        if session in self.hung:
             self.hung.discard(call.session_id)  # hung once: the next call of this session answers
             if self.offer:
                 offer_partial(head, self.first_logprobs[:HEAD], self.tokenizer.decode(head, skip_special_tokens=True))
@@ -361,3 +361,107 @@ async def test_interpreter_exit_closes_a_parked_environment_once(tmp_path: Any, 
     # Three closed during the call, the parked one at exit: four envs, each closed exactly once.
     assert len(closes) == 4, closes
     assert len(set(closes)) == 4, closes
+
+
+def _process_generator(tokenizer: Any, script: Script, **cfg: Any) -> StructuredGymGenerator:
+    from skyrl_structured import GeneratorConfig, SkyRLGymConfig
+    from skyrl_structured.testing.worker_envs import register_trouble_env
+
+    register_trouble_env()
+    knobs = {"max_turns": 3, "max_input_length": 4096, **CARRY, **cfg}
+    return StructuredGymGenerator(
+        GeneratorConfig(**knobs),
+        SkyRLGymConfig(max_env_workers=2, env_executor="process"),
+        ScriptedEngine(tokenizer, script),
+        tokenizer,
+    )
+
+
+def _trouble_batch(n: int, ledger: Any) -> GeneratorInput:
+    from skyrl_structured import TrajectoryID
+    from skyrl_structured.testing.worker_envs import TROUBLE_ENV
+
+    return {
+        "prompts": [[{"role": "user", "content": f"question {i}"}] for i in range(n)],
+        "env_classes": [TROUBLE_ENV] * n,
+        "env_extras": [{"ledger_dir": str(ledger), "turns": 2} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
+    }
+
+
+async def test_a_parked_environment_in_a_worker_process_is_resumed_there_and_closed_once(
+    tokenizer: Any, tmp_path: Any
+) -> None:
+    from skyrl_structured.testing.worker_envs import closes_by_env
+
+    script = Script(tokenizer, hung={"q1_0"})
+    gen = _process_generator(tokenizer, script)
+    try:
+        first = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)
+        assert first["stop_reasons"][2] == ROLLOUT_ERROR_STOP_REASON
+        assert sorted(closes_by_env(tmp_path).values()) == [0, 1, 1, 1]  # the parked one is open in its worker
+        no_more_cuts(gen)
+        second = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)
+    finally:
+        await gen.aclose()
+    assert second["stop_reasons"] == ["stop"] * 4
+    assert len(script.continued) == 1
+    assert (second["rollout_metrics"] or {})["generate/carry_over/resumed"] == 1.0
+    # 4 envs in the first call, 3 in the second: each closed once, the resumed one in its own worker.
+    assert sorted(closes_by_env(tmp_path).values()) == [1] * 7
+
+
+_KILLED_SCRIPT = """
+import sys, time
+import anyio
+from pathlib import Path
+from tests.test_carry_over import Script, _process_generator, _trouble_batch
+from skyrl_structured.tiny import build_chatml_tokenizer
+
+tokenizer = build_chatml_tokenizer()
+gen = _process_generator(tokenizer, Script(tokenizer, hung={"q1_0"}))
+
+async def main():
+    await gen.generate(_trouble_batch(4, Path(sys.argv[1])), disable_tqdm=True)
+    print("parked", gen.parked_rollouts, flush=True)
+    await anyio.sleep_forever()
+
+anyio.run(main, backend=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_no_env_worker_outlives_a_sigkilled_trainer_with_a_parked_rollout(tmp_path: Any, backend: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.test_env_process import alive, worker_pids
+
+    root = Path(__file__).parent.parent
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SCRIPT, str(tmp_path), backend],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # bounded by the suite's hang guard (pytest-timeout)
+        assert line.strip() == "parked 1", line
+        pids = worker_pids(tmp_path)
+        assert pids
+        assert all(alive(pid) for pid in pids)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    gone_by = time.monotonic() + 60.0  # they die at once; only a worker that outlives the trainer takes this long
+    while any(alive(pid) for pid in pids) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)]
