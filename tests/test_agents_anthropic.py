@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import anthropic
 import anyio
@@ -19,6 +19,7 @@ import anyio.to_thread
 import httpx
 import httpx2
 import pytest
+from anthropic.types.shared.error_type import ErrorType
 
 from skyrl_structured.agents import StructuredAgentGenerator, check_capture, command_agent, serve_capture
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
@@ -70,6 +71,7 @@ def anthropic_error(answer: Any, status: int) -> dict[str, Any]:
     assert set(body) == {"type", "error"}
     assert body["type"] == "error"
     assert set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] in get_args(ErrorType), f"{body['error']['type']!r} is not one of Anthropic's types"
     return dict(body["error"])
 
 
@@ -371,8 +373,9 @@ async def test_an_ended_session_answers_in_anthropics_error_shape_and_the_client
         answer = await in_thread(late)
         unknown = await create(f"{server.url}/sessions/nope", messages=HI)
         with_v1 = await create(session.base_url, messages=HI)  # the chat base URL: /v1/v1/messages
+    assert isinstance(answer, anthropic.NotFoundError)
     error = anthropic_error(answer, 404)
-    assert error["type"] == "rollout_ended"
+    assert error["type"] == "not_found_error"  # Anthropic's type (issue 47); the message names the rollout
     assert "rollout t3_1 has ended" in error["message"]
     assert session.id in error["message"]
     assert len(sent) == 1  # a 5xx would have been sent 6 times
@@ -399,7 +402,7 @@ async def test_an_in_flight_call_on_a_cancelled_rollout_gets_499(tokenizer, anyi
     assert blocked.cancelled.is_set()
     (answer,) = answers
     error = anthropic_error(answer, 499)
-    assert error["type"] == "rollout_cancelled"
+    assert error["type"] == "api_error"
     assert "rollout t7_0 ended (cancelled)" in error["message"]
     assert session.calls == []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from skyrl_structured.agents import AgentError, StructuredAgentGenerator, command_agent
+from skyrl_structured.agents import AgentError, StructuredAgentGenerator, command_agent, resolve_agent
 from skyrl_structured.testing import EngineCall, ScriptedEngine, detached
 from skyrl_structured.types import GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
@@ -210,3 +211,31 @@ async def test_a_command_agent_runs_the_generators_python_first_on_path(tokenize
     out = await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(1))
     assert [r[-1] for r in out["rewards"]] == [1.0]  # type: ignore[index]
     assert os.path.dirname(found.read_text(encoding="utf-8")) == os.path.dirname(sys.executable)
+
+
+async def test_the_up_front_check_finds_python_where_the_command_will(
+    tokenizer, anyio_backend, script, tmp_path, monkeypatch
+):
+    """Issue 47: no virtual environment and no ``python`` on the caller's PATH (only python3, as on Debian).
+
+    The command starts with the generator's interpreter directory first on its PATH, so
+    ``agent="command:python my_agent.py"`` must pass the check that runs before any rollout, and run.
+    """
+    here = os.path.dirname(sys.executable)
+    name = "python" if shutil.which("python", path=here) else os.path.basename(sys.executable)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert shutil.which(name) is None  # the caller's PATH has no such command
+    found = tmp_path / "executable"
+    monkeypatch.setenv("EXECUTABLE_FILE", str(found))
+    agent = resolve_agent(f"command:{name} {shlex.quote(script[1])}")
+    engine = ScriptedEngine.from_replies(tokenizer, "3")
+    out = await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(1))
+    assert [r[-1] for r in out["rewards"]] == [1.0]  # type: ignore[index]
+    assert os.path.dirname(found.read_text(encoding="utf-8")) == here
+    with pytest.raises(
+        ValueError, match=r"^`agent`: the command 'no-such-agent-binary' is not an executable file on PATH; "
+    ) as caught:
+        resolve_agent("command:no-such-agent-binary my_agent.py")
+    assert "\n" not in str(caught.value)

@@ -484,7 +484,7 @@ FIELD_ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any
         None,
     ),
     ("audio", {}, None, {"audio": {"voice": "alloy", "format": "wav"}}),
-    ("reasoning_effort", {}, None, {"reasoning_effort": "high"}),
+    ("reasoning_effort", {"reasoning_effort": "none", "verbosity": "low"}, None, {"reasoning_effort": "high"}),
 ]
 
 

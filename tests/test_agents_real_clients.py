@@ -5,7 +5,8 @@ calls the endpoint parses) behind the endpoint: every row token-exact against th
 reward right. mini-swe-agent runs as ``docs/agents.md`` writes it (the test takes the recipe's code block
 from the page): in a worker thread and as a ``command:`` agent, and past its deadline. The Agents SDK
 runs with ``OpenAIChatCompletionsModel``, on the event loop on asyncio and in a worker thread with its own
-asyncio loop on trio (it creates asyncio tasks), through ``Runner.run`` and ``Runner.run_streamed``.
+asyncio loop on trio (it creates asyncio tasks), through ``Runner.run`` and ``Runner.run_streamed``; and the
+docs' recipe for its default model (the Responses API), as written, with the SDK's default model settings.
 
 The clients come from the ``agent-clients`` extra (``scripts/setup`` installs it); without it these tests
 are skipped. Nothing here needs the network: LiteLLM is kept offline by the recipe's environment.
@@ -428,3 +429,55 @@ async def test_the_agents_sdk_on_chat_completions_is_captured_token_exact(hermes
         assert_token_exact(out, r, model.calls[r])
     metrics = out["rollout_metrics"] or {}
     assert (metrics["generate/agent_calls"], metrics["generate/agent_branches"]) == (4, 2)
+
+
+# ------------------------------------------------------------------ the OpenAI Agents SDK recipe (its default model)
+
+
+def sdk_recipe_source() -> str:
+    """The Agents SDK recipe's code block in docs/agents.md, as a reader has it."""
+    text = (ROOT / "docs" / "agents.md").read_text(encoding="utf-8")
+    (block,) = re.findall(
+        r"```python\n(# my_agents\.py: run with agent=my_agents:sdk_default_agent.*?)```", text, re.DOTALL
+    )
+    return str(block)
+
+
+def calculator_turns(wrong: set[int]) -> Callable[[int, int, str], str]:
+    """The recipe's model: a ``calculator`` call, then ``#### i + 3`` (``i + 2`` for rows in ``wrong``)."""
+
+    def turns(r: int, k: int, prompt: str) -> str:
+        if k == 0:
+            return tool_call("calculator", expression=f"{r} + 3")
+        return f"#### {r + (2 if r in wrong else 3)}"
+
+    return turns
+
+
+async def test_the_agents_sdk_recipe_runs_with_the_sdks_default_model_settings(
+    hermes, anyio_backend, tmp_path, monkeypatch
+):
+    """Issue 47: the SDK's default model settings send ``reasoning={"effort": "none"}`` and ``text.verbosity``,
+    which the endpoint refused with a 400; the recipe runs as written, its rows token-exact."""
+    from agents.models import get_default_model_settings
+
+    monkeypatch.delenv("OPENAI_DEFAULT_MODEL", raising=False)  # the SDK's own default model and its settings
+    settings = get_default_model_settings()
+    assert settings.reasoning is not None  # what this test is about: the settings the SDK sends by default
+    assert settings.verbosity is not None
+    path = tmp_path / "my_agents.py"
+    path.write_text(sdk_recipe_source(), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("my_agents_sdk_recipe", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = ScriptedModel(hermes, calculator_turns(wrong={1}))
+    engine = ScriptedEngine(hermes, model)
+    out = await StructuredAgentGenerator(engine, hermes, module.sdk_default_agent).generate(batch(2))
+    validate_generator_output(2, out)
+    skyrl_validate_generator_output(2, out)
+    assert [r[-1] for r in out["rewards"]] == [1.0, 0.0]  # type: ignore[index]
+    for r in range(2):
+        assert len(model.calls[r]) == 2
+        assert_token_exact(out, r, model.calls[r])

@@ -251,13 +251,18 @@ async def test_sampling_fields_reach_the_engine_under_the_chat_rule(tokenizer, a
     ("request_fields", "param"),
     [
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "none", "summary": "auto"}}, "reasoning.summary"),
+        ({"reasoning": {"budget": 3}}, "reasoning.budget"),
+        ({"reasoning": "none"}, "reasoning"),
+        ({"text": {"verbosity": "high"}}, "text.verbosity"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": "required", "tools": [RESPONSES_TOOL]}, "tool_choice"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"extra_body": {"conversation": "conv_1"}}, "conversation"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
@@ -277,6 +282,30 @@ async def test_a_responses_field_that_cannot_be_honoured_is_refused_with_a_400_n
     assert f"`{param}`" in error["message"]
     assert answer.response.headers["x-should-retry"] == "false"
     assert engine.calls == []
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        {"reasoning": {"effort": "none"}, "text": {"verbosity": "low"}},  # the Agents SDK's default model settings
+        {"reasoning": {"effort": None, "summary": None}, "text": {"format": {"type": "text"}, "verbosity": "medium"}},
+        {"reasoning": {}, "text": {}},
+    ],
+    ids=["sdk-defaults", "explicit-defaults", "empty"],
+)
+async def test_reasoning_and_text_settings_that_ask_for_what_the_engine_does_are_accepted(
+    tokenizer, anyio_backend, request_fields
+):
+    """Issue 47: no reasoning effort and the default verbosities change nothing the engine gets."""
+    engine = ScriptedEngine.from_replies(tokenizer, "ok", "ok")
+    async with serve_capture(engine, tokenizer) as server:
+        async with server.session("t0_0") as plain:
+            await respond(plain.base_url, input="Hi.")
+        async with server.session("t1_0") as settled:
+            answer = await respond(settled.base_url, input="Hi.", **request_fields)
+    assert answer.output_text == "ok"
+    first, second = engine.calls
+    assert (second.prompt_token_ids, second.sampling_params) == (first.prompt_token_ids, first.sampling_params)
 
 
 async def test_an_in_flight_response_of_a_cancelled_rollout_gets_499_and_a_later_one_hears_it_ended(

@@ -236,7 +236,7 @@ async def test_a_closed_endpoint_answers_every_request_with_the_ended_sessions_4
     for answer in (unnamed, malformed, http10):
         payload = assert_ended_answer(answer, "this capture endpoint has closed")
         assert payload["error"]["type"] == "rollout_ended"
-    assert assert_ended_answer(anthropic, "its rollout t0_0 has ended")["error"]["type"] == "rollout_ended"
+    assert assert_ended_answer(anthropic, "its rollout t0_0 has ended")["error"]["type"] == "not_found_error"
     assert json.loads(anthropic[2])["type"] == "error"  # Anthropic's error shape on its route
     assert interim[0] == 100
 

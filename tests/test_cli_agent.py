@@ -8,7 +8,9 @@ process, since they stop before any model loads.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,10 +30,11 @@ SMALL = ("data.max_prompts=2", "generator.n_samples_per_prompt=2", "generator.sa
 ROLLOUTS = 4
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "skyrl_structured", "rollout", f"run.output_dir={tmp_path / 'out'}", *SMALL, *args],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -233,6 +236,30 @@ def test_a_command_agent_written_with_a_space_after_the_colon_runs(tmp_path, bac
     assert summary["agent"] == agent
     assert summary["mean_reward"] == 0.75
     assert summary["agent_calls"] == ROLLOUTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_command_python_runs_with_no_python_on_the_callers_path(tmp_path, backend):
+    """Issue 47: no virtual environment activated and no ``python`` on PATH (only python3, as on Debian).
+
+    The command's PATH starts with the generator's interpreter directory, and the check made before the
+    engine loads looks there too; a command found nowhere is still refused in one line.
+    """
+    here = os.path.dirname(sys.executable)
+    name = "python" if shutil.which("python", path=here) else os.path.basename(sys.executable)
+    (tmp_path / "my_agent.py").write_text(COMMAND_AGENT)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "PATH": str(empty)}
+    proc = _run(tmp_path, f"agent=command:{name} my_agent.py", f"run.backend={backend}", "run.progress=false", env=env)
+    assert proc.returncode == 0, proc.stderr
+    _, _, summary = _outputs(tmp_path)
+    assert summary["mean_reward"] == 0.75
+    missing = _run(tmp_path, "agent=command:no-such-agent-binary my_agent.py", env=env)
+    assert missing.returncode == 2
+    (line,) = missing.stderr.splitlines()
+    assert line.startswith("skyrl-structured: error: `agent`: the command 'no-such-agent-binary' is not an executable")
 
 
 @pytest.mark.parametrize(

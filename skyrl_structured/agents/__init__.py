@@ -35,7 +35,8 @@ its only credential, each 128+ bits from :mod:`secrets`; a request reaches exact
 Every request gets an answer, an OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}`` when it fails (4xx with ``x-should-retry: false``): no session named or an unknown key →
 404; a key in the URL and another session's as bearer → 403; a session whose rollout has ended → 404
-of type ``rollout_ended`` naming the rollout, a status no agent's client retries (ended sessions are
+of type ``rollout_ended`` naming the rollout (Anthropic's ``not_found_error`` on the Messages routes,
+whose error types are all Anthropic's), a status no agent's client retries (ended sessions are
 remembered by key, up to a fixed count); a request in flight when its rollout ends or is cancelled →
 499 naming the rollout, and the engine request's task is cancelled; a template that refuses the
 messages or a lone surrogate → 400; a fault of the endpoint itself → 500 naming the rollout. A

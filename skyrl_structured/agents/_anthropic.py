@@ -35,13 +35,28 @@ MESSAGES = "/messages"
 COUNT_TOKENS = "/messages/count_tokens"
 
 
+#: Anthropic's error type of a status (the ``anthropic`` SDK's ``ErrorType``); any other 4xx is an invalid request.
+_ERROR_TYPES = {
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
 def error_body(error: APIError) -> dict[str, Any]:
     """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 
-    The type is the chat answer's, in Anthropic's words where they differ (``api_error`` for a 500); our
-    own kinds (``rollout_ended``, ``rollout_cancelled``) are kept, so an agent can tell an ended rollout.
+    The type is always one of Anthropic's, chosen by the status: ``not_found_error`` for an ended
+    rollout's 404 (its message names the rollout), ``api_error`` for a 500 and for the 499 of a
+    request in flight when its rollout ended, ``invalid_request_error`` for any other 4xx. Our own
+    kinds (``rollout_ended``, ``rollout_cancelled``) stay on the OpenAI-shaped routes.
     """
-    kind = "api_error" if error.kind == "server_error" else error.kind
+    status = error.status
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 499 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 

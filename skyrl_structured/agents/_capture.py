@@ -99,6 +99,10 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "stream": (None, False, True),
     "tool_choice": (None, "auto"),
     "n": (None, 1),
+    # What the Responses route accepts in `reasoning.effort` and `text.verbosity` (see ._responses._SETTINGS):
+    # no reasoning asked for, and OpenAI's default verbosity or the Agents SDK's default ("low", ignored).
+    "reasoning_effort": (None, "none"),
+    "verbosity": (None, "medium", "low"),
 }
 
 
@@ -122,7 +126,8 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
 
     Raises:
         APIError: 400 naming the first field that cannot be honoured (a non-neutral penalty,
-            ``n > 1``, ``logprobs=true``, a forced ``tool_choice``, a
+            ``n > 1``, ``logprobs=true``, a forced ``tool_choice``, a ``reasoning_effort`` other than
+            "none", ``verbosity`` "high", a
             ``response_format`` other than text, a ``logit_bias``, audio ``modalities``, an unknown
             field) or has a bad value.
     """

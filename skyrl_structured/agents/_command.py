@@ -16,7 +16,7 @@ import anyio.abc
 from .._runtime.reaper import kill_tree, launcher_argv, tree_kills
 from ._generator import AgentContext, AgentError, AgentFn
 
-__all__ = ["command_agent"]
+__all__ = ["command_agent", "command_path"]
 
 #: How much of a command's stderr an error message quotes.
 _STDERR_TAIL = 2000
@@ -48,11 +48,10 @@ def command_agent(command: str | Sequence[str], *, env: dict[str, str] | None = 
     extra_env = dict(env or {})
 
     async def agent(ctx: AgentContext) -> Any:
-        path = os.pathsep.join(p for p in (os.path.dirname(sys.executable), _child_path(extra_env)) if p)
         child_env = {
             **os.environ,
             **extra_env,
-            "PATH": path,
+            "PATH": command_path(extra_env),
             "OPENAI_BASE_URL": ctx.base_url,
             "OPENAI_API_KEY": ctx.api_key,
             "OPENAI_MODEL": ctx.model,
@@ -112,6 +111,11 @@ async def _drain(stream: anyio.abc.ByteReceiveStream, into: bytearray, keep: int
             del into[:-keep]
 
 
-def _child_path(extra_env: dict[str, str]) -> str:
-    """The ``PATH`` the command would have had: ``env``'s, else the generator's."""
-    return extra_env.get("PATH", os.environ.get("PATH", ""))
+def command_path(env: dict[str, str] | None = None) -> str:
+    """The ``PATH`` a command agent is started with: the generator's interpreter directory first.
+
+    Then the ``PATH`` the command would have had: ``env``'s (:func:`command_agent`'s ``env``), else
+    the generator's. Read when called, so a check made up front looks where the command will look.
+    """
+    given = (env or {}).get("PATH", os.environ.get("PATH", ""))
+    return os.pathsep.join(p for p in (os.path.dirname(sys.executable), given) if p)

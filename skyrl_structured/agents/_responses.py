@@ -57,9 +57,21 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "include": (None, ()),
     "truncation": (None, "disabled"),
     "background": (None, False),
-    "reasoning": (None,),
-    "text": (None, {"format": {"type": "text"}}),
     "prompt_cache_retention": (None, "in_memory", "24h"),
+}
+#: ``reasoning`` and ``text`` keys accepted at values that ask for what the engine does anyway (None: unset).
+#: ``effort`` "none" asks for no reasoning; ``verbosity`` "medium" is OpenAI's default, and "low" the Agents
+#: SDK's default model settings (0.24) send for its default model: the served model has no verbosity
+#: setting, so it is ignored, and "high", which only an agent that asks for longer answers sends, is refused.
+_SETTINGS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "reasoning": {
+        "effort": (None, "none"),
+        "mode": (None, "standard"),
+        "summary": (None,),
+        "generate_summary": (None,),
+        "context": (None,),
+    },
+    "text": {"format": (None, {"type": "text"}), "verbosity": (None, "medium", "low")},
 }
 #: The keys a function tool may carry; ``strict`` is accepted and never reaches the template.
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
@@ -95,8 +107,9 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
     Raises:
         APIError: 400 naming the first field that cannot be honoured (an unknown
             ``previous_response_id``, a non-function tool, a non-text content part, a non-empty
-            ``include``, ``reasoning``, a non-text ``text.format``, ``background``, automatic
-            ``truncation``, an unknown field) or has a bad value.
+            ``include``, a ``reasoning.effort`` other than "none", a non-text ``text.format``,
+            ``text.verbosity`` "high", ``background``, automatic ``truncation``, an unknown field) or
+            has a bad value.
     """
     chat: dict[str, Any] = {}
     for key, value in body.items():
@@ -105,6 +118,8 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
         elif key in _NEUTRAL:
             if (tuple(value) if isinstance(value, list) else value) not in _NEUTRAL[key]:
                 raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+        elif key in _SETTINGS:
+            _check_settings(key, value)
         elif key == "max_output_tokens":
             chat["max_tokens"] = value
         elif key == "stream_options":
@@ -150,6 +165,29 @@ def sampling_params(request: ResponsesRequest, base: dict[str, Any] | None) -> d
         if error.param == "max_tokens":
             raise _bad("max_output_tokens", error.message.split("` ", 1)[1]) from None
         raise
+
+
+def _check_settings(field: str, value: Any) -> None:
+    """Refuse a ``reasoning`` or ``text`` setting that would change the answer, naming its key (``text.verbosity``).
+
+    Raises:
+        APIError: 400 naming the first key whose value cannot be honoured, or that is unknown.
+    """
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad(field, f"must be an object, got {type(value).__name__}")
+    accepted = _SETTINGS[field]
+    for key, item in value.items():
+        if key not in accepted:
+            raise _bad(f"{field}.{key}", "is not supported by this capture endpoint; remove it from the request")
+        if item not in accepted[key]:
+            allowed = " or ".join(repr(v) for v in accepted[key] if v is not None)
+            raise _bad(
+                f"{field}.{key}",
+                f"= {item!r} cannot be honoured by this capture endpoint (the engine samples the served model as "
+                f"its chat template renders the conversation); leave it unset{' or at ' + allowed if allowed else ''}",
+            )
 
 
 def _history(previous: Any, remembered: Mapping[str, Remembered]) -> list[dict[str, Any]]:

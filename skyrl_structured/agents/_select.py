@@ -14,7 +14,7 @@ import shlex
 import shutil
 from typing import Any
 
-from ._command import command_agent
+from ._command import command_agent, command_path
 from ._generator import AgentFn, SyncAgentFn
 
 __all__ = ["AGENT_VALUES", "COMMAND_PREFIX", "DEFAULT_AGENT", "check_agent_choice", "resolve_agent"]
@@ -87,7 +87,7 @@ def _command_line(line: str, key: str) -> list[str]:
     found = (
         os.access(executable, os.X_OK) and not os.path.isdir(executable)
         if os.sep in executable
-        else shutil.which(executable)
+        else shutil.which(executable, path=command_path())  # where the command will look: interpreter first
     )
     if not found:
         raise ValueError(

@@ -28,6 +28,7 @@ import anyio
 import yaml
 
 from .._runtime.supervisor import describe_error
+from ..envs._ray import local_capacity_problem
 from ..types import GeneratorInput
 from ._checks import check_config
 from ._config import load_config
@@ -289,6 +290,15 @@ def _run(plan: _Plan, debug: bool, finishing: _Finishing, argv: Sequence[str]) -
         return EXIT_FAILED
 
 
+def _env_worker_problems(cfg: RolloutConfig) -> list[str]:
+    """``env_executor=ray``: the Ray the run will use can place every env actor; checked before the engine loads."""
+    try:
+        problem = local_capacity_problem(cfg.environment.skyrl_gym)
+    except ValueError as exc:  # Ray is not installed
+        return [str(exc)]
+    return [] if problem is None else [problem]
+
+
 def _rollout(args: argparse.Namespace) -> int:
     try:
         plan = _plan(args)
@@ -299,6 +309,8 @@ def _rollout(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(jsonable(plan.cfg), sort_keys=False), end="")
         return 0
     problems = preflight(plan.cfg)
+    if not problems and plan.cfg.agent is None:
+        problems = _env_worker_problems(plan.cfg)
     for problem in problems:
         _error(problem)
     if problems:

@@ -15,6 +15,7 @@ killer) fails every env in it with :class:`~skyrl_structured.EnvWorkerError`, an
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 from collections.abc import Mapping
@@ -344,29 +345,89 @@ def check_capacity(workers: int, num_cpus: float) -> None:
     Raises:
         ValueError: one line naming both knobs, the numbers and the fix.
     """
+    problem = capacity_problem(workers, num_cpus, float(_ray().cluster_resources().get("CPU", 0.0)))
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def capacity_problem(workers: int, num_cpus: float, have: float, *, cluster: str = "the Ray cluster") -> str | None:
+    """Why ``workers`` actors of ``num_cpus`` CPUs each cannot all be placed on ``have`` CPUs (None: they can).
+
+    One line naming both knobs, the numbers and the largest values that fit; ``cluster`` names the Ray
+    that has ``have`` CPUs.
+    """
     need = workers * num_cpus
-    have = float(_ray().cluster_resources().get("CPU", 0.0))
     if need <= have:
-        return
+        return None
     fit = int(have // num_cpus) if num_cpus > 0 else workers
-    raise ValueError(
+    return (
         f"`environment.skyrl_gym.max_env_workers`={workers} Ray actors x `environment.skyrl_gym.env_worker_num_cpus`"
-        f"={num_cpus:g} ask for {need:g} CPUs and the Ray cluster has {have:g}: Ray could never place them all; "
+        f"={num_cpus:g} ask for {need:g} CPUs and {cluster} has {have:g}: Ray could never place them all; "
         f"set max_env_workers <= {fit} or env_worker_num_cpus <= {have / workers:g} (0 reserves none)"
     )
 
 
+def local_ray_cpus() -> int:
+    """The CPUs of the local Ray the CLI starts: Ray's own count for this machine (container quotas included)."""
+    try:
+        from ray._private.utils import get_num_cpus  # the count ray.init() itself would take
+
+        return max(1, int(get_num_cpus(override_docker_cpu_warning=True)))
+    except (ImportError, AttributeError, TypeError):  # a Ray without that helper: the machine's count, as Ray's
+        return os.cpu_count() or 1
+
+
+def _join(ray: Any) -> bool:
+    """Join the running Ray, if there is one to join (``ray.init(address="auto")``); whether this process is in one."""
+    if ray.is_initialized():
+        return True
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except (ConnectionError, RuntimeError):
+        return False
+    return True
+
+
+def local_capacity_problem(skyrl_gym_cfg: SkyRLConfig) -> str | None:
+    """The CLI's check before its engine loads: the Ray its env workers will use can place them all.
+
+    With ``env_executor="ray"`` and env workers, the running Ray is joined when there is one, and its
+    CPUs are ``ray.cluster_resources()``'s; with none, they are those of the local Ray that
+    :func:`start_local_ray_if_needed` will start (:func:`local_ray_cpus`), which is not started for this.
+    None: nothing to refuse.
+
+    Raises:
+        ValueError: Ray is not installed (one line with the fix).
+    """
+    from ._executors import env_executor_kind
+
+    workers = read_knob(skyrl_gym_cfg, "max_env_workers", 32)
+    if env_executor_kind(skyrl_gym_cfg) != "ray" or not isinstance(workers, int) or workers <= 0:
+        return None  # no actors: the thread executor runs env calls inline
+    num_cpus = read_knob(skyrl_gym_cfg, "env_worker_num_cpus", 1.0)
+    num_cpus = float(1.0 if num_cpus is None else num_cpus)
+    if num_cpus < 0:
+        return None  # refused with its own message when the executor is made
+    ray = _ray()
+    if _join(ray):
+        return capacity_problem(workers, num_cpus, float(ray.cluster_resources().get("CPU", 0.0)))
+    have = local_ray_cpus()
+    return capacity_problem(
+        workers, num_cpus, have, cluster="the local Ray cluster this command starts (no running one to join)"
+    )
+
+
 def start_local_ray_if_needed(skyrl_gym_cfg: SkyRLConfig) -> None:
-    """The CLI's rule: ``env_executor='ray'`` with no Ray to join starts a local one on this machine."""
+    """The CLI's rule: ``env_executor='ray'`` with no Ray to join starts a local one on this machine.
+
+    The local one gets :func:`local_ray_cpus` CPUs, the count :func:`local_capacity_problem` checked.
+    """
     from ._executors import env_executor_kind
 
     if env_executor_kind(skyrl_gym_cfg) != "ray":
         return
     ray = _ray()
-    if ray.is_initialized():
+    if _join(ray):
         return
-    try:
-        ray.init(address="auto", log_to_driver=False)
-    except (ConnectionError, RuntimeError):
-        logger.info("no Ray cluster to join: starting a local one for the env workers")
-        ray.init(include_dashboard=False, log_to_driver=False)
+    logger.info("no Ray cluster to join: starting a local one for the env workers")
+    ray.init(num_cpus=local_ray_cpus(), include_dashboard=False, log_to_driver=False)
