@@ -25,6 +25,9 @@ from .errors import StragglerCutError as StragglerCutError
 from .errors import VisionFeatureError as VisionFeatureError
 from .failures import FailedRollout as FailedRollout
 from .generator import StructuredGymGenerator as StructuredGymGenerator
+from .informative import InformativeBatch as InformativeBatch
+from .informative import InformativeBatches as InformativeBatches
+from .informative import PromptGroup as PromptGroup
 from .observe import FinishedTrajectory as FinishedTrajectory
 from .observe import RolloutObserver as RolloutObserver
 from .observe import RolloutRef as RolloutRef
@@ -66,7 +69,10 @@ __all__ = (
     "InferenceEngineConfig",
     "InferenceEngineInput",
     "InferenceEngineOutput",
+    "InformativeBatch",
+    "InformativeBatches",
     "MalformedEngineReplyError",
+    "PromptGroup",
     "PromptTooLongError",
     "RenderingClient",
     "ResilienceSettings",

@@ -18,6 +18,7 @@ import logging
 import time
 import weakref
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, cast
 from uuid import uuid4
 
@@ -37,6 +38,7 @@ from ._runtime.contexts import (
     sampling_params_dict,
     seed_scope,
 )
+from ._runtime.group_stop import GroupStop
 from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
 from ._runtime.parking import (
     Parked,
@@ -49,7 +51,7 @@ from ._runtime.parking import (
 from ._runtime.pauses import Pausable, PauseClock
 from ._runtime.sessions import SessionEnd
 from ._runtime.slots import ADMISSION_INTERVAL_S, AdmissionCall, RolloutSlots
-from ._runtime.supervisor import run_rollouts
+from ._runtime.supervisor import BatchResult, run_rollouts
 from ._runtime.versions import PolicyVersion
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines._load_source import load_reader
@@ -385,6 +387,10 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 ``max_failed_rollout_fraction`` did (``__cause__`` is the first failure), unless
                 ``failure_budget_action="warn"``.
         """
+        return await self._generate(input_batch, disable_tqdm, _Call())
+
+    async def _generate(self, input_batch: GeneratorInput, disable_tqdm: bool, call: _Call) -> GeneratorOutput:
+        """:meth:`generate`, with ``call``'s group stop; ``call.result`` gets what the supervisor saw."""
         cfg = self.generator_cfg
         check_generator_input(
             input_batch,
@@ -439,9 +445,10 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 pauses=self.pauses,
                 versions=self._versions,
                 parking=self._parking_lot(),
+                group_stop=call.group_stop,
             )
             try:
-                return await self._generate_rollouts(batch, request)
+                return await self._generate_rollouts(batch, request, call)
             finally:
                 progress.close()
 
@@ -533,7 +540,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         }
         return resumes, metrics
 
-    async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest) -> GeneratorOutput:
+    async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest, call: _Call) -> GeneratorOutput:
         cfg = self.generator_cfg
         prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
         trajectory_ids = request.trajectory_ids
@@ -567,6 +574,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
         try:
             result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
+            call.result = result
             output = collect(result, shape, self._output_spec(request.sampling_params, started_version))
         except BaseException:
             if lot is not None:  # a failed or cancelled call leaves nothing parked behind
@@ -583,6 +591,14 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
             lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)
         return output
+
+
+@dataclass
+class _Call:
+    """One ``generate()`` call's extras: a group stop given by the caller, the supervisor's result handed back."""
+
+    group_stop: GroupStop | None = None
+    result: BatchResult[RolloutOutput] | None = None
 
 
 def _first_version(parked: Parked, default: int) -> int:

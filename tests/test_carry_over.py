@@ -398,7 +398,7 @@ async def test_a_parked_environment_in_a_worker_process_is_resumed_there_and_clo
     gen = _process_generator(tokenizer, script)
     try:
         first = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)
-        assert first["stop_reasons"][2] == ROLLOUT_ERROR_STOP_REASON
+        assert first["stop_reasons"] == ["stop", "stop", ROLLOUT_ERROR_STOP_REASON, "stop"]
         assert sorted(closes_by_env(tmp_path).values()) == [0, 1, 1, 1]  # the parked one is open in its worker
         no_more_cuts(gen)
         second = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)

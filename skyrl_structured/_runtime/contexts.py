@@ -29,6 +29,7 @@ from ..config import ResilienceSettings
 from ..observe import Observers, RolloutEvent, RolloutObserver, RolloutRef, failed_record, finished_record
 from ..types import ConversationType, InferenceClient, RolloutOutput, SkyRLConfig, TrajectoryID, prompt_group
 from .cleanup import AbandonedClose, CleanupStats
+from .group_stop import GroupStop
 from .parking import Parked, ParkingLot, ParkRequest
 from .pauses import PausableDeadline, PauseClock
 from .slots import AdmissionCall
@@ -202,6 +203,8 @@ class BatchContext:
     versions: PolicyVersion | None = None
     #: With ``generator.carry_over_cut_rollouts``: the generator's parked rollouts (the cutoff parks, not cuts).
     parking: ParkingLot | None = None
+    #: Stops the call once enough informative groups are final (:class:`~skyrl_structured.InformativeBatches`).
+    group_stop: GroupStop | None = None
     #: ``default_params`` in the engine's names, built on first use (requests that carry no parameters).
     _engine_defaults: dict[str, Any] | None = field(default=None, repr=False)
 

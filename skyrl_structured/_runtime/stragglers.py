@@ -118,6 +118,26 @@ class StragglerCutoff:
             scope.grace = anyio.CancelScope()
             group.start_soon(self._grace_then_cut, scope)
 
+    def _cut_members(self, scope: _Scope) -> None:
+        for index in scope.members:
+            if not self._final[index] and not self._cut[index]:
+                self._cut[index] = True
+                scope.cut += 1
+                if self.park is None or not self.park(index):
+                    self._cancel[index].cancel()
+
+    def cut_now(self) -> int:
+        """Cut every rollout not final yet, in every scope, at once (no grace); returns how many.
+
+        What :class:`~skyrl_structured._runtime.group_stop.GroupStop` asks for once the call has enough.
+        """
+        before = sum(self._cut)
+        for scope in {id(s): s for s in self._scope_of}.values():
+            if scope.grace is not None:
+                scope.grace.cancel()
+            self._cut_members(scope)
+        return sum(self._cut) - before
+
     async def _grace_then_cut(self, scope: _Scope) -> None:
         assert scope.grace is not None
         with scope.grace:
@@ -125,12 +145,7 @@ class StragglerCutoff:
                 await self._clock.sleep(self.grace_s)
             else:
                 await anyio.sleep(self.grace_s)
-            for index in scope.members:
-                if not self._final[index]:
-                    self._cut[index] = True
-                    scope.cut += 1
-                    if self.park is None or not self.park(index):
-                        self._cancel[index].cancel()
+            self._cut_members(scope)
             logger.log(
                 self._level,
                 "straggler cutoff: cut %d of the %d rollouts of %s after %d were final",

@@ -71,6 +71,9 @@ class BatchResult(Generic[OutputT]):
     over_budget: bool = False
     #: ``rollout_metrics`` measured here (the admission limit's, with ``max_concurrent_rollouts="auto"``).
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The rollouts the cutoff cut (a placeholder each), and of them those parked for a later call.
+    cut: frozenset[int] = frozenset()
+    parked: frozenset[int] = frozenset()
 
 
 def _backoff(base: float, attempt: int) -> float:
@@ -251,6 +254,8 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
         cleanup=batch.cleanup,
         over_budget=supervisor.over_budget,
         metrics={**(batch.admission.metrics() if batch.admission is not None else {}), **supervisor.metrics()},
+        cut=frozenset(supervisor.cut_rows()),
+        parked=frozenset(supervisor.parked_rows),
     )
 
 
@@ -290,6 +295,7 @@ class _Supervisor(Generic[OutputT]):
         self.contexts: list[RolloutContext | None] = [None] * count
         #: Rollouts parked for a later call (generator.carry_over_cut_rollouts), and their sampled tokens.
         self.parked_rows: set[int] = set()
+        self.cut_set: set[int] = set()
         self.parked_tokens = 0
         #: Rollouts cut with carry-over on that could not park (in an environment call, or not started).
         self.cut_not_parked = 0
@@ -297,6 +303,10 @@ class _Supervisor(Generic[OutputT]):
             self.cutoff.park = self._ask_to_park
         self._live = count
         self._background: list[anyio.CancelScope] = []
+
+    def cut_rows(self) -> list[int]:
+        """The rollouts the cutoff cut (placeholders now; those that finished anyway are not)."""
+        return sorted(self.cut_set)
 
     def metrics(self) -> dict[str, float]:
         """What this call parked (with carry-over on; nothing otherwise)."""
@@ -335,6 +345,16 @@ class _Supervisor(Generic[OutputT]):
                 for scope in self._background:
                     scope.cancel()
 
+    def _final(self, index: int, outcome: Any, group: anyio.abc.TaskGroup) -> None:
+        """Rollout ``index`` is final: the cutoff's count, and the call's group stop, if any."""
+        if self.cutoff is None:
+            return
+        self.cutoff.finished(index, group)
+        stop = self.batch.group_stop
+        if stop is not None and stop.final(index, outcome):
+            cut = self.cutoff.cut_now()
+            logger.info("%d informative groups are final: cut the %d rollouts still running", stop.needed, cut)
+
     def _ask_to_park(self, index: int) -> bool:
         context = self.contexts[index]
         return context is not None and context.park is not None and context.park.request()
@@ -360,6 +380,7 @@ class _Supervisor(Generic[OutputT]):
     def _record_cut(self, index: int, cutoff: StragglerCutoff) -> None:
         context = self.contexts[index]
         assert context is not None
+        self.cut_set.add(index)
         what = "was cut"
         if index in self.parked_rows:
             what = "was cut and parked (a later generate() with its trajectory id resumes it)"
@@ -392,8 +413,7 @@ class _Supervisor(Generic[OutputT]):
                     continue
                 return
             self.results[index] = result
-            if self.cutoff is not None:
-                self.cutoff.finished(index, group)
+            self._final(index, result, group)
             context.finish(result, env_class=self.shape.env_class(index))
             return
 
@@ -465,8 +485,7 @@ class _Supervisor(Generic[OutputT]):
             await anyio.sleep(delay)
             return True
         self._record_failure(index, context, error, elapsed, timed_out=timed_out)
-        if self.cutoff is not None:
-            self.cutoff.finished(index, group)
+        self._final(index, self.results[index], group)
         if not settings.skip_failed_rollouts:
             if self.first_error is None:
                 self.first_error = error
@@ -508,8 +527,10 @@ class _Supervisor(Generic[OutputT]):
 
 
 def _cutoff(settings: ResilienceSettings, shape: BatchShape, batch: BatchContext) -> StragglerCutoff | None:
-    """The batch's straggler cutoff, or None when ``generator.straggler_cutoff`` is off."""
+    """The batch's straggler cutoff, or None when ``generator.straggler_cutoff`` is off (and no group stop asks)."""
     if settings.straggler_cutoff is None:
+        if batch.group_stop is not None:  # cuts only when the group stop says so (a share of 1.0 never does)
+            return StragglerCutoff(1.0, 0.0, ["the batch"] * shape.count, batch.pauses)
         return None
     groups = shape.groups() if settings.straggler_groups else ["the batch"] * shape.count
     if groups is None:  # generate() refuses such a batch first (validate.py)
