@@ -15,6 +15,12 @@ import pytest
 from benchmarks import run_all
 from benchmarks.concurrency import simulate
 
+from .helpers import LONG_RUN_TIMEOUT_S
+
+# The benchmarks run in process at toy sizes: minutes on a loaded machine (past the suite's 300 s at
+# load 12-24 on 2 cores), so the bound is one only a hang reaches.
+pytestmark = pytest.mark.timeout(LONG_RUN_TIMEOUT_S)
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
