@@ -4,7 +4,7 @@ Two bounds cut a Ray test short on a loaded machine (issue 47: load 12-24 on 2 c
 
 - ``ray.init`` waits a hard-coded 30 s (``raylet_start_wait_time_s`` in ``ray/_private/node.py``,
   Ray 2.60, neither an argument nor an environment variable) for its raylet to register with the
-  GCS, then raises "The current node timed out during startup". :func:`local_ray` starts Ray with
+  GCS, then raises "The current node timed out during startup". :func:`started_local_ray` starts Ray with
   that module's clock running :data:`STRETCH` times slower, so the same wait lasts
   :data:`RAY_START_BOUND_S` real seconds. The clock is stretched for ``ray.init`` only.
 - An actor that is not ready within ``env_worker_start_timeout_s`` (120 s by default) fails its
@@ -24,7 +24,7 @@ import pytest
 
 #: How many times longer than Ray's own 30 s the node may take to start.
 STRETCH = 10.0
-#: Ray's node start-up wait under :func:`local_ray`, in real seconds (30 s stretched).
+#: Ray's node start-up wait under :func:`started_local_ray`, in real seconds (30 s stretched).
 RAY_START_BOUND_S = 30.0 * STRETCH
 #: ``env_worker_start_timeout_s`` for the tests' actors: only a hung start passes it.
 ACTOR_START_BOUND_S = 600.0
@@ -57,7 +57,7 @@ def stretched_node_start(factor: float = STRETCH) -> Iterator[None]:
 
 
 @contextmanager
-def local_ray(num_cpus: int = 2) -> Iterator[None]:
+def started_local_ray(num_cpus: int = 2) -> Iterator[None]:
     """A local Ray for a test module: started with :func:`stretched_node_start`, shut down after."""
     import ray
 

@@ -15,7 +15,7 @@ from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, closes_by_en
 from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
 from tests.test_env_process import batch, worker_pids
 
-from ._ray import ACTOR_START_BOUND_S, RAY_TEST_TIMEOUT_S, local_ray
+from ._ray import ACTOR_START_BOUND_S, RAY_TEST_TIMEOUT_S, started_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -25,8 +25,8 @@ register_trouble_env()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _local_ray() -> Iterator[None]:
-    with local_ray():
+def local_ray() -> Iterator[None]:
+    with started_local_ray():
         yield
 
 

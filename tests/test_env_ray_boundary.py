@@ -16,7 +16,7 @@ from tests.test_env_boundary import check_only_its_call_fails
 from tests.test_env_deadlines import boundary_batch, make_gen, run_cancelled_by_the_caller
 from tests.test_env_process import worker_pids
 
-from ._ray import RAY_TEST_TIMEOUT_S, local_ray
+from ._ray import RAY_TEST_TIMEOUT_S, started_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -26,8 +26,8 @@ register_boundary_env()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _local_ray() -> Iterator[None]:
-    with local_ray():
+def local_ray() -> Iterator[None]:
+    with started_local_ray():
         yield
 
 

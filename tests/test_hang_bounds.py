@@ -30,7 +30,7 @@ LONG_RUNS = [
     ("tests.test_benchmarks_agents", "test_quick_run_measures_every_contender_on_both_backends"),
 ]
 
-RAY_MODULES = ["tests.test_env_ray", "tests.test_env_ray_boundary"]
+RAY_MODULES = ["tests.test_env_ray", "tests.test_env_ray_boundary", "tests.test_env_ray_starts"]
 
 
 def _marks(holder: Any) -> list[pytest.Mark]:
