@@ -49,12 +49,11 @@ from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, St
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.load import EngineLoad
 
-from .harness import Context, median, package_version, run_loop, spread, write_json
+from .harness import Context, median, package_version, results_dir, run_loop, spread, write_json
 from .vllm_share import engine_defaults, served_tiny_model
 
 NAME = "admission"
 ENV_ID = "skyrl_structured_admission"
-ROOT = Path(__file__).resolve().parent.parent
 #: Only a hang waits this long for the server to go idle after a run.
 IDLE_TIMEOUT_S = 120.0
 
@@ -329,8 +328,14 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="the started server's model depth (default: 8; quick: 2)")
     parser.add_argument("--poll-s", type=float, default=0.25, help="how often the load is read (default: 0.25)")
     parser.add_argument("--server-log", type=Path, help="where the started server logs (default: a temporary file)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: benchmarks/results; with --quick benchmarks/results/quick, git-ignored)",
+    )
     args = parser.parse_args(argv)
+    args.out = results_dir(args.quick, args.out)
     quick = args.quick
     args.rollouts = args.rollouts or (8 if quick else 48)
     args.turns = args.turns or (2 if quick else 4)

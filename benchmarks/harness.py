@@ -22,6 +22,19 @@ import anyio
 BACKENDS = ("asyncio", "trio")
 T = TypeVar("T")
 
+#: The committed results of the full-size runs: docs/benchmarks.md is generated from them.
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Where a ``--quick`` (toy-size) run writes by default: git-ignored, so a smoke run leaves the
+#: committed full-size results (and the clone) as they were.
+QUICK_RESULTS = RESULTS / "quick"
+
+
+def results_dir(quick: bool, out: Path | None = None) -> Path:
+    """``out`` when given, else where a run of this size writes: :data:`QUICK_RESULTS` or :data:`RESULTS`."""
+    if out is not None:
+        return out
+    return QUICK_RESULTS if quick else RESULTS
+
 
 @dataclass
 class Context:

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from benchmarks import plots, summary
+from benchmarks import harness, plots, summary
 from benchmarks.harness import BACKENDS, Context, machine
 from benchmarks.tokenizer import load_tokenizer
 
@@ -41,7 +41,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes: the whole suite in seconds (a smoke run)")
     parser.add_argument("--only", default=",".join(NAMES), help=f"comma-separated subset of: {', '.join(NAMES)}")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: benchmarks/results; with --quick benchmarks/results/quick, git-ignored, "
+        "so a smoke run never overwrites the committed full-size results)",
+    )
     parser.add_argument(
         "--tokenizer",
         choices=("auto", "qwen", "tiny"),
@@ -73,6 +79,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not args.backends or set(args.backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
+    if args.quick and args.update_docs:
+        parser.error("--update-docs publishes a full-size run's results; --quick runs toy sizes (drop one)")
+    args.out = harness.results_dir(args.quick, args.out)
     return args
 
 

@@ -60,11 +60,10 @@ from skyrl_structured._runtime.stragglers import cutoff_threshold
 from skyrl_structured.config import FAILED_ROLLOUT_POLICIES, FailedRolloutPolicy
 from skyrl_structured.testing.envs import SCRIPTED_ENV, register_scripted_env
 
-from .harness import package_version, run_loop
+from .harness import package_version, results_dir, run_loop
 from .tokenizer import load_tokenizer
 from .workload import InstantEngine, ReplyPool, question
 
-ROOT = Path(__file__).resolve().parent.parent
 CUTOFFS = (0.90, 0.95, 0.99, 1.0)
 POLICIES = FAILED_ROLLOUT_POLICIES
 SAMPLES = 8
@@ -383,8 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="asyncio,trio")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokenizer", choices=("auto", "qwen", "tiny"), default="tiny")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stragglers.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/results/stragglers.json; with --quick benchmarks/results/quick/stragglers.json",
+    )
     args = parser.parse_args(argv)
+    args.out = args.out or results_dir(args.quick) / "stragglers.json"
     # A cut is logged at DEBUG, a warn-budget step at WARNING: keep the terminal for the figures.
     logging.getLogger("skyrl_structured").addHandler(logging.StreamHandler(io.StringIO()))
     logging.getLogger("skyrl_structured").propagate = False

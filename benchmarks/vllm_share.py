@@ -66,13 +66,12 @@ from skyrl_structured._episode.chat import ChatTokenizer
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines._wrapper import EngineWrapper
 
-from .harness import Context, median, package_version, run_loop, spread, write_json
+from .harness import Context, median, package_version, results_dir, run_loop, spread, write_json
 
 NAME = "vllm_share"
 GOAL = 0.98  # generator tokens/s over the bare loop's, at least
 ENV_ID = "skyrl_structured_vllm_share"
 SAMPLES_PER_PROMPT = 8
-ROOT = Path(__file__).resolve().parent.parent
 
 _QUESTIONS = (
     "Tom has {a} apples and buys {b} more. How many apples does Tom have now?",
@@ -608,8 +607,14 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
             "the others, as when the engine has hardware of its own (default: both share every CPU)"
         ),
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: benchmarks/results; with --quick benchmarks/results/quick, git-ignored)",
+    )
     args = parser.parse_args(argv)
+    args.out = results_dir(args.quick, args.out)
     quick = args.quick
     args.sizes = [int(x) for x in (args.sizes or ("4,8" if quick else "16,64,256")).split(",") if x.strip()]
     args.repeats = args.repeats if args.repeats is not None else (1 if quick else None)

@@ -9,6 +9,7 @@ may assert only what no machine speed can break: that something did not happen b
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -42,6 +43,22 @@ def seconds(virtual: float, real: float) -> float:
 
 #: Slack for ``asyncio``'s timers, which may fire up to one clock resolution before their time.
 EARLY = 0.01
+
+#: How long :func:`preempted` holds the thread: well over :data:`EARLY`, well under a test's real-time bounds.
+PREEMPTION_S = 0.05
+
+
+def preempted() -> None:
+    """Stand for the OS taking the CPU from the test at this line, as a busy machine may at any line.
+
+    On the real clock this blocks the thread (and its event loop) for :data:`PREEMPTION_S`; on a mock
+    clock it does nothing (no virtual time passes while a task runs). A test calls it where a stall
+    would break a timestamp taken on the wrong side of the event it stands for: between starting a
+    deadline and noting when it started, say. A lower bound on how long a deadline ran is measured
+    from a timestamp taken *before* whatever started it, so no stall can make the bound fail.
+    """
+    if not on_virtual_time():
+        time.sleep(PREEMPTION_S)
 
 
 def hang_bound() -> Any:

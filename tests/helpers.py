@@ -26,6 +26,15 @@ from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 
 T = TypeVar("T")
 
+#: pytest-timeout for a test that runs the CLI, a benchmark or a model end to end: a bound only a hang
+#: reaches. Unloaded such a test takes seconds to a minute or two; at load 12-24 on 2 cores some took
+#: over the suite's default 300 s (issue 47), so these tests carry this bound instead.
+LONG_RUN_TIMEOUT_S = 1800
+#: Wall-clock bound on a subprocess (or all of a test's subprocesses together) inside such a test:
+#: under LONG_RUN_TIMEOUT_S, so that a hung child is killed and its output shown before pytest-timeout
+#: fires, and far over what any machine speed needs.
+SUBPROCESS_HANG_S = 1200.0
+
 
 def two_turn_script() -> list[dict[str, Any]]:
     return [

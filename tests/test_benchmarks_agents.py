@@ -15,6 +15,12 @@ import pytest
 
 from benchmarks import agents
 
+from .helpers import LONG_RUN_TIMEOUT_S
+
+# Both backends, every contender, an agent child process: minutes on a loaded machine (past the
+# suite's 300 s at load 12-24 on 2 cores), so the bound is one only a hang reaches.
+pytestmark = pytest.mark.timeout(LONG_RUN_TIMEOUT_S)
+
 
 def test_quick_run_measures_every_contender_on_both_backends(tmp_path, capsys):
     out = tmp_path / "agents.json"

@@ -9,13 +9,67 @@ cancellation benchmark), and ``max_concurrent_rollouts`` caps live environments.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks import run_all
 from benchmarks.concurrency import simulate
 
+from .helpers import LONG_RUN_TIMEOUT_S, SUBPROCESS_HANG_S
+
+# The benchmarks run in process at toy sizes: minutes on a loaded machine (past the suite's 300 s at
+# load 12-24 on 2 cores), so the bound is one only a hang reaches.
+pytestmark = pytest.mark.timeout(LONG_RUN_TIMEOUT_S)
+
+ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _committed(results: Path) -> dict[str, bytes]:
+    """Each committed result file's bytes, by path (a quick run's own folder left out)."""
+    return {
+        str(path.relative_to(results)): path.read_bytes()
+        for path in sorted(results.rglob("*"))
+        if path.is_file() and "quick" not in path.relative_to(results).parts
+    }
+
+
+def test_a_quick_run_leaves_the_committed_full_size_results_as_they_are(tmp_path):
+    # `python -m benchmarks --quick` as a user runs it, in a copy of the benchmarks package (its
+    # results/ included), so that a run that overwrote them would overwrite the copy's.
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("quick", "__pycache__"))
+    results = tmp_path / "benchmarks" / "results"
+    before = _committed(results)
+    assert {"scale.json", "scale.png", "summary.md"} <= set(before)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--in-process", "--only", "scale", "--tokenizer", "tiny"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_HANG_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _committed(results) == before  # byte for byte
+    quick = results / "quick"
+    assert json.loads((quick / "scale.json").read_text())["machine"]["quick"] is True
+    assert f"tables in {quick / 'summary.md'}" in done.stdout  # and it says where they went
+    if not (ROOT / ".git").exists():
+        return  # not a git checkout: nothing to keep clean
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "benchmarks/results/quick/scale.json"], cwd=ROOT, check=False
+    )
+    assert ignored.returncode == 0  # a quick run leaves the clone clean
+
+
+def test_quick_results_are_not_published_to_the_docs():
+    with pytest.raises(SystemExit) as refused:  # refused as the arguments are read: nothing runs
+        run_all._args(["--quick", "--update-docs"])
+    assert refused.value.code == 2
 
 
 def test_simulated_schedule_bounds():

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from .helpers import LONG_RUN_TIMEOUT_S, SUBPROCESS_HANG_S
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(LONG_RUN_TIMEOUT_S)]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +35,7 @@ def test_the_readme_straggler_cutoff_example_runs_as_written(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=SUBPROCESS_HANG_S,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr

@@ -23,7 +23,9 @@ import pytest
 from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, validate_generator_output
 from skyrl_structured.testing.chaos import ChaosPolicy
 
-pytestmark = pytest.mark.slow
+from .helpers import LONG_RUN_TIMEOUT_S, SUBPROCESS_HANG_S
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(LONG_RUN_TIMEOUT_S)]
 
 ROLLOUTS = 48  # 12 embedded prompts x 4 samples
 ENVS = re.compile(r"environments\s+(\d+) opened = (\d+) closed")
@@ -46,7 +48,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_HANG_S,
         check=False,
     )
 
@@ -230,9 +232,10 @@ def test_signal_mid_run_cancels_rollouts_and_closes_every_environment(tmp_path, 
     )
     try:
         watcher = _StderrReader(proc)
-        assert _wait_for_a_finished_rollout(tmp_path / "out" / "trajectories.jsonl", proc, 240), watcher.text
+        finished = _wait_for_a_finished_rollout(tmp_path / "out" / "trajectories.jsonl", proc, SUBPROCESS_HANG_S / 2)
+        assert finished, watcher.text
         proc.send_signal(signum)
-        proc.wait(timeout=120)
+        proc.wait(timeout=SUBPROCESS_HANG_S / 2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -45,7 +45,12 @@ def make_gen(
     cfg.setdefault("max_turns", 3)
     cfg.setdefault("max_input_length", 4096)
     cfg.setdefault("env_cleanup_timeout_s", HANG_S)
-    gym = SkyRLGymConfig(max_env_workers=workers, env_executor=executor, env_worker_num_cpus=0.5)
+    gym = SkyRLGymConfig(
+        max_env_workers=workers,
+        env_executor=executor,
+        env_worker_num_cpus=0.5,
+        env_worker_start_timeout_s=HANG_S,  # not 120 s: a loaded machine took that to start a Ray actor
+    )
     engine = ScriptedEngine(tokenizer, turn_replies("one", "two", "three"))
     return StructuredGymGenerator(GeneratorConfig(**cfg), gym, engine, tokenizer)
 

@@ -15,24 +15,30 @@ from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, closes_by_en
 from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
 from tests.test_env_process import batch, worker_pids
 
+from ._ray import ACTOR_START_BOUND_S, RAY_TEST_TIMEOUT_S, started_local_ray
+
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
 register_trouble_env()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    with started_local_ray():
+        yield
 
 
 def make_gen(tokenizer: Any, *, workers: int = 2, **cfg: Any) -> StructuredGymGenerator:
     cfg.setdefault("max_turns", 3)
     cfg.setdefault("max_input_length", 4096)
-    gym = SkyRLGymConfig(max_env_workers=workers, env_executor="ray", env_worker_num_cpus=0.5)
+    gym = SkyRLGymConfig(
+        max_env_workers=workers,
+        env_executor="ray",
+        env_worker_num_cpus=0.5,
+        env_worker_start_timeout_s=ACTOR_START_BOUND_S,
+    )
     return StructuredGymGenerator(
         GeneratorConfig(**cfg), gym, ScriptedEngine(tokenizer, turn_replies("one", "two")), tokenizer
     )

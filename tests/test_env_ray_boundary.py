@@ -16,18 +16,19 @@ from tests.test_env_boundary import check_only_its_call_fails
 from tests.test_env_deadlines import boundary_batch, make_gen, run_cancelled_by_the_caller
 from tests.test_env_process import worker_pids
 
+from ._ray import RAY_TEST_TIMEOUT_S, started_local_ray
+
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
 register_boundary_env()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    with started_local_ray():
+        yield
 
 
 async def test_a_callers_deadline_closes_every_actor_env_and_kills_no_actor(anyio_backend, tokenizer, tmp_path, caplog):

@@ -18,9 +18,11 @@ from tests.helpers import turn_replies
 from tests.test_env_process import batch, worker_pids
 from tests.test_env_ray import local_ray  # noqa: F401 - the module's Ray, started once
 
+from ._ray import RAY_TEST_TIMEOUT_S
+
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]  # its first test starts Ray
 
 register_trouble_env()
 

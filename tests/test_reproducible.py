@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Hashable
 from pathlib import Path
@@ -23,7 +24,7 @@ from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
 from skyrl_structured.types import BatchMetadata, GeneratorInput, TrajectoryID
 
-from .helpers import make_batch, make_generator, not_none, turn_replies
+from .helpers import LONG_RUN_TIMEOUT_S, SUBPROCESS_HANG_S, make_batch, make_generator, not_none, turn_replies
 
 SEED = 11
 
@@ -203,6 +204,7 @@ async def test_transformers_engine_samples_do_not_depend_on_request_order(ledger
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_RUN_TIMEOUT_S)
 def test_the_command_gives_the_same_output_on_any_backend_and_thread_count(tmp_path):
     command = Path(sys.executable).with_name("skyrl-structured")
     assert command.is_file(), command
@@ -234,7 +236,8 @@ def test_the_command_gives_the_same_output_on_any_backend_and_thread_count(tmp_p
         for backend, workers in runs
     }
     try:
-        finished = {run: proc.communicate(timeout=240) for run, proc in procs.items()}
+        deadline = time.monotonic() + SUBPROCESS_HANG_S  # one bound for the three runs side by side
+        finished = {run: proc.communicate(timeout=max(deadline - time.monotonic(), 0.0)) for run, proc in procs.items()}
     finally:
         for proc in procs.values():  # none is left running, whatever happened
             if proc.poll() is None:

@@ -19,7 +19,7 @@ import pytest
 
 from skyrl_structured._runtime.pauses import PausableDeadline, PauseClock, PausedBlock, current_clock, use_clock
 
-from ._virtual_time import EARLY, hang_bound, on_virtual_time, real_and_virtual_time, seconds
+from ._virtual_time import EARLY, hang_bound, on_virtual_time, preempted, real_and_virtual_time, seconds
 
 pytestmark = pytest.mark.anyio
 
@@ -82,8 +82,9 @@ async def test_a_pause_stops_every_deadline_and_resume_restarts_each_with_the_bu
             await anyio.sleep(3 * budget)  # longer than either deadline: both would have fired
             assert not short.cut.is_set()
             assert not long.cut.is_set()
+            resumed_at = anyio.current_time()  # before the resume restarts the deadlines
             clock.resume()
-            resumed_at = anyio.current_time()
+            preempted()  # where a busy machine may stall the test
             await short.cut.wait()
             await long.cut.wait()
     for work in (short, long):
@@ -144,8 +145,9 @@ async def test_a_deadline_entered_during_a_pause_starts_counting_at_resume(anyio
             await work.entered.wait()
             await anyio.sleep(3 * budget)
             assert not work.cut.is_set()
+            resumed_at = anyio.current_time()  # before the resume restarts the deadlines
             clock.resume()
-            resumed_at = anyio.current_time()
+            preempted()  # where a busy machine may stall the test
             await work.cut.wait()
     if on_virtual_time():
         assert work.ended - resumed_at == pytest.approx(budget)  # the whole budget, from the resume
@@ -209,8 +211,9 @@ async def test_clock_sleep_counts_only_unpaused_time(anyio_backend):
             paused_at = anyio.current_time()
             await anyio.sleep(3 * length)
             assert not woke.is_set()
+            resumed_at = anyio.current_time()  # before the resume restarts the deadlines
             clock.resume()
-            resumed_at = anyio.current_time()
+            preempted()  # where a busy machine may stall the test
             await woke.wait()
     slept = (paused_at - times["began"]) + (times["woke"] - resumed_at)
     if on_virtual_time():

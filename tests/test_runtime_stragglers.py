@@ -8,6 +8,9 @@ cut; a grace stops while the generator is paused and ends as soon as its scope i
 Each rollout here waits on its own event inside its cutoff scope and reports itself final when
 released, as the supervisor does. Exact instants are asserted on ``trio-autojump``; on ``asyncio``
 only lower bounds, and a grace that must not run out is held open by a pause, never by speed.
+A lower bound is measured from a timestamp taken before whatever starts the grace (the release of
+the rollout that reaches the threshold, the resume), and the tests stall the thread right after
+that act (``preempted``), where a busy machine may: a timestamp taken after it would fail then.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 from skyrl_structured._runtime.pauses import PauseClock
 from skyrl_structured._runtime.stragglers import StragglerCutoff, cutoff_threshold
 
-from ._virtual_time import EARLY, hang_bound, on_virtual_time, real_and_virtual_time, seconds
+from ._virtual_time import EARLY, hang_bound, on_virtual_time, preempted, real_and_virtual_time, seconds
 
 pytestmark = pytest.mark.anyio
 
@@ -58,6 +61,7 @@ class Rollouts:
         for index in indices:
             self.release[index].set()
             await self.ended[index].wait()
+            preempted()  # a grace this started has begun: a busy machine may stall the test here
 
     async def until_ended(self, indices: Sequence[int]) -> None:
         for index in indices:
@@ -100,8 +104,8 @@ async def test_once_the_threshold_is_final_the_rest_are_cut_after_the_grace(anyi
             await rollouts.finish(*range(threshold - 1))
             await anyio.sleep(3 * grace)  # one short of the threshold: no grace runs, nothing is cut
             assert rollouts.cut_at == {}
+            reached = anyio.current_time()  # before the grace starts: no stall can shorten what it measures
             await rollouts.finish(threshold - 1)
-            reached = anyio.current_time()
             await rollouts.until_ended(range(threshold, size))
     assert sorted(rollouts.final_at) == list(range(threshold))
     assert_cut_after_grace(rollouts, range(threshold, size), reached, grace)
@@ -126,8 +130,9 @@ async def test_the_grace_stops_while_the_generator_is_paused(anyio_backend):
             await rollouts.finish(0, 1)
             await anyio.sleep(3 * grace)
             assert rollouts.cut_at == {}
+            resumed = anyio.current_time()  # before the resume restarts the grace
             clock.resume()
-            resumed = anyio.current_time()
+            preempted()
             await rollouts.until_ended([2, 3])
     assert_cut_after_grace(rollouts, [2, 3], resumed, grace)
 
@@ -143,8 +148,9 @@ async def test_a_rollout_final_during_the_grace_is_not_cut(anyio_backend, caplog
             clock.pause()  # holds the grace open however slow the machine is
             await rollouts.finish(0, 1)  # the threshold: the grace starts ...
             await rollouts.finish(2)  # ... and rollout 2 becomes final within it
+            resumed = anyio.current_time()  # before the resume restarts the grace
             clock.resume()
-            resumed = anyio.current_time()
+            preempted()
             await rollouts.until_ended([3])
     assert sorted(rollouts.final_at) == [0, 1, 2]
     assert_cut_after_grace(rollouts, [3], resumed, grace)
@@ -163,14 +169,14 @@ async def test_each_prompt_group_has_its_own_threshold_and_grace(anyio_backend, 
         async with anyio.create_task_group() as group:
             rollouts.start(group)
             await rollouts.finish(3)  # one of group b: short of its threshold
+            a_reached = anyio.current_time()  # before group a's grace starts
             await rollouts.finish(0, 1)  # group a reaches its threshold
-            a_reached = anyio.current_time()
             await rollouts.until_ended([2])
             assert sorted(rollouts.cut_at) == [2]  # only group a's straggler
             await anyio.sleep(3 * grace)
             assert sorted(rollouts.cut_at) == [2]  # group b's grace never started
+            b_reached = anyio.current_time()  # before group b's grace starts
             await rollouts.finish(4)
-            b_reached = anyio.current_time()
             await rollouts.until_ended([5])
     assert sorted(rollouts.final_at) == [0, 1, 3, 4]
     assert not any(cutoff.was_cut(index) for index in rollouts.final_at)
@@ -244,7 +250,7 @@ async def test_a_rollout_reported_final_twice_counts_once(anyio_backend):
             rollouts.cutoff.finished(0, group)  # again: still one final of the two needed
             await anyio.sleep(3 * grace)
             assert rollouts.cut_at == {}
+            reached = anyio.current_time()  # before the grace starts
             await rollouts.finish(1)
-            reached = anyio.current_time()
             await rollouts.until_ended([2, 3])
     assert_cut_after_grace(rollouts, [2, 3], reached, grace)

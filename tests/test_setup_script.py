@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup"
 
@@ -101,3 +105,61 @@ def test_an_interpreter_older_than_3_11_is_refused_with_its_version(tmp_path: Pa
         "e.g. PYTHON=python3.12 (3.12 also trains through SkyRL)"
     ]
     assert not (tmp_path / ".venv").exists()
+
+
+def _uv_sources() -> Any:
+    """scripts/uv_sources.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("uv_sources", SETUP.parent / "uv_sources.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: ``pip config list`` on a machine like the issue's: a pip.conf, a constraints file, PIP_* variables.
+PIP_CONFIG = """\
+:env:.default-timeout='180'
+:env:.disable-pip-version-check='1'
+:env:.find-links='/opt/wheels'
+:env:.index-url='https://mirror.example/simple'
+download.dest='/tmp/elsewhere'
+global.cert='/etc/ssl/certs/ca-certificates.crt'
+global.constraint='/etc/xdg/pip/constraints.txt'
+global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
+global.find-links='/opt/other'
+global.index-url='https://pypi.org/simple'
+"""
+
+
+def test_uv_gets_pips_package_sources_with_pips_precedence() -> None:
+    uv_sources = _uv_sources()
+    settings = uv_sources.pip_settings(PIP_CONFIG)
+    assert settings == {
+        "cert": "/etc/ssl/certs/ca-certificates.crt",
+        "constraint": "/etc/xdg/pip/constraints.txt",
+        "extra-index-url": "file:///opt/pypi/simple file:///opt/pypi-more/simple",
+        "find-links": "/opt/wheels",  # PIP_FIND_LINKS over pip.conf, as pip ranks them
+        "index-url": "https://mirror.example/simple",
+    }
+    assert uv_sources.uv_options(settings) == [
+        "--index-strategy",
+        "unsafe-best-match",  # pip's choice: the best version on any index
+        "--index-url",
+        "https://mirror.example/simple",
+        "--extra-index-url",
+        "file:///opt/pypi/simple",
+        "--extra-index-url",
+        "file:///opt/pypi-more/simple",
+        "--find-links",
+        "/opt/wheels",
+        "--constraint",
+        "/etc/xdg/pip/constraints.txt",
+    ]
+
+
+def test_a_pip_setting_uv_would_not_follow_leaves_the_install_to_pip() -> None:
+    uv_sources = _uv_sources()
+    with pytest.raises(ValueError, match=r"^pip is configured with global\.no-binary, which uv would not follow$"):
+        uv_sources.pip_settings(PIP_CONFIG + "global.no-binary=':all:'\n")
+    assert uv_sources.pip_settings("install.find-links='/a'\nglobal.find-links='/b'\n") == {"find-links": "/a"}

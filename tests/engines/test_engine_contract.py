@@ -11,9 +11,16 @@ import pytest
 
 from skyrl_structured.engines import TransformersEngine
 
+from ..helpers import LONG_RUN_TIMEOUT_S
 from . import contract
 
-pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("kind", contract.LOCAL_KINDS)]
+# Each test runs the tiny model (and test_eos searches up to 96 greedy continuations for one that ends
+# in EOS): past the suite's 300 s at load 12-24 on 2 cores, so the bound is one only a hang reaches.
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.parametrize("kind", contract.LOCAL_KINDS),
+    pytest.mark.timeout(LONG_RUN_TIMEOUT_S),
+]
 
 #: Measured: 0 (the same model, the same float32 kernels); HTTP's JSON floats round-trip exactly.
 LOGPROB_TOLERANCE = 1e-6
