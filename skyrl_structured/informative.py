@@ -62,6 +62,8 @@ class InformativeBatch:
     #: Groups this call started or went on with, and those it carries into the next call.
     started: int
     carried: int
+    #: The dropped groups' rows (what the filter threw away), for logging and accounting.
+    filtered: GeneratorOutput | None = None
 
 
 @dataclass
@@ -69,6 +71,8 @@ class _Group:
     spec: PromptGroup
     #: The finished samples' rows, by repetition id.
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Whether a call has started it (its unfinished samples are parked or to start again).
+    started: bool = False
 
 
 class InformativeBatches:
@@ -113,6 +117,11 @@ class InformativeBatches:
         """Groups waiting: carried from an earlier call, or added and not started."""
         return len(self._waiting)
 
+    def held(self) -> GeneratorOutput | None:
+        """The rows finished and waiting for the rest of their group (None: none), in queue order."""
+        rows = [group.done[r] for group in self._waiting for r in sorted(group.done)]
+        return join_rows(rows, None) if rows else None
+
     def add(self, groups: Iterable[PromptGroup]) -> None:
         """Queue fresh groups (after the ones already waiting)."""
         self._waiting.extend(_Group(group) for group in groups)
@@ -134,8 +143,13 @@ class InformativeBatches:
         """
         if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
             raise invalid_value("needed", needed, "an integer >= 1", with_type=True)
-        take = min(len(self._waiting), math.ceil(needed * (1.0 + self.oversample)))
-        chosen = [self._waiting[k] for k in range(take)]
+        # Every group already started goes on (its parked samples would go stale waiting), then fresh ones
+        # up to 1 + oversample times the groups needed.
+        cap = math.ceil(needed * (1.0 + self.oversample))
+        chosen = [g for g in self._waiting if g.started]
+        chosen += [g for g in self._waiting if not g.started][: max(0, cap - len(chosen))]
+        for group in chosen:
+            group.started = True
         batch, rows_of = self._input(chosen, sampling_params, batch_metadata)
         held = {g.spec.uid: [_score(row) for row in g.done.values()] for g in chosen}
         stop = GroupStop(needed, [uid for uid, _ in rows_of], held, self.n)
@@ -160,6 +174,7 @@ class InformativeBatches:
                 "generate/informative/carried_groups": float(self.pending),
             }
         )
+        filtered = [group.done[r] for group in dropped for r in range(self.n)]
         return InformativeBatch(
             output=join_rows(rows, metrics) if rows else _empty(metrics),
             uids=[group.spec.uid for group in kept for _ in range(self.n)],
@@ -167,6 +182,7 @@ class InformativeBatches:
             dropped=len(dropped),
             started=len(chosen),
             carried=self.pending,
+            filtered=join_rows(filtered, None) if filtered else None,
         )
 
     def _input(
