@@ -8,6 +8,7 @@ knob that would accept them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -141,16 +142,54 @@ def narrowing(case: CaseResult) -> str:
     return ", ".join(parts)
 
 
+#: A thread line of the leak tracker: ``"thread still busy: <kind> '<name>' at <where>"``.
+_THREAD_LINE = re.compile(
+    r"^(?P<what>thread still busy|thread left running): (?P<kind>.+?) '(?P<name>.*)' at (?P<where>.+)$"
+)
+#: How many thread names a merged thread line shows before it only counts the rest.
+_NAMES_SHOWN = 3
+
+
+def _thread_key(problem: str) -> tuple[str, str | None]:
+    """The line's grouping key (a thread line without its thread's name: one place, one problem) and the name."""
+    match = _THREAD_LINE.match(problem)
+    if match is None:
+        return problem, None
+    return f"{match['what']}: {match['kind']} at {match['where']}", match["name"]
+
+
+def _merged(key: str, first: str, names: Sequence[str]) -> str:
+    """The line shown for a group: ``first`` when one thread was seen there, else the place and its threads."""
+    if len(names) <= 1:
+        return first
+    what, _, rest = key.partition(": ")
+    kind, _, where = rest.partition(" at ")
+    shown = ", ".join(repr(name) for name in names[:_NAMES_SHOWN])
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    return f"{what}: {len(names)} {kind}s at {where} ({shown}{more})"
+
+
 def _group_problems(
     cases: Sequence[CaseResult], lines: Callable[[CaseResult], list[str]]
 ) -> dict[str, tuple[dict[str, int], CaseResult]]:
-    """Each distinct line (in order of first appearance) -> (the cases it occurs in -> how often, the first case)."""
+    """Each distinct problem (in order of first appearance) -> (the cases it occurs in -> how often, the first case).
+
+    A problem is distinct by its line, except that the leak tracker's thread lines are one problem per
+    place (``file:line``): a hung call seen in every worker thread of a pool is one hang, not one problem
+    per thread (issue 47); the line shown then counts the threads and names the first few.
+    """
     grouped: dict[str, tuple[dict[str, int], CaseResult]] = {}
+    firsts: dict[str, str] = {}
+    names: dict[str, list[str]] = {}
     for case in cases:
         for problem in lines(case):
-            seen, _ = grouped.setdefault(problem, ({}, case))
+            key, name = _thread_key(problem)
+            firsts.setdefault(key, problem)
+            if name is not None and name not in (known := names.setdefault(key, [])):
+                known.append(name)
+            seen, _ = grouped.setdefault(key, ({}, case))
             seen[_label(case)] = seen.get(_label(case), 0) + 1
-    return grouped
+    return {_merged(key, firsts[key], names.get(key, [])): value for key, value in grouped.items()}
 
 
 def _where(seen: Mapping[str, int]) -> str:
