@@ -66,6 +66,9 @@ class ConcurrencyReport:
     #: The check's budget: once a case has failed and this many seconds have passed, no further case
     #: starts (None: every case runs, however long a broken environment makes them).
     budget_s: float | None = None
+    #: Why :attr:`not_run` holds cases, when the budget is not the reason (the process and Ray
+    #: executors' attacks after a failed warm-up batch).
+    not_run_reason: str | None = None
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -109,6 +112,8 @@ class ConcurrencyReport:
     def _not_run_note(self) -> str:
         if not self.not_run:
             return ""
+        if self.not_run_reason is not None:
+            return f", {len(self.not_run)} not run ({self.not_run_reason})"
         return (
             f", {len(self.not_run)} not run (a case had failed and budget_s={self.budget_s:g} was spent; narrow the "
             "check as below, or pass budget_s=None to run every case)"

@@ -232,7 +232,10 @@ def check_structured_concurrency(
         case_timeout_s: the most one case may take (cleanups get a quarter of it, 0.025 s in a hang
             case); a case still running at ``1.5 * case_timeout_s + W + 2`` is hung (``W``: how long
             slow threads are waited for, ``leak_grace_s`` or, past a 0.25 s baseline, two baselines
-            and a second if longer). None: ten baseline batches, at least 20 s.
+            and a second if longer). None: ten baseline batches, at least 20 s. Under the process
+            and Ray executors: the rollout deadline of the warm-up batch and of the batch after each
+            attack (None: 20 s); a rollout past it has its worker killed, and the check names the env
+            method that hung and its ``file:line``.
         leak_grace_s: how long worker threads may stay busy after a case; past a 0.25 s baseline,
             threads idle within two baselines and a second are **slow, not leaked** (the summary
             names the value that would accept them); later, or for a fast environment, leaks.
@@ -302,14 +305,24 @@ def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> Concurrenc
 
 
 def _executor_report(env_executor: EnvExecutorKind, setup: Setup, backends: Sequence[str]) -> ConcurrencyReport:
-    from ._executor_attacks import run_executor_attacks
+    from ._executor_attacks import EXECUTOR_ATTACKS, run_executor_attacks
 
     results = run_executor_attacks(env_executor, setup, backends)
     report = ConcurrencyReport(setup.env_class)
-    for attack, backend, problems, seconds in results:
+    for result in results:
+        name = f"{env_executor}: {result.attack if result.warmed_up else 'warm-up batch'}"
         case = CaseResult(
-            f"{env_executor}: {attack}", backend, "executor", None, True, len(setup.prompts), problems, seconds
+            name, result.backend, "executor", None, True, len(setup.prompts), result.problems, result.seconds
         )
         case.variant = env_executor
         report.cases.append(case)
+    ran = {(r.backend, r.attack) for r in results if r.warmed_up}
+    report.not_run = [
+        f"[{backend}] {env_executor}: {attack}"
+        for backend in backends
+        for attack in EXECUTOR_ATTACKS
+        if (backend, attack) not in ran
+    ]
+    if report.not_run:
+        report.not_run_reason = "the warm-up batch failed, so the attacks, which start with it, were not run"
     return report
