@@ -22,7 +22,10 @@ Each case checks:
 - no worker process is alive after ``aclose()``;
 - the env's own ``close`` raised nowhere: a close that raises is named as thread mode names it, with
   its type, message and the file:line of the user's code that raised (recorded in the worker, where
-  the traceback is), and is not mistaken for the kit's own failure.
+  the traceback is), and is not mistaken for the kit's own failure;
+- no env left a process running after its ``close`` returned: the processes that appeared below the
+  worker during one of the env's calls (a worker runs its calls one at a time, so they are that env's)
+  and still run ``leak_grace_s`` after its close, named with their pid and command line.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import skyrl_gym
 from skyrl_gym.metrics import default_aggregate_metrics
 
 from .._runtime.origin import describe_with_origin
+from .._runtime.reaper import _running
 from ..config import EnvExecutorKind, GeneratorConfig, SkyRLGymConfig
 from ..envs._remote_executor import env_recipe
 from ..envs._worker import LoopEnv, is_async_shape
@@ -52,6 +56,7 @@ from ..generator import StructuredGymGenerator
 from ..observe import CleanupKind, CleanupOutcome, RolloutObserver, RolloutRef
 from ._census import coroutine_frames, running_where, thread_frames
 from ._matrix import Setup
+from ._processes import descendants, leftover_line
 from .engines import ScriptedEngine, replies_by_turn
 
 __all__ = ["ATTACKED_ENV", "EXECUTOR_ATTACKS", "AttackedEnv", "ExecutorResult", "run_executor_attacks"]
@@ -82,6 +87,9 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
         self.attack: str | None = extras.pop("__attack__", None)
         self.ledger = Path(extras.pop("__ledger__"))
         row = int(extras.pop("__row__", -1))
+        self.grace_s = float(extras.pop("__grace__", 1.0))
+        #: The processes that appeared below the worker during this env's calls: its own.
+        self.owned: set[int] = set()
         self.key = uuid.uuid4().hex
         (self.ledger / f"{self.key}.made").write_text(f"{os.getpid()} {row} {self.attack or ''}")
         if env_id not in skyrl_gym.registry:
@@ -119,12 +127,31 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
 
         watcher = threading.Thread(target=watch, name="skyrl_structured check: watch", daemon=True)
         watcher.start()
+        before = set(descendants(os.getpid()))
         try:
             return call(*args, **kwargs)
         finally:
+            self.owned.update(set(descendants(os.getpid())) - before)
             done.set()
             watcher.join()
             note.unlink(missing_ok=True)  # it returned: not hung
+
+    def _note_leftovers(self) -> None:
+        """Name the processes of this env's still running ``grace_s`` after its close (``<key>.leftover``)."""
+
+        def running() -> list[int]:
+            tree = set(self.owned)
+            for pid in self.owned:
+                tree.update(descendants(pid))
+            return sorted(pid for pid in tree if _running(pid))
+
+        deadline = time.monotonic() + self.grace_s
+        left = running()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = running()
+        if left:
+            (self.ledger / f"{self.key}.leftover").write_text("".join(f"{leftover_line(pid)}\n" for pid in left))
 
     def init(self, prompt: Any) -> Any:
         return self._watched("init", self.inner.init, prompt)
@@ -146,6 +173,7 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
             (self.ledger / f"{self.key}.close_error").write_text(describe_with_origin(exc))
             raise
         finally:
+            self._note_leftovers()
             if self.attack == "crash_in_close":  # the attack strikes whatever the user's close did
                 os._exit(3)
 
@@ -171,6 +199,11 @@ def _ledger(root: Path) -> dict[str, tuple[int, str, int]]:
         closed = root / f"{made.stem}.closed"
         out[made.stem] = (int(pid), attack, len(closed.read_text().splitlines()) if closed.exists() else 0)
     return out
+
+
+def _leftover_problems(root: Path) -> list[str]:
+    """One line per process an env left running after its close (the envs noted them in the worker)."""
+    return sorted({line for path in root.glob("*.leftover") for line in path.read_text().splitlines()})
 
 
 def _busy_notes(root: Path) -> dict[int, tuple[str, str]]:
@@ -318,7 +351,7 @@ async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup)
 
     def batch(attacked: bool) -> Any:
         rows = [
-            {**dict(e), "__inner__": recipe, "__ledger__": str(root), "__row__": i}
+            {**dict(e), "__inner__": recipe, "__ledger__": str(root), "__row__": i, "__grace__": setup.leak_grace_s}
             | ({"__attack__": attack} if attacked and i == target else {})
             for i, e in enumerate(extras)
         ]
@@ -363,6 +396,7 @@ async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup)
     ledger = _ledger(root)
     if (own := _close_error_problem(root, ledger)) is not None:
         problems.append(own)
+    problems += _leftover_problems(root)
     for _, struck, closes in ledger.values():
         want = 0 if struck in ("worker_killed_in_step", "step_past_deadline") else 1
         if closes != want:
