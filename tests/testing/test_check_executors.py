@@ -99,3 +99,35 @@ def test_a_step_that_hangs_in_a_worker_process_is_named_at_its_line_on_both_back
         "    2 times in 2 cases: [asyncio] process: warm-up batch; [trio] process: warm-up batch",
         "    narrow the check to it: backends=('asyncio',)",
     ]
+
+
+def test_a_step_that_hangs_in_a_ray_actor_is_named_at_its_line():
+    # Issue 47 item 6 under Ray: the deadline kills the actor, and the note its env call left names the hang.
+    ray = pytest.importorskip("ray")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        report = check_structured_concurrency(
+            register_trouble_env(),
+            env_executor="ray",
+            prompts=PROMPTS[:1],
+            env_extras={"on_step": {"1": "hang"}},
+            backends=("asyncio",),
+            raise_on_failure=False,
+            progress=False,
+        )
+    finally:
+        if started_here:
+            ray.shutdown()
+    where = f"{worker_envs.__file__}:{_line_of(worker_envs.act, 'threading.Event().wait()')} in act"
+    assert [(c.name, c.problems) for c in report.cases] == [
+        (
+            "ray: warm-up batch",
+            [
+                "hung: the env's step did not return within the warm-up's deadline (rollout_timeout_s=20s), so its "
+                f"worker was killed; it was at {where}"
+            ],
+        )
+    ]
+    assert report.not_run == [f"[asyncio] ray: {a}" for a in EXECUTOR_ATTACKS]
