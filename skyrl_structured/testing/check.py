@@ -24,10 +24,12 @@ and a fresh :class:`~skyrl_structured.testing.LeakTracker`:
 
 After every case: each environment created was closed exactly once and never during one of its own
 calls, each inference session was finished, and no task, worker-thread call or thread was left
-behind. Each case runs in its own thread and event loop; one that does not finish in time (a
-cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned, and
-one whose event loop dies (an interrupt nothing held) is reported as crashed: nothing raised inside
-a case, not even a ``KeyboardInterrupt``, escapes the check.
+behind, nor a process the environment started (a descendant of this process still running after
+its close; cases run at once are judged together once all have ended). Each case runs in its own
+thread and event loop; one that does not finish in time (a cancellation swallowed in a loop, a call
+that never returns) is reported as hung and abandoned, and one whose event loop dies (an interrupt
+nothing held) is reported as crashed: nothing raised inside a case, not even a
+``KeyboardInterrupt``, escapes the check.
 
 The baseline runs first and calibrates the kit's own deadlines to the environment; cases may then
 run at once, a close that raises fails the baseline, and threads that outlive ``leak_grace_s`` but
@@ -238,9 +240,11 @@ def check_structured_concurrency(
             method that hung and its ``file:line``.
         leak_grace_s: how long worker threads may stay busy after a case; past a 0.25 s baseline,
             threads idle within two baselines and a second are **slow, not leaked** (the summary
-            names the value that would accept them); later, or for a fast environment, leaks.
+            names the value that would accept them); later, or for a fast environment, leaks. Also
+            how long a process the environment started may run on after its close.
         jobs: how many cases run at once. None: up to 8 when the baseline mostly waits, else one;
-            a thread problem seen while cases share the process is confirmed by a rerun alone.
+            a thread problem seen while cases share the process is confirmed by a rerun alone, and
+            processes left running are judged once the cases run at once have all ended.
         budget_s: once a case has failed and this many seconds have passed since the check began, no
             further case starts (the report lists those not run, and each problem comes with the
             ``stages``/``matrices`` that narrow the check to it); a clean environment runs every case,
