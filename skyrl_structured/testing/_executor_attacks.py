@@ -91,11 +91,17 @@ class AttackedEnv(skyrl_gym.Env):  # type: ignore[misc]
         #: The processes that appeared below the worker during this env's calls: its own.
         self.owned: set[int] = set()
         self.key = uuid.uuid4().hex
-        (self.ledger / f"{self.key}.made").write_text(f"{os.getpid()} {row} {self.attack or ''}")
+        # Written before the user's env is made, so that a construction that hangs is named by its row.
+        made = self.ledger / f"{self.key}.made"
+        made.write_text(f"{os.getpid()} {row} {self.attack or ''}")
         if env_id not in skyrl_gym.registry:
             skyrl_gym.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
         self.inner: Any = None
-        inner = self._watched("__init__", skyrl_gym.make, env_id, env_config=env_config, extras=extras)
+        try:
+            inner = self._watched("__init__", skyrl_gym.make, env_id, env_config=env_config, extras=extras)
+        except BaseException:
+            made.unlink()  # not made: nothing to close
+            raise
         # An async env is driven as the worker drives it unwrapped: on an event loop of its own.
         self.inner = LoopEnv(inner) if is_async_shape(inner) else inner
 
