@@ -28,7 +28,17 @@ from .._runtime import completion as _completion
 from .._runtime import wakers as _wakers
 from ..envs import _threads as _env_threads
 
-__all__ = ["ThreadState", "current_backend", "describe_task", "live_tasks", "loop_identity", "thread_states"]
+__all__ = [
+    "ThreadState",
+    "coroutine_frames",
+    "current_backend",
+    "describe_task",
+    "live_tasks",
+    "loop_identity",
+    "running_where",
+    "thread_frames",
+    "thread_states",
+]
 
 
 def current_backend() -> str | None:
@@ -91,6 +101,33 @@ def _where(frame: FrameType | None) -> str:
         return "<no Python frame>"
     code = frame.f_code
     return f"{code.co_filename}:{frame.f_lineno} in {code.co_qualname}"
+
+
+def running_where(frames: list[FrameType]) -> str:
+    """Where code stopped in ``frames`` (innermost first) runs: its innermost frame outside waits and plumbing."""
+    own = next((f for f in frames if f.f_code.co_filename not in _WAIT_FILES and not _is_plumbing(f.f_code)), None)
+    return _where(own or (frames[0] if frames else None))
+
+
+def thread_frames(ident: int) -> list[FrameType]:
+    """The frames of the thread ``ident`` right now, innermost first (none once it is gone)."""
+    frame = sys._current_frames().get(ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def coroutine_frames(coro: Any) -> list[FrameType]:
+    """The frames of a suspended coroutine's await chain, innermost first."""
+    frames: list[FrameType] = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames[::-1]
 
 
 def describe_task(task: Any) -> str:

@@ -8,10 +8,14 @@ knob that would accept them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["CaseResult", "ConcurrencyReport"]
+__all__ = ["SHARED_PROCESSES_CASE", "CaseResult", "ConcurrencyReport"]
+
+#: The name of the result that judges processes left running by cases run at once (kind ``"processes"``).
+SHARED_PROCESSES_CASE = "processes left running by the cases run at once"
 
 
 @dataclass
@@ -65,6 +69,9 @@ class ConcurrencyReport:
     #: The check's budget: once a case has failed and this many seconds have passed, no further case
     #: starts (None: every case runs, however long a broken environment makes them).
     budget_s: float | None = None
+    #: Why :attr:`not_run` holds cases, when the budget is not the reason (the process and Ray
+    #: executors' attacks after a failed warm-up batch).
+    not_run_reason: str | None = None
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -108,6 +115,8 @@ class ConcurrencyReport:
     def _not_run_note(self) -> str:
         if not self.not_run:
             return ""
+        if self.not_run_reason is not None:
+            return f", {len(self.not_run)} not run ({self.not_run_reason})"
         return (
             f", {len(self.not_run)} not run (a case had failed and budget_s={self.budget_s:g} was spent; narrow the "
             "check as below, or pass budget_s=None to run every case)"
@@ -135,22 +144,73 @@ def narrowing(case: CaseResult) -> str:
     """
     if case.kind == "executor":  # the executor attacks take no stages or matrices
         return f"backends=({case.backend!r},)"
+    if case.kind == "processes":  # cases run at once: one at a time, each is judged on its own
+        return "jobs=1"
     parts = [] if case.stage is None else [f"stages=({case.stage!r},)"]
     parts.append("matrices=()" if case.kind == "baseline" else f"matrices=({case.kind!r},)")
     parts += [f"backends=({case.backend!r},)", f"max_env_workers=({case.max_env_workers},)"]
     return ", ".join(parts)
 
 
+#: A thread line of the leak tracker: ``"thread still busy: <kind> '<name>' at <where>"``.
+_THREAD_LINE = re.compile(
+    r"^(?P<what>thread still busy|thread left running): (?P<kind>.+?) '(?P<name>.*)' at (?P<where>.+)$"
+)
+#: A process line of the leak tracker: ``"process left running after the environment closed: '<cmd>' (pid <n>)"``.
+_PROCESS_LINE = re.compile(
+    r"^(?P<what>process left running after the environment closed): (?P<cmd>.*) \(pid (?P<pid>\d+)\)$"
+)
+#: How many thread names (or pids) a merged line shows before it only counts the rest.
+_NAMES_SHOWN = 3
+
+
+def _problem_key(problem: str) -> tuple[str, str | None]:
+    """The line's grouping key and what it merges: a thread line without its thread's name (one place, one
+    problem), a process line without its pid (one command, one problem); any other line is its own key."""
+    match = _THREAD_LINE.match(problem)
+    if match is not None:
+        return f"{match['what']}: {match['kind']} at {match['where']}", repr(match["name"])
+    match = _PROCESS_LINE.match(problem)
+    if match is not None:
+        return f"{match['what']}: {match['cmd']}", match["pid"]
+    return problem, None
+
+
+def _merged(key: str, first: str, members: Sequence[str]) -> str:
+    """The line shown for a group: ``first`` when one thread (or process) was seen, else the count and the first few."""
+    if len(members) <= 1:
+        return first
+    shown = ", ".join(members[:_NAMES_SHOWN])
+    more = f" and {len(members) - _NAMES_SHOWN} more" if len(members) > _NAMES_SHOWN else ""
+    what, _, rest = key.partition(": ")
+    if _PROCESS_LINE.match(first) is not None:
+        return f"{what}: {rest} ({len(members)} processes: pids {shown}{more})"
+    kind, _, where = rest.partition(" at ")
+    return f"{what}: {len(members)} {kind}s at {where} ({shown}{more})"
+
+
 def _group_problems(
     cases: Sequence[CaseResult], lines: Callable[[CaseResult], list[str]]
 ) -> dict[str, tuple[dict[str, int], CaseResult]]:
-    """Each distinct line (in order of first appearance) -> (the cases it occurs in -> how often, the first case)."""
+    """Each distinct problem (in order of first appearance) -> (the cases it occurs in -> how often, the first case).
+
+    A problem is distinct by its line, except that the leak tracker's thread lines are one problem per
+    place (``file:line``): a hung call seen in every worker thread of a pool is one hang, not one problem
+    per thread (issue 47); and its process lines one per command line (a sandbox left running by every
+    episode is one problem). The line shown then counts the threads or processes and names the first few.
+    """
     grouped: dict[str, tuple[dict[str, int], CaseResult]] = {}
+    firsts: dict[str, str] = {}
+    names: dict[str, list[str]] = {}
     for case in cases:
         for problem in lines(case):
-            seen, _ = grouped.setdefault(problem, ({}, case))
+            key, name = _problem_key(problem)
+            firsts.setdefault(key, problem)
+            if name is not None and name not in (known := names.setdefault(key, [])):
+                known.append(name)
+            seen, _ = grouped.setdefault(key, ({}, case))
             seen[_label(case)] = seen.get(_label(case), 0) + 1
-    return grouped
+    return {_merged(key, firsts[key], names.get(key, [])): value for key, value in grouped.items()}
 
 
 def _where(seen: Mapping[str, int]) -> str:

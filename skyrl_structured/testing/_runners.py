@@ -64,12 +64,13 @@ class CaseTracker(LeakTracker):
     """The leak tracker of one case; ``shared``: other cases run in the same process meanwhile.
 
     Sharing, the environment calls still running are this case's ledger's (not the process's
-    count), and a worker thread busy inside another case's environment is not this case's leak.
-    The kit's own threads are never leaks.
+    count), and a worker thread busy inside another case's environment is not this case's leak;
+    processes left running are judged only alone (sharing, another case's environment may still
+    hold its own: the schedule looks once every case has ended). The kit's own threads are never leaks.
     """
 
     def __init__(self, *, shared: bool) -> None:
-        super().__init__(ignore_thread=_is_kit_thread)
+        super().__init__(ignore_thread=_is_kit_thread, processes=not shared)
         self.shared = shared
 
     def thread_leaks(self) -> list[str]:

@@ -11,7 +11,9 @@
   process's threads: in a lane a case's leak tracker only counts the environment calls of its own
   ledger and ignores worker threads busy in another case's environment; a thread problem seen
   while sharing (which another case could have caused) is confirmed by running that case again,
-  alone, and the rerun's verdict is the one reported.
+  alone, and the rerun's verdict is the one reported. Processes left running are judged per case
+  only when the case runs alone; cases that ran at once are judged together once they have all
+  ended (one more result, :data:`SHARED_PROCESSES_CASE`, whose narrowing is ``jobs=1``).
 - **Progress.** A tqdm bar counts cases (``k/N``) and ends as the report's first line.
 - **Quiet.** Outside pytest, the generator's own log lines (every failure the kit injects logs
   one) are held back while the check runs; the report says what failed.
@@ -39,7 +41,8 @@ from typing import Any
 import anyio
 
 from ._matrix import Case, Setup, Trap
-from ._report import CaseResult, ConcurrencyReport
+from ._processes import ProcessCensus
+from ._report import SHARED_PROCESSES_CASE, CaseResult, ConcurrencyReport
 from ._runners import KIT_THREAD_PREFIX, run_case
 from .leaks import _is_thread_leak
 
@@ -259,6 +262,20 @@ class _Budget:
         return self.failed and self.budget_s is not None and time.monotonic() - self.started >= self.budget_s
 
 
+def _shared_leftovers(lines: list[str], options: RunOptions, lanes: int, seconds: float) -> CaseResult:
+    """The result naming the processes left running by cases that ran at once (which case's, is not known)."""
+    return CaseResult(
+        name=f"{SHARED_PROCESSES_CASE} ({lanes} at once)",
+        backend="+".join(options.backends),
+        kind="processes",
+        stage=None,
+        skip_failed_rollouts=False,
+        max_env_workers=0,
+        problems=lines,
+        seconds=seconds,
+    )
+
+
 def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> ConcurrencyReport:
     """Every case on every backend: the baselines first (they calibrate), then the rest in lanes."""
     report = ConcurrencyReport(setup.env_class)
@@ -279,6 +296,9 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
             setups[workers] = scaled(setup, calibration, case_timeout_given=options.case_timeout_given, lanes=lanes)
         pending = [p for p in range(len(order)) if p not in results]
         shared = lanes > 1
+        # Sharing, no case can tell its processes from another's: they are judged once all have ended.
+        census = ProcessCensus() if shared and pending else None
+        lanes_started = time.monotonic()
         lane_setups: dict[int, dict[int, Setup]] = {}
         lane_of: dict[int, int] = {}
         lock = threading.Lock()
@@ -302,11 +322,15 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
             bar.advance(result)
             return result
 
+        leftovers: CaseResult | None = None
         if shared:
             with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix=f"{KIT_THREAD_PREFIX} lane") as pool:
                 for position, result in zip(pending, pool.map(run, pending), strict=True):
                     if result is not None:
                         results[position] = result
+            if census is not None and (lines := census.leftovers(grace_s=setup.leak_grace_s)):
+                leftovers = _shared_leftovers(lines, options, lanes, time.monotonic() - lanes_started)
+                budget.record(leftovers)
             for position in pending:  # a thread problem while sharing: judged again, alone
                 shared_result = results.get(position)
                 if shared_result is None or not any(_is_shared_state(p) for p in shared_result.problems):
@@ -324,6 +348,8 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
                     break
                 results[position] = result
     report.cases.extend(results[p] for p in range(len(order)) if p in results)
+    if leftovers is not None:
+        report.cases.append(leftovers)
     report.not_run = [f"[{backend}] {case.name}" for p, (backend, case) in enumerate(order) if p not in results]
     report.budget_s = options.budget_s
     report.lanes = lanes

@@ -24,10 +24,12 @@ and a fresh :class:`~skyrl_structured.testing.LeakTracker`:
 
 After every case: each environment created was closed exactly once and never during one of its own
 calls, each inference session was finished, and no task, worker-thread call or thread was left
-behind. Each case runs in its own thread and event loop; one that does not finish in time (a
-cancellation swallowed in a loop, a call that never returns) is reported as hung and abandoned, and
-one whose event loop dies (an interrupt nothing held) is reported as crashed: nothing raised inside
-a case, not even a ``KeyboardInterrupt``, escapes the check.
+behind, nor a process the environment started (a descendant of this process still running after
+its close; cases run at once are judged together once all have ended). Each case runs in its own
+thread and event loop; one that does not finish in time (a cancellation swallowed in a loop, a call
+that never returns) is reported as hung and abandoned, and one whose event loop dies (an interrupt
+nothing held) is reported as crashed: nothing raised inside a case, not even a
+``KeyboardInterrupt``, escapes the check.
 
 The baseline runs first and calibrates the kit's own deadlines to the environment; cases may then
 run at once, a close that raises fails the baseline, and threads that outlive ``leak_grace_s`` but
@@ -232,12 +234,17 @@ def check_structured_concurrency(
         case_timeout_s: the most one case may take (cleanups get a quarter of it, 0.025 s in a hang
             case); a case still running at ``1.5 * case_timeout_s + W + 2`` is hung (``W``: how long
             slow threads are waited for, ``leak_grace_s`` or, past a 0.25 s baseline, two baselines
-            and a second if longer). None: ten baseline batches, at least 20 s.
+            and a second if longer). None: ten baseline batches, at least 20 s. Under the process
+            and Ray executors: the rollout deadline of the warm-up batch and of the batch after each
+            attack (None: 20 s); a rollout past it has its worker killed, and the check names the env
+            method that hung and its ``file:line``.
         leak_grace_s: how long worker threads may stay busy after a case; past a 0.25 s baseline,
             threads idle within two baselines and a second are **slow, not leaked** (the summary
-            names the value that would accept them); later, or for a fast environment, leaks.
+            names the value that would accept them); later, or for a fast environment, leaks. Also
+            how long a process the environment started may run on after its close.
         jobs: how many cases run at once. None: up to 8 when the baseline mostly waits, else one;
-            a thread problem seen while cases share the process is confirmed by a rerun alone.
+            a thread problem seen while cases share the process is confirmed by a rerun alone, and
+            processes left running are judged once the cases run at once have all ended.
         budget_s: once a case has failed and this many seconds have passed since the check began, no
             further case starts (the report lists those not run, and each problem comes with the
             ``stages``/``matrices`` that narrow the check to it); a clean environment runs every case,
@@ -302,14 +309,24 @@ def _verdict(report: ConcurrencyReport, *, raise_on_failure: bool) -> Concurrenc
 
 
 def _executor_report(env_executor: EnvExecutorKind, setup: Setup, backends: Sequence[str]) -> ConcurrencyReport:
-    from ._executor_attacks import run_executor_attacks
+    from ._executor_attacks import EXECUTOR_ATTACKS, run_executor_attacks
 
     results = run_executor_attacks(env_executor, setup, backends)
     report = ConcurrencyReport(setup.env_class)
-    for attack, backend, problems, seconds in results:
+    for result in results:
+        name = f"{env_executor}: {result.attack if result.warmed_up else 'warm-up batch'}"
         case = CaseResult(
-            f"{env_executor}: {attack}", backend, "executor", None, True, len(setup.prompts), problems, seconds
+            name, result.backend, "executor", None, True, len(setup.prompts), result.problems, result.seconds
         )
         case.variant = env_executor
         report.cases.append(case)
+    ran = {(r.backend, r.attack) for r in results if r.warmed_up}
+    report.not_run = [
+        f"[{backend}] {env_executor}: {attack}"
+        for backend in backends
+        for attack in EXECUTOR_ATTACKS
+        if (backend, attack) not in ran
+    ]
+    if report.not_run:
+        report.not_run_reason = "the warm-up batch failed, so the attacks, which start with it, were not run"
     return report

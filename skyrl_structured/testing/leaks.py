@@ -19,9 +19,12 @@
   that is still alive. Idle pool workers are never leaks: pools keep them for reuse. tqdm's
   monitor thread is never a leak either: tqdm starts it with the first progress bar (even a
   disabled one) and keeps it for the life of the process.
+- **processes** (``processes=True``, Linux): descendants of this process started since the baseline
+  and still running, named with their pid and command line: a sandbox an environment started and
+  its ``close`` did not stop (see :mod:`._processes` for what is never counted).
 
-Threads finish on their own schedule, so thread checks are retried for up to ``grace_s`` seconds
-before they count; tasks, environments and sessions are judged at once.
+Threads and processes finish on their own schedule, so their checks are retried for up to
+``grace_s`` seconds before they count; tasks, environments and sessions are judged at once.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..engines._wrapper import EngineWrapper
 from ..envs import active_env_thread_calls
 from ..types import InferenceClient
 from ._census import current_backend, describe_task, live_tasks, loop_identity, thread_states
+from ._processes import ProcessCensus
 from ._wrappers import register_wrapper_env, unregister_wrapper_env
 from .envs import EnvLedger
 
@@ -48,6 +52,11 @@ __all__ = ["LeakTracker", "TrackedEngine"]
 def _is_thread_leak(line: str) -> bool:
     """Whether ``line`` is one of :meth:`LeakTracker.thread_leaks`' (a thread busy or alive, a call running)."""
     return line.startswith("thread ") or "environment calls are still running" in line
+
+
+def _is_process_leak(line: str) -> bool:
+    """Whether ``line`` is one of :meth:`LeakTracker.process_leaks`' (a process left running)."""
+    return line.startswith("process left running")
 
 
 def _is_tqdm_monitor(thread: threading.Thread) -> bool:
@@ -82,6 +91,8 @@ class LeakTracker:
     Args:
         ignore_thread: threads for which this returns True are never reported (for a library
             thread you know to be harmless).
+        processes: also report processes started since the baseline (descendants of this one)
+            that still run (Linux): what an environment's ``close`` forgot to stop.
 
     Usage::
 
@@ -92,9 +103,12 @@ class LeakTracker:
             await generator.generate(batch)
     """
 
-    def __init__(self, *, ignore_thread: Callable[[threading.Thread], bool] | None = None) -> None:
+    def __init__(
+        self, *, ignore_thread: Callable[[threading.Thread], bool] | None = None, processes: bool = False
+    ) -> None:
         self.ledger = EnvLedger()
         self._ignore_thread = ignore_thread
+        self._watch_processes = processes
         self._lock = threading.Lock()
         self._open_sessions: dict[Hashable, None] = {}
         self._started: dict[Hashable, int] = {}
@@ -112,6 +126,7 @@ class LeakTracker:
         self._threads = {s.thread for s in states}
         self._busy = {s.thread for s in states if s.busy}
         self._env_calls = active_env_thread_calls()
+        self._processes = ProcessCensus() if self._watch_processes else None
         self._tasks: set[Any] | None = None
         self._loop: object | None = None
         self._baseline_tasks()
@@ -214,27 +229,35 @@ class LeakTracker:
                 leaks.append(f"thread left running: {state.describe()}")
         return leaks
 
+    def process_leaks(self) -> list[str]:
+        """Processes started since the baseline that still run (empty unless created with ``processes=True``)."""
+        return [] if self._processes is None else self._processes.leftovers()
+
+    def _running_leaks(self) -> list[str]:
+        """What may still end on its own: threads and processes."""
+        return self.thread_leaks() + self.process_leaks()
+
     def leaks(self, *, grace_s: float = 0.0) -> list[str]:
-        """Everything leaked, one line each; thread checks are retried for ``grace_s`` seconds.
+        """Everything leaked, one line each; thread and process checks are retried for ``grace_s`` seconds.
 
         Waiting blocks the calling thread; inside an event loop prefer :meth:`leaks_async`.
         """
         tasks = self.task_leaks()
         deadline = time.monotonic() + grace_s
-        threads = self.thread_leaks()
+        threads = self._running_leaks()
         while threads and time.monotonic() < deadline:
             time.sleep(0.01)
-            threads = self.thread_leaks()
+            threads = self._running_leaks()
         return self._static_leaks() + tasks + threads
 
     async def leaks_async(self, *, grace_s: float = 1.0) -> list[str]:
-        """Like :meth:`leaks`, but waits for threads without blocking the event loop."""
+        """Like :meth:`leaks`, but waits for threads and processes without blocking the event loop."""
         tasks = self.task_leaks()
-        threads = self.thread_leaks()
+        threads = self._running_leaks()
         with anyio.move_on_after(grace_s):
             while threads:
                 await anyio.sleep(0.01)
-                threads = self.thread_leaks()
+                threads = self._running_leaks()
         # The last look decides: one more could catch a worker in passing after an idle look.
         return self._static_leaks() + tasks + threads
 

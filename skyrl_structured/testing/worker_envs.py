@@ -11,7 +11,9 @@ many steps, default 2), ``on_step`` (``{turn: action}``) and ``on_close`` (an ac
 is ``"hang"`` (block forever; ``"hang:P"``: with probability P), ``"exit:N"`` (``os._exit(N)``),
 ``"segfault"`` (read address 0),
 ``"alarm"`` (bound a wait with ``signal.setitimer``, which only works in a main thread),
-``"cpu:S"`` (S seconds of pure-Python work), ``"sleep:S"`` or ``"raise"``.
+``"cpu:S"`` (S seconds of pure-Python work), ``"sleep:S"`` or ``"raise"``. ``sandbox``: ``init`` starts a
+child process (``sleep 1000``, its pid written to ``<key>.sandbox``) that ``close`` stops (``"stop"``) or
+forgets (``"forget"``: it keeps running, as a sandbox a buggy close leaves behind).
 
 :class:`AsyncTroubleEnv` is the same env written async, as docs/environments.md's sandbox env is (its own
 ``__aenter__``/``__aexit__``, async ``init`` and ``step``; a ``"hang"`` waits at an ``await``); its
@@ -26,6 +28,7 @@ import ctypes
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -54,6 +57,8 @@ TROUBLE_ENV = "skyrl_structured_trouble"
 ASYNC_TROUBLE_ENV = "skyrl_structured_async_trouble"
 #: The registry id of :class:`AsyncGeneratorStepEnv` (:func:`register_trouble_env` registers it too).
 ASYNC_GENERATOR_STEP_ENV = "skyrl_structured_async_generator_step"
+#: The sandboxes ``sandbox="forget"`` envs left running: held, so no ``Popen`` is collected while it runs.
+_FORGOTTEN: list[subprocess.Popen[bytes]] = []
 
 
 class _Alarm(Exception):
@@ -110,6 +115,8 @@ class TroubleEnv(BaseTextEnv):  # type: ignore[misc]
         self.turns_total = int(extras.get("turns", 2))
         self.on_step: dict[int, str] = {int(k): v for k, v in (extras.get("on_step") or {}).items()}
         self.on_close: str | None = extras.get("on_close")
+        self.sandbox_mode: str | None = extras.get("sandbox")
+        self.sandbox: subprocess.Popen[bytes] | None = None
         ledger = extras.get("ledger_dir")
         self.ledger = Path(ledger) if ledger else None
         self.key = uuid.uuid4().hex
@@ -118,6 +125,10 @@ class TroubleEnv(BaseTextEnv):  # type: ignore[misc]
             (self.ledger / f"{self.key}.made").write_text(str(os.getpid()))
 
     def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        if self.sandbox_mode is not None:
+            self.sandbox = subprocess.Popen(["sleep", "1000"])
+            if self.ledger is not None:
+                (self.ledger / f"{self.key}.sandbox").write_text(str(self.sandbox.pid))
         return prompt, {}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
@@ -131,6 +142,11 @@ class TroubleEnv(BaseTextEnv):  # type: ignore[misc]
         if self.ledger is not None:
             with open(self.ledger / f"{self.key}.closed", "a") as f:
                 f.write("closed\n")
+        if self.sandbox is not None and self.sandbox_mode == "stop":
+            self.sandbox.kill()
+            self.sandbox.wait()
+        elif self.sandbox is not None:
+            _FORGOTTEN.append(self.sandbox)
         act(self.on_close)
 
     def get_metrics(self) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from skyrl_structured.testing import check_structured_concurrency
+from skyrl_structured.testing import check_structured_concurrency, worker_envs
 from skyrl_structured.testing._executor_attacks import EXECUTOR_ATTACKS
-from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, register_trouble_env
+from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, TROUBLE_ENV, register_trouble_env
 
 PROMPTS = [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
 
@@ -57,3 +59,75 @@ def test_process_executor_checks_an_async_env():
     report = check_structured_concurrency(ASYNC_TROUBLE_ENV, env_executor="process", prompts=PROMPTS[:1])
     assert report.ok, report.summary()
     assert len(report.cases) == 2 * len(EXECUTOR_ATTACKS)
+
+
+def _line_of(function: object, text: str) -> int:
+    """The line number of the first line of ``function`` that holds ``text``."""
+    lines, first = inspect.getsourcelines(function)  # type: ignore[arg-type]
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_step_that_hangs_in_a_worker_process_is_named_at_its_line_on_both_backends():
+    # Issue 47 item 6: the warm-up batch had no deadline, so on a hanging step the check never returned.
+    # The kit's default bound (20 s) is one only a hang passes: the step here never returns.
+    report = check_structured_concurrency(
+        register_trouble_env(),
+        env_executor="process",
+        prompts=PROMPTS,
+        env_extras={"on_step": {"1": "hang"}},
+        raise_on_failure=False,
+        progress=False,
+    )
+    where = f"{worker_envs.__file__}:{_line_of(worker_envs.act, 'threading.Event().wait()')} in act"
+    hang = (
+        "hung: the env's step did not return within the warm-up's deadline (rollout_timeout_s=20s), so its "
+        f"worker was killed; it was at {where}"
+    )
+    assert [(c.backend, c.name, c.problems) for c in report.cases] == [
+        ("asyncio", "process: warm-up batch", [hang]),
+        ("trio", "process: warm-up batch", [hang]),
+    ]
+    assert report.not_run == [f"[{b}] process: {a}" for b in ("asyncio", "trio") for a in EXECUTOR_ATTACKS]
+    lines = report.summary().splitlines()
+    # One hang is one problem (item 8), on both backends and in both rows.
+    assert lines[0] == (
+        f"check_structured_concurrency({TROUBLE_ENV!r}): 2 cases, 2 failed, 6 not run (the warm-up batch failed, "
+        "so the attacks, which start with it, were not run)"
+    )
+    assert lines[1:] == [
+        f"- {hang}",
+        "    2 times in 2 cases: [asyncio] process: warm-up batch; [trio] process: warm-up batch",
+        "    narrow the check to it: backends=('asyncio',)",
+    ]
+
+
+def test_a_step_that_hangs_in_a_ray_actor_is_named_at_its_line():
+    # Issue 47 item 6 under Ray: the deadline kills the actor, and the note its env call left names the hang.
+    ray = pytest.importorskip("ray")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        report = check_structured_concurrency(
+            register_trouble_env(),
+            env_executor="ray",
+            prompts=PROMPTS[:1],
+            env_extras={"on_step": {"1": "hang"}},
+            backends=("asyncio",),
+            raise_on_failure=False,
+            progress=False,
+        )
+    finally:
+        if started_here:
+            ray.shutdown()
+    where = f"{worker_envs.__file__}:{_line_of(worker_envs.act, 'threading.Event().wait()')} in act"
+    assert [(c.name, c.problems) for c in report.cases] == [
+        (
+            "ray: warm-up batch",
+            [
+                "hung: the env's step did not return within the warm-up's deadline (rollout_timeout_s=20s), so its "
+                f"worker was killed; it was at {where}"
+            ],
+        )
+    ]
+    assert report.not_run == [f"[asyncio] ray: {a}" for a in EXECUTOR_ATTACKS]

@@ -77,3 +77,37 @@ def test_cases_the_budget_left_out_are_counted_in_the_first_line():
         "check_structured_concurrency('env'): 1 cases, 1 failed, 2 not run (a case had failed and budget_s=60 was "
         "spent; narrow the check as below, or pass budget_s=None to run every case)"
     )
+
+
+def _busy(thread: str, where: str = "/src/sandbox.py:13 in HangingEnv.step") -> str:
+    return f"thread still busy: skyrl-structured env pool worker {thread!r} at {where}"
+
+
+def test_one_hang_seen_in_every_pool_thread_is_one_problem():
+    # Issue 47 item 8: one hung step listed once per pool thread read as 7 "distinct problems".
+    report = ConcurrencyReport("hang_env")
+    threads = [f"skyrl-structured-env-{i}" for i in range(1, 8)]
+    report.cases = [
+        _case("baseline", "asyncio", [_busy(t) for t in threads[:4]]),
+        _case("fault at step", "asyncio", [_busy(t) for t in threads[3:]]),
+    ]
+    lines = report.summary().splitlines()
+    assert lines == [
+        "check_structured_concurrency('hang_env'): 2 cases, 2 failed",
+        "- thread still busy: 7 skyrl-structured env pool workers at /src/sandbox.py:13 in HangingEnv.step "
+        "('skyrl-structured-env-1', 'skyrl-structured-env-2', 'skyrl-structured-env-3' and 4 more)",
+        "    8 times in 2 cases: [asyncio] baseline (x4); [asyncio] fault at step (x4)",
+        f"    narrow the check to it: {NARROW}",
+    ]
+    assert report.failures[0].problems == [_busy(t) for t in threads[:4]]  # each case keeps its own lines
+
+
+def test_threads_at_different_places_stay_distinct_and_a_lone_thread_keeps_its_line():
+    report = ConcurrencyReport("env")
+    other = _busy("skyrl-structured-env-2", "/src/sandbox.py:20 in HangingEnv.close")
+    report.cases = [_case("baseline", "trio", [_busy("skyrl-structured-env-1"), other, LEAK])]
+    assert [line for line in report.summary().splitlines() if line.startswith("- ")] == [
+        f"- {_busy('skyrl-structured-env-1')}",
+        f"- {other}",
+        f"- {LEAK}",
+    ]
