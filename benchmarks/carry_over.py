@@ -349,10 +349,9 @@ def run_contender(name: str, tokenizer: Any, backend: str, *, median_s: float) -
             return elapsed
         return time.perf_counter() - started
 
-    if (
-        name == "upstream + filter"
-        and upstream_generator(tokenizer, TailEngine(tokenizer, Dataset(), median_s=median_s)) is None
-    ):
+    if name == CONTENDERS[0] and backend != "asyncio":
+        return None  # SkyRL's generator runs on asyncio only (its tqdm.gather)
+    if name == CONTENDERS[0] and upstream_generator(tokenizer, TailEngine(tokenizer, Dataset(), median_s=0.0)) is None:
         return None
     gc.collect()
     wall = run_loop(main, backend=backend)
@@ -430,7 +429,8 @@ def table(result: dict[str, Any]) -> str:
     ]
     upstream = {r["backend"]: r for r in result["rows"] if r["contender"] == CONTENDERS[0]}
     for r in result["rows"]:
-        base = upstream.get(r["backend"])
+        # SkyRL's generator runs on asyncio only: trio's rows are compared with it too.
+        base = upstream.get(r["backend"], upstream.get("asyncio"))
         ratio = f"{base['wall_per_group_s'] / r['wall_per_group_s']:.2f}x" if base else "n/a"
         lines.append(
             f"| {r['backend']} | {r['contender']} | {r['wall_per_group_s']:.3f} | {ratio} "

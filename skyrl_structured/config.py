@@ -132,6 +132,7 @@ class ResilienceSettings:
     carry_over_cut_rollouts: bool = False
     max_carry_over_steps: int = 1
     mask_tokens_older_than: int | None = None
+    oversample_groups: float | None = None
 
     @property
     def straggler_groups(self) -> bool:
@@ -355,6 +356,13 @@ class GeneratorConfig:
         "Zero the loss mask of sampled tokens more than this many policy versions older than the policy at the "
         "end of generate() (rollout_policy_versions); an integer >= 0, or null to mask none.",
         _KNOB_DEFAULTS.mask_tokens_older_than,
+    )
+    oversample_groups: float | None = _help(
+        "SkyRL integration, with trainer.algorithm.dynamic_sampling.type=filter and carry_over_cut_rollouts: start "
+        "this share more prompt groups than the batch needs in one generate() call, return once enough groups with "
+        "a reward spread are final and carry the others over (InformativeBatches); >= 0, or null for SkyRL's own "
+        "loop.",
+        _KNOB_DEFAULTS.oversample_groups,
     )
     agent_endpoint_host: str = _help(
         "With an agent: the address StructuredAgentGenerator's capture endpoint listens on. The default is "
@@ -604,6 +612,12 @@ _NUMERIC_KNOBS: dict[str, NumberRule] = {
     ),
     "max_carry_over_steps": NumberRule(
         integer=True, minimum=0, fix="It is how many weight syncs a parked rollout may wait, e.g. 1 (the default)."
+    ),
+    "oversample_groups": NumberRule(
+        integer=False,
+        minimum=0,
+        null_means="SkyRL's own filter loop",
+        fix="It is the share of extra prompt groups started per call, e.g. 1.0 with 40% uninformative groups.",
     ),
     "mask_tokens_older_than": NumberRule(
         integer=True,

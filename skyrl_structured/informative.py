@@ -30,9 +30,11 @@ from .config import invalid_value
 from .generator import StructuredGymGenerator, _Call
 from .types import ConversationType, GeneratorInput, GeneratorOutput, TrajectoryID
 
-__all__ = ["InformativeBatch", "InformativeBatches", "PromptGroup"]
+__all__ = ["InformativeBatch", "InformativeBatches", "PromptGroup", "empty_output"]
 
 logger = logging.getLogger(__name__)
+
+_DEFAULT_OVERSAMPLE = 0.5
 
 
 @dataclass(frozen=True)
@@ -81,14 +83,15 @@ class InformativeBatches:
     Args:
         generator: its ``generator.carry_over_cut_rollouts`` must be on (a cut rollout is parked, not lost).
         n_samples_per_prompt: samples per group (SkyRL's ``generator.n_samples_per_prompt``).
-        oversample: the share of extra groups started per call (0.5: 1.5 times the groups needed).
+        oversample: the share of extra groups started per call (0.5: 1.5 times the groups needed); None takes
+            ``generator.oversample_groups``, else 0.5. It pays past ``1 / p - 1`` for an informative share ``p``.
 
     Raises:
         ValueError: carry-over off, step-wise trajectories, or a value out of range (named).
     """
 
     def __init__(
-        self, generator: StructuredGymGenerator, *, n_samples_per_prompt: int, oversample: float = 0.5
+        self, generator: StructuredGymGenerator, *, n_samples_per_prompt: int, oversample: float | None = None
     ) -> None:
         if not generator.resilience.carry_over_cut_rollouts:
             raise ValueError(
@@ -103,6 +106,9 @@ class InformativeBatches:
             or n_samples_per_prompt < 1
         ):
             raise invalid_value("n_samples_per_prompt", n_samples_per_prompt, "an integer >= 1", with_type=True)
+        if oversample is None:
+            configured = generator.resilience.oversample_groups
+            oversample = configured if configured is not None else _DEFAULT_OVERSAMPLE
         if isinstance(oversample, bool) or not isinstance(oversample, int | float) or not 0 <= oversample < math.inf:
             raise invalid_value(
                 "oversample", oversample, "a finite number >= 0", "0.5 starts 1.5 times the groups a batch needs."
@@ -116,6 +122,10 @@ class InformativeBatches:
     def pending(self) -> int:
         """Groups waiting: carried from an earlier call, or added and not started."""
         return len(self._waiting)
+
+    def wanted(self, needed: int) -> int:
+        """How many groups a call for ``needed`` starts or goes on with: ``ceil(needed * (1 + oversample))``."""
+        return math.ceil(needed * (1.0 + self.oversample))
 
     def held(self) -> GeneratorOutput | None:
         """The rows finished and waiting for the rest of their group (None: none), in queue order."""
@@ -145,7 +155,7 @@ class InformativeBatches:
             raise invalid_value("needed", needed, "an integer >= 1", with_type=True)
         # Every group already started goes on (its parked samples would go stale waiting), then fresh ones
         # up to 1 + oversample times the groups needed.
-        cap = math.ceil(needed * (1.0 + self.oversample))
+        cap = self.wanted(needed)
         chosen = [g for g in self._waiting if g.started]
         chosen += [g for g in self._waiting if not g.started][: max(0, cap - len(chosen))]
         for group in chosen:
@@ -176,7 +186,7 @@ class InformativeBatches:
         )
         filtered = [group.done[r] for group in dropped for r in range(self.n)]
         return InformativeBatch(
-            output=join_rows(rows, metrics) if rows else _empty(metrics),
+            output=join_rows(rows, metrics) if rows else empty_output(metrics),
             uids=[group.spec.uid for group in kept for _ in range(self.n)],
             groups=len(kept),
             dropped=len(dropped),
@@ -240,7 +250,8 @@ def _score(row: dict[str, Any]) -> float:
     return float(cast(float, reward or 0.0))
 
 
-def _empty(metrics: dict[str, Any]) -> GeneratorOutput:
+def empty_output(metrics: dict[str, Any] | None = None) -> GeneratorOutput:
+    """A ``GeneratorOutput`` of no rows."""
     return {
         "prompt_token_ids": [],
         "response_ids": [],

@@ -82,10 +82,11 @@ def check_generator_config(
                 "expert indices to stand in for a failed rollout's. Disable one of them."
             )
     check_failure_knobs(settings)
-    if settings.carry_over_cut_rollouts and settings.straggler_cutoff is None:
+    if settings.carry_over_cut_rollouts and settings.straggler_cutoff is None and settings.oversample_groups is None:
         raise ValueError(
-            "`generator.carry_over_cut_rollouts=true` needs `generator.straggler_cutoff`: only a rollout the cutoff "
-            "cut is parked. Set straggler_cutoff (e.g. 0.9, with skip_failed_rollouts=true) or turn carry-over off."
+            "`generator.carry_over_cut_rollouts=true` needs `generator.straggler_cutoff` (or, through SkyRL's trainer, "
+            "`generator.oversample_groups`): only a rollout one of them cut is parked. Set straggler_cutoff (e.g. 0.9, "
+            "with skip_failed_rollouts=true) or turn carry-over off."
         )
     NumberRule(integer=True, minimum=0, fix="0 runs environment calls inline, on the event loop.").check(
         "environment.skyrl_gym.max_env_workers", getattr(skyrl_gym_cfg, "max_env_workers", 0)

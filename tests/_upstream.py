@@ -125,7 +125,6 @@ def load_upstream_training_input_conversion() -> Any:
     ``jaxtyping``, used in their annotations only, gets a stand-in where it is not installed, and
     ``skyrl.train.dataset``'s ``__init__`` (Hugging Face datasets) is bypassed.
     """
-    import ast
     import math
 
     import torch
@@ -147,17 +146,6 @@ def load_upstream_training_input_conversion() -> Any:
     from skyrl.backends.skyrl_train import training_batch
     from skyrl.train.dataset import preprocess
 
-    spec = importlib.util.find_spec("skyrl")
-    assert spec is not None
-    assert spec.origin is not None
-    path = os.path.join(os.path.dirname(spec.origin), "train", "trainer.py")
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    (trainer_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer"]
-    (method,) = [
-        n for n in trainer_class.body if isinstance(n, ast.FunctionDef) and n.name == "convert_to_training_input"
-    ]
-    method.decorator_list = []
     namespace: dict[str, Any] = {
         "math": math,
         "torch": torch,
@@ -171,8 +159,24 @@ def load_upstream_training_input_conversion() -> Any:
         "compute_prompt_boundaries": preprocess.compute_prompt_boundaries,
         "compute_prompt_mini_batch_boundaries": preprocess.compute_prompt_mini_batch_boundaries,
     }
+    return _trainer_method("convert_to_training_input", namespace)
+
+
+def _trainer_method(name: str, namespace: dict[str, Any]) -> Any:
+    """``RayPPOTrainer.<name>`` compiled from SkyRL's installed ``train/trainer.py`` into ``namespace``, undecorated."""
+    import ast
+
+    spec = importlib.util.find_spec("skyrl")
+    assert spec is not None
+    assert spec.origin is not None
+    path = os.path.join(os.path.dirname(spec.origin), "train", "trainer.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    (trainer_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer"]
+    (method,) = [n for n in trainer_class.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    method.decorator_list = []
     exec(compile(ast.Module(body=[method], type_ignores=[]), path, "exec"), namespace)
-    return namespace["convert_to_training_input"]
+    return namespace[name]
 
 
 class _DecodedItem:
@@ -214,3 +218,70 @@ def vllm_item_decoder() -> Iterator[None]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def upstream_dynamic_sampling() -> Iterator[Any]:
+    """SkyRL trainer's ``RayPPOTrainer.handle_dynamic_sampling``, compiled from the installed source.
+
+    Yields the method, to be called as ``method(trainer, generator_output, uids)`` with a ``trainer`` that
+    has ``cfg`` and ``dynamic_sampling_state``. What it calls runs as SkyRL wrote it: ``trainer_utils``'
+    ``handle_dynamic_sampling``, ``handle_filter_sampling``, ``handle_replace_sampling``,
+    ``filter_generator_output`` and ``validate_generator_output``, compiled from their module (which
+    imports Ray and, on Python 3.11, fails in pydantic), and ``generators.utils``'
+    ``concatenate_generator_outputs`` imported as is. While the block runs, ``skyrl.train.utils.trainer_utils``
+    is a module holding those functions (``concatenate_generator_outputs`` imports its validator from there).
+    """
+    import typing
+    from collections import defaultdict
+
+    import numpy as np
+    from loguru import logger
+
+    load_upstream_generator()
+    from skyrl.train.generators.utils import concatenate_generator_outputs
+
+    namespace: dict[str, Any] = {
+        "np": np,
+        "logger": logger,
+        "defaultdict": defaultdict,
+        "Any": Any,
+        "Dict": dict,
+        "List": list,
+        "Optional": typing.Optional,
+        "Tuple": tuple,
+        "GeneratorOutput": dict,
+        "DynamicSamplingState": dict,
+        "concatenate_generator_outputs": concatenate_generator_outputs,
+    }
+    names = {
+        "handle_dynamic_sampling",
+        "handle_filter_sampling",
+        "handle_replace_sampling",
+        "get_bad_sample_replacements",
+        "filter_generator_output",
+        "validate_generator_output",
+        "_validate_step_wise_fields",
+    }
+    _compiled_functions("train/utils/trainer_utils.py", names, namespace)
+    trainer_utils = types.ModuleType("skyrl.train.utils.trainer_utils")
+    for name in names:
+        setattr(trainer_utils, name, namespace[name])
+    scope: dict[str, Any] = {
+        "trainer_utils": trainer_utils,
+        "DynamicSamplingState": dict,
+        "GeneratorOutput": dict,
+        "List": list,
+        "Tuple": tuple,
+    }
+    _trainer_method("handle_dynamic_sampling", scope)
+    _package_without_init("skyrl.train.utils")
+    kept = sys.modules.get(trainer_utils.__name__)
+    sys.modules[trainer_utils.__name__] = trainer_utils
+    try:
+        yield scope["handle_dynamic_sampling"]
+    finally:
+        if kept is None:
+            sys.modules.pop(trainer_utils.__name__, None)
+        else:
+            sys.modules[trainer_utils.__name__] = kept

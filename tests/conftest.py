@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import sys
+import types
 
 import pytest
 
@@ -68,3 +71,22 @@ def _quiet_loguru():
 def _capture_warnings_level(caplog):
     caplog.set_level(logging.WARNING)
     return
+
+
+@pytest.fixture
+def skyrl_cli_parser(monkeypatch):
+    """``StructuredTrainConfig.from_cli_overrides``, SkyRL's own parser.
+
+    SkyRLTrainConfig's ``__post_init__`` imports ``skyrl.backends``, which needs SkyRL's training
+    stack; where that import fails, the one helper it uses is provided (LoRA is off here).
+    """
+    try:
+        importlib.import_module("skyrl.backends.skyrl_train.inference_servers.utils")
+    except Exception:
+        for name in ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.inference_servers"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        utils = types.ModuleType("skyrl.backends.skyrl_train.inference_servers.utils")
+        utils._uses_lora_weight_sync = lambda cfg: False  # type: ignore[attr-defined]  # a stand-in module
+        monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    integration = pytest.importorskip("skyrl_structured.integrations.skyrl")
+    return integration.StructuredTrainConfig.from_cli_overrides

@@ -201,24 +201,6 @@ def test_subclassed_configs_keep_every_skyrl_field():
     assert isinstance(generator_field.default_factory(), structured_generator_config)
 
 
-@pytest.fixture
-def skyrl_cli_parser(monkeypatch):
-    """``StructuredTrainConfig.from_cli_overrides``, SkyRL's own parser.
-
-    SkyRLTrainConfig's ``__post_init__`` imports ``skyrl.backends``, which needs SkyRL's training
-    stack; where that import fails, the one helper it uses is provided (LoRA is off here).
-    """
-    try:
-        importlib.import_module("skyrl.backends.skyrl_train.inference_servers.utils")
-    except Exception:
-        for name in ("skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.inference_servers"):
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-        utils = types.ModuleType("skyrl.backends.skyrl_train.inference_servers.utils")
-        utils._uses_lora_weight_sync = lambda cfg: False  # type: ignore[attr-defined]  # a stand-in module
-        monkeypatch.setitem(sys.modules, utils.__name__, utils)
-    return integration.StructuredTrainConfig.from_cli_overrides
-
-
 def test_skyrls_parser_reads_the_new_knobs_from_the_command_line(skyrl_cli_parser):
     cfg = skyrl_cli_parser(
         ["generator.skip_failed_rollouts=true", "generator.rollout_timeout_s=45", "generator.max_turns=3"]

@@ -24,6 +24,7 @@ except ImportError as exc:
 from ..agents import StructuredAgentGenerator
 from ..generator import StructuredGymGenerator
 from ..types import InferenceClient, SkyRLConfig, Tokenizer
+from ._dynamic_sampling import sample_informative_batches
 from ._skyrl_generator import structured_generator
 from ._weight_sync import pause_during_weight_sync
 
@@ -54,6 +55,9 @@ class StructuredPPOExp(BasePPOExp):  # type: ignore[misc]  # SkyRL ships no type
         if isinstance(generator, StructuredGymGenerator):
             # Each sync also advances the generator's policy version (rollout_policy_versions).
             pause_during_weight_sync(trainer, generator.pauses, generator.advance_policy_version)
+            if generator.resilience.oversample_groups is not None:
+                # SkyRL's filter loop fed by InformativeBatches (generator.oversample_groups; _dynamic_sampling.py).
+                sample_informative_batches(trainer, generator, self.cfg)
         return trainer
 
 

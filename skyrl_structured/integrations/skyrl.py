@@ -151,6 +151,7 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     carry_over_cut_rollouts: bool = _knob("carry_over_cut_rollouts")
     max_carry_over_steps: int = _knob("max_carry_over_steps")
     mask_tokens_older_than: int | None = _knob("mask_tokens_older_than")
+    oversample_groups: float | None = _knob("oversample_groups")
     agent: str | None = field(
         default=None,
         metadata={
@@ -276,6 +277,7 @@ def check_structured_config(cfg: SkyRLConfig) -> None:
     settings = resolve_resilience(cfg.generator)
     template = load_custom_chat_template(cfg.generator.chat_template)
     check_generator_config(cfg.generator, cfg.environment.skyrl_gym, settings, template)
+    check_oversampling(cfg, settings)
 
 
 class SkyRLUnavailableError(ImportError):
@@ -398,6 +400,39 @@ def usage(width: int = 100) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def check_oversampling(cfg: SkyRLConfig, settings: ResilienceSettings) -> None:
+    """Refuse ``generator.oversample_groups`` where SkyRL's sync trainer would not run it as documented.
+
+    Raises:
+        ValueError: naming the key to set and how.
+    """
+    share = settings.oversample_groups
+    if share is None:
+        return
+    algorithm = getattr(getattr(cfg, "trainer", None), "algorithm", None)
+    sampling = getattr(getattr(algorithm, "dynamic_sampling", None), "type", None)
+    if sampling != "filter":
+        raise ValueError(
+            f"`generator.oversample_groups={share:g}` replaces SkyRL's dynamic-sampling filter loop, but "
+            f"`trainer.algorithm.dynamic_sampling.type` is {sampling!r}: set it to filter, or oversample_groups to null"
+        )
+    if not settings.carry_over_cut_rollouts:
+        raise ValueError(
+            f"`generator.oversample_groups={share:g}` cuts the groups still running once the batch has its groups, "
+            "which needs `generator.carry_over_cut_rollouts=true` so they are parked, not lost: turn it on"
+        )
+    if getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False):
+        raise ValueError(
+            f"`generator.oversample_groups={share:g}` drives SkyRL's synchronous trainer; the fully-async trainer "
+            "(trainer.fully_async.enabled=true) has its own sample_full_batch: set oversample_groups to null there"
+        )
+    if getattr(cfg.generator, "step_wise_trajectories", False):
+        raise ValueError(
+            f"`generator.oversample_groups={share:g}` needs whole trajectories: set "
+            "generator.step_wise_trajectories=false, or oversample_groups to null"
+        )
 
 
 def _refuse_fully_async(cfg: SkyRLConfig) -> None:
