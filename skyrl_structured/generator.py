@@ -29,6 +29,7 @@ from ._episode.chat_attributes import ChatAttributes
 from ._episode.episode import Episode, EpisodeRunner
 from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import OutputSpec, collect
+from ._runtime.carry import claim_parked
 from ._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
 from ._runtime.contexts import (
     BatchContext,
@@ -497,48 +498,9 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                 client=client,
                 default_params=sampling_params_dict(self.generator_cfg.sampling_params),
                 observers=observers,
+                versions=self._versions,
             )
             return await generate_batched(batch, setup, request, max_tokens)
-
-    async def _claim_parked(
-        self, lot: ParkingLot, batch: BatchContext, request: BatchRequest
-    ) -> tuple[list[Parked | None], dict[str, float]]:
-        """Each row's parked rollout to resume (None: it starts afresh), after dropping the stale ones and those
-        a row claims with another env class, prompt or sampling; and the ``generate/carry_over/*`` metrics."""
-        version = self._versions.value
-        dropped_stale = lot.take_stale(version, self.resilience.max_carry_over_steps)
-        mismatched: list[Parked] = []
-        resumes: list[Parked | None] = []
-        ids: list[TrajectoryID | None] = [None] * len(request.prompts)
-        if request.trajectory_ids is not None:
-            ids = list(request.trajectory_ids)
-        for i, trajectory_id in enumerate(ids):
-            claimed, mismatch = lot.claim(
-                parking_key(trajectory_id), request.env_classes[i], request.prompts[i], request.sampling_params
-            )
-            resumes.append(claimed)
-            if mismatch is not None:
-                mismatched.append(mismatch)
-        if dropped_stale or mismatched:
-            logger.info(
-                "carry-over: dropped %d parked rollout(s) older than generator.max_carry_over_steps=%d and %d claimed "
-                "with another env class, prompt or sampling; their environments are closed",
-                len(dropped_stale),
-                self.resilience.max_carry_over_steps,
-                len(mismatched),
-            )
-            await close_parked([*dropped_stale, *mismatched], batch.cleanup, batch.client)
-        resumed = [r for r in resumes if r is not None]
-        staleness = [version - _first_version(r, version) for r in resumed]
-        metrics = {
-            "generate/carry_over/resumed": float(len(resumed)),
-            "generate/carry_over/tokens_kept": float(sum(r.episode.tokens for r in resumed)),
-            "generate/carry_over/dropped_stale": float(len(dropped_stale)),
-            "generate/carry_over/dropped_mismatch": float(len(mismatched)),
-            "generate/carry_over/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
-            "generate/carry_over/staleness_max": float(max(staleness, default=0)),
-        }
-        return resumes, metrics
 
     async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest, call: _Call) -> GeneratorOutput:
         cfg = self.generator_cfg
@@ -549,7 +511,9 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         resumes: list[Parked | None] = [None] * len(prompts)
         carried: dict[str, float] = {}
         if lot is not None:
-            resumes, carried = await self._claim_parked(lot, batch, request)
+            resumes, carried = await claim_parked(
+                lot, batch, request, version=self._versions.value, max_steps=self.resilience.max_carry_over_steps
+            )
 
         async def rollout(i: int) -> RolloutOutput:
             trajectory_id = trajectory_ids[i] if trajectory_ids is not None else None
@@ -599,9 +563,3 @@ class _Call:
 
     group_stop: GroupStop | None = None
     result: BatchResult[RolloutOutput] | None = None
-
-
-def _first_version(parked: Parked, default: int) -> int:
-    """The policy version of a parked rollout's oldest sampled token (``default`` where it sampled none)."""
-    first = parked.episode.first_version
-    return default if first is None else first

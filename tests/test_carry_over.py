@@ -280,6 +280,14 @@ async def test_every_row_carries_its_policy_versions_without_carry_over(tokenize
     assert gen.policy_version == 1
 
 
+async def test_the_batched_path_carries_policy_versions_too(tokenizer: Any) -> None:
+    gen = make_generator(tokenizer, batched=True, max_turns=1)
+    gen.advance_policy_version()
+    gen.advance_policy_version()
+    out = await gen.generate(make_batch(2, EnvLedger()), disable_tqdm=True)
+    assert out["rollout_policy_versions"] == [[2 if m else -1 for m in mask] for mask in out["loss_masks"]]
+
+
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [

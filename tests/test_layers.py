@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "vlm_generator": 4,
     "agents": 4,
     # what users run and import
+    "informative": 5,
     "cli": 5,
     "integrations": 5,
     "testing": 5,

@@ -135,6 +135,46 @@ async def test_engine_load_reads_vllms_own_stats_while_a_request_runs(anyio_back
     assert after.prefix_cache_queries_total > 0
 
 
+def _generation_tokens(text: str) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` (summed over its label sets) from its metrics text."""
+    found = re.findall(r"^vllm:generation_tokens_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, flags=re.MULTILINE)
+    return sum(float(value) for value in found)
+
+
+async def test_a_cancelled_request_hands_back_what_it_sampled_and_greedy_continues_it_exactly(
+    anyio_backend, engine, tokenizer
+):
+    """carry_over_cut_rollouts with VLLMEngine: the partial reply of a cancelled request, as vLLM sampled it."""
+    from skyrl_structured.engines.partial import collecting_partial
+    from skyrl_structured.engines.vllm import _metrics_text
+
+    prompt = contract.prompt_ids(tokenizer)[0]
+    greedy = {"temperature": 0.0, "max_tokens": LONG_DECODE_TOKENS, "min_tokens": LONG_DECODE_TOKENS, "logprobs": 1}
+    before = _generation_tokens(await _metrics_text("in-process"))
+
+    async def decoded_some() -> bool:
+        return _generation_tokens(await _metrics_text("in-process")) >= before + 8
+
+    with anyio.fail_after(120):  # only a hang reaches this
+        with collecting_partial() as sink:
+            async with anyio.create_task_group() as group:
+                group.start_soon(contract.answer, engine, prompt, contract.params(**greedy))
+                await contract.poll_until(decoded_some)
+                group.cancel_scope.cancel()
+    partial = sink.reply
+    assert partial is not None
+    sampled = len(partial.token_ids)
+    assert 1 <= sampled < LONG_DECODE_TOKENS
+    assert partial.logprobs is not None
+    assert len(partial.logprobs) == sampled
+    assert await engine.num_unfinished_requests() == 0
+    # Greedy: the partial is the uncut reply's head, and a request continuing it samples the uncut reply's rest.
+    whole = await contract.answer(engine, prompt, contract.params(max_tokens=sampled + 16, min_tokens=sampled + 16))
+    assert partial.token_ids == whole.ids[:sampled]
+    rest = await contract.answer(engine, prompt + partial.token_ids, contract.params(max_tokens=16, min_tokens=16))
+    assert rest.ids == whole.ids[sampled:]
+
+
 def test_one_engine_serves_asyncio_and_trio_runs_in_turn(engine, tokenizer):
     prompt = contract.prompt_ids(tokenizer)[0]
     outputs = [

@@ -31,6 +31,7 @@ from ..observe import RolloutObserver, RolloutRef
 from ..types import ConversationType, EnvHandle, GeneratorOutput, TrajectoryOutput
 from .collector import overlong_filtered
 from .metrics import failure_metrics, rollout_metrics
+from .versions import version_rows
 
 __all__ = ["BatchedSetup", "generate_batched"]
 
@@ -219,6 +220,9 @@ def _output(
     metrics.update(failure_metrics([], len(trajectories), 0, batch.cleanup))
     has_logprobs = bool(trajectories) and trajectories[0].rollout_logprobs is not None
     has_indices = bool(trajectories) and trajectories[0].rollout_expert_indices is not None
+    # One engine call: every sampled token is of the version the call started under (versions.py).
+    version = batch.versions.value if batch.versions is not None else 0
+    versions = version_rows(trajectories, version)
     return {
         "prompt_token_ids": [t.prompt_ids for t in trajectories],
         "response_ids": responses,
@@ -228,4 +232,5 @@ def _output(
         "rollout_metrics": metrics,
         "rollout_logprobs": [t.rollout_logprobs or [] for t in trajectories] if has_logprobs else None,
         "rollout_expert_indices": [t.rollout_expert_indices for t in trajectories] if has_indices else None,
+        "rollout_policy_versions": versions,
     }

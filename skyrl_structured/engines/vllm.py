@@ -152,6 +152,23 @@ def completion_from_request_output(output: Any, *, want_logprobs: bool) -> Compl
     return Completion(text=str(completion.text), token_ids=token_ids, stop_reason=reason, logprobs=logprobs)
 
 
+def _offer_sampled(output: Any, *, want_logprobs: bool) -> None:
+    """Offer an unfinished ``RequestOutput``'s tokens as the partial reply (``engines/partial.py``).
+
+    Called while a cancellation propagates: an output it cannot read is logged and offers nothing,
+    never replacing the cancellation.
+    """
+    try:
+        completion = output.outputs[0]
+        token_ids = [int(t) for t in completion.token_ids]
+        logprobs = chosen_token_logprobs(token_ids, completion.logprobs) if want_logprobs else None
+        text = str(completion.text)
+    except Exception as exc:
+        logger.warning("could not read what the cancelled vLLM request had sampled (%r); no partial reply", exc)
+        return
+    offer_partial(token_ids, logprobs, text)
+
+
 def _vllm_sampling_params(kwargs: dict[str, Any]) -> Any:
     vllm = import_optional("vllm", "vllm", needed_by="VLLMEngine")
     from vllm.sampling_params import RequestOutputKind
@@ -386,8 +403,7 @@ class VLLMEngine(AsyncResource):
             if not future.done():  # our caller was cancelled (or interrupted) while vLLM works on it
                 await self._abort(loop, request_id)
             if latest:  # what it had sampled, for a caller that keeps it (carry_over_cut_rollouts)
-                sampled = completion_from_request_output(latest[-1], want_logprobs=want_logprobs)
-                offer_partial(sampled.token_ids, sampled.logprobs, sampled.text)
+                _offer_sampled(latest[-1], want_logprobs=want_logprobs)
             raise
         return completion_from_request_output(final, want_logprobs=want_logprobs)
 
