@@ -90,6 +90,11 @@ class LoadReader:
         self._problems: dict[str, str] = {}
         self._counters = {server: _Monotonic() for server in self.servers}
 
+    @property
+    def reads_finished(self) -> int:
+        """How many reads have finished (a new number: a new reading)."""
+        return self._reads_finished
+
     def _fresh(self) -> bool:
         return self._read_at is not None and self._clock() - self._read_at < self.min_interval_s
 
