@@ -337,12 +337,17 @@ class GroupRouter(Router):
         return home
 
     def succeeded(self, session_id: Hashable | None, url: str, group: Hashable | None = None) -> None:
+        index = self._index[url]
+        placed = self._sessions.get(session_id) if session_id is not None else None
         super().succeeded(session_id, url, group)
-        if group is not None:
-            servers = self._groups.get(group)
-            index = self._index[url]
-            if servers is not None and index not in servers:
-                servers.append(index)  # it failed over: the group's prompt is cached there now too
+        servers = self._groups.get(group) if group is not None else None
+        if servers is None or placed is None or placed == index:
+            return
+        # It failed over: the group's prompt is cached where it answered, not where it was placed.
+        if placed in servers:
+            servers.remove(placed)
+        if index not in servers:
+            servers.append(index)
 
     def _groups_on(self) -> list[int]:
         counts = [0] * len(self.urls)

@@ -1,0 +1,132 @@
+"""HTTPEngine's routing over several real HTTP servers on 127.0.0.1 serving scripted ``/metrics``.
+
+Each verdict is where requests went (the ``X-Session-ID`` each server saw), decided by scripted
+readings; none depends on which server answers first. Placements that must not race are sent in
+separate ``generate()`` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import pytest
+
+from skyrl_structured import InferenceEngineInput
+from skyrl_structured.engines import HTTPEngine
+from skyrl_structured.testing.vllm_server import VLLMServer, serve_vllm
+
+from .test_http import closed_port_url
+from .test_load import Scripted, echo, vllm_metrics
+
+pytestmark = pytest.mark.anyio
+
+
+def batch(sessions: Sequence[str], prompt: list[int]) -> InferenceEngineInput:
+    ids: list[Hashable] = list(sessions)
+    return {"prompt_token_ids": [prompt] * len(ids), "session_ids": ids}
+
+
+def seen(server: VLLMServer) -> set[str]:
+    return {r.headers["x-session-id"] for r in server.completions()}
+
+
+async def test_a_groups_sessions_share_a_server_and_a_new_group_goes_to_the_least_loaded(anyio_backend, tokenizer):
+    busy, idle = Scripted(vllm_metrics(running=3, waiting=0)), Scripted(vllm_metrics(running=0, waiting=0))
+    async with (
+        serve_vllm(echo(tokenizer), intercept=busy) as a,
+        serve_vllm(echo(tokenizer), intercept=idle) as b,
+        HTTPEngine([a.url, b.url], "test-model", load_interval_s=3600) as engine,
+    ):
+        assert engine.routing == "group_least_loaded"
+        g0 = [f"q0_{i}" for i in range(4)]
+        g1 = [f"q1_{i}" for i in range(4)]
+        await engine.generate(batch(g0, [1, 2, 3]))  # b: 0 requests against a's 3
+        # One reading in all (fresh for an hour): b now counts the 4 sessions placed since it, more than a's 3.
+        await engine.generate(batch(g1, [4, 5, 6]))
+        for session in g0 + g1:  # later turns stay where their session is
+            await engine.generate(batch([session], [9]))
+        assert (seen(a), seen(b)) == (set(g1), set(g0))
+        assert len(busy.requests) == len(idle.requests) == 1
+        routes = engine.routes()
+        assert [(r.server, r.sessions, r.groups, r.placed_total, r.read) for r in routes] == [
+            (a.url, 4, 1, 4, True),
+            (b.url, 4, 1, 4, True),
+        ]
+        assert [r.load for r in routes] == [3.0 + 4, 0.0 + 4]
+        for session in g0 + g1:
+            await engine.finish_session(session)
+        assert [r.sessions for r in engine.routes()] == [0, 0]
+
+
+async def test_without_metrics_open_sessions_count_and_one_prompt_is_one_group(anyio_backend, tokenizer):
+    async with (
+        serve_vllm(echo(tokenizer)) as a,  # no /metrics route: 404
+        serve_vllm(echo(tokenizer)) as b,
+        HTTPEngine([a.url, b.url], "test-model", load_interval_s=0) as engine,
+    ):
+        # Session ids that name no group (uuids): the first prompt groups them.
+        await engine.generate(batch(["9f0a", "77c1", "e3d2"], [1, 2, 3]))
+        await engine.generate(batch(["5b5b", "0c0c"], [7, 8]))  # a: 3 open sessions, b: 0
+        await engine.generate(batch(["aa11"], [1, 2, 3]))  # the first prompt's group again, on a
+        assert (seen(a), seen(b)) == ({"9f0a", "77c1", "e3d2", "aa11"}, {"5b5b", "0c0c"})
+        assert [(r.read, r.load) for r in engine.routes()] == [(False, 4.0), (False, 2.0)]
+
+
+async def test_a_server_that_stops_answering_metrics_counts_its_open_sessions(anyio_backend, tokenizer):
+    busy, idle = Scripted(vllm_metrics(running=3, waiting=0)), Scripted(vllm_metrics(running=0, waiting=0))
+    async with (
+        serve_vllm(echo(tokenizer), intercept=busy) as a,
+        serve_vllm(echo(tokenizer), intercept=idle) as b,
+        HTTPEngine([a.url, b.url], "test-model", load_interval_s=0) as engine,
+    ):
+        await engine.generate(batch(["x_0", "x_1"], [1]))  # b: 0 against a's 3
+        idle.status = 500  # b's /metrics fails from now on; its completions still work
+        busy.text = vllm_metrics(running=1, waiting=0)
+        # Read anew: b, unread, counts its 2 open sessions (its old reading said 0), more than a's 1.
+        await engine.generate(batch(["y_0"], [2]))
+        assert [(r.read, r.load) for r in engine.routes()] == [(True, 1.0 + 1), (False, 2.0)]
+        await engine.finish_session("x_0")
+        await engine.finish_session("x_1")
+        await engine.generate(batch(["z_0"], [3]))  # b: 0 open sessions, a: 1 request
+        assert (seen(a), seen(b)) == ({"y_0"}, {"x_0", "x_1", "z_0"})
+
+
+async def test_a_server_that_was_down_takes_new_groups_again_once_it_answers(anyio_backend, tokenizer):
+    down = closed_port_url()
+    port = int(down.rsplit(":", 1)[1])
+    live_metrics = Scripted(vllm_metrics(running=2, waiting=0))
+    async with (
+        serve_vllm(echo(tokenizer), intercept=live_metrics) as live,
+        HTTPEngine([down, live.url], "test-model", load_interval_s=0, failover_cooldown_s=3600) as engine,
+    ):
+        # Nothing answers at `down` (its /metrics neither): it counts 0 open sessions, so the first
+        # group goes there, fails over to the live server and stays on it.
+        await engine.generate(batch(["g_0"], [1]))
+        await engine.generate(batch(["g_1", "h_0"], [2]))  # g's second session, a new group: the live server
+        assert seen(live) == {"g_0", "g_1", "h_0"}
+        assert [r.up for r in engine.routes()] == [False, True]
+        back_metrics = Scripted(vllm_metrics(running=0, waiting=0))
+        async with serve_vllm(echo(tokenizer), intercept=back_metrics, port=port) as back:
+            # Its /metrics answers at the next placement's reading: up again (long before its cooldown
+            # ends), and the lighter of the two.
+            await engine.generate(batch(["k_0"], [3]))
+            await engine.generate(batch(["g_2"], [1]))  # g stays where it went
+            assert (seen(back), seen(live)) == ({"k_0"}, {"g_0", "g_1", "h_0", "g_2"})
+            assert [r.up for r in engine.routes()] == [True, True]
+
+
+async def test_round_robin_keeps_its_turns(anyio_backend, tokenizer):
+    async with (
+        serve_vllm(echo(tokenizer), intercept=Scripted(vllm_metrics(running=9))) as a,
+        serve_vllm(echo(tokenizer)) as b,
+        HTTPEngine([a.url, b.url], "test-model", routing="round_robin") as engine,
+    ):
+        for session in ["q_0", "q_1", "q_2", "q_3"]:
+            await engine.generate(batch([session], [1]))
+        assert (seen(a), seen(b)) == ({"q_0", "q_2"}, {"q_1", "q_3"})
+        assert [r for r in a.requests if r.path == "/metrics"] == []  # round robin reads no load
+
+
+def test_a_misspelt_routing_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"^routing must be one of group_least_loaded, round_robin; got 'rr'$"):
+        HTTPEngine("http://127.0.0.1:1", "m", routing="rr")  # type: ignore[arg-type]
