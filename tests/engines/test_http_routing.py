@@ -7,14 +7,27 @@ separate ``generate()`` calls.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 
+import anyio
 import pytest
 
-from skyrl_structured import InferenceEngineInput
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    InferenceEngineInput,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
+from skyrl_structured._runtime import routes as routes_module
 from skyrl_structured.engines import HTTPEngine
-from skyrl_structured.testing.vllm_server import VLLMServer, serve_vllm
+from skyrl_structured.engines.routing import session_group
+from skyrl_structured.observe import EngineRoute, PrometheusObserver, RolloutObserver, TraceRecorder
+from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, VLLMServer, serve_vllm
 
+from ..helpers import not_none
 from .test_http import closed_port_url
 from .test_load import Scripted, echo, vllm_metrics
 
@@ -130,3 +143,83 @@ async def test_round_robin_keeps_its_turns(anyio_backend, tokenizer):
 def test_a_misspelt_routing_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"^routing must be one of group_least_loaded, round_robin; got 'rr'$"):
         HTTPEngine("http://127.0.0.1:1", "m", routing="rr")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- seen from the generator
+
+
+class AllPlaced(RolloutObserver):
+    """Opens once a reading of the routes shows ``n`` sessions bound (the servers hold the completions till then)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.open = anyio.Event()
+
+    def engine_routes_read(self, routes: Sequence[EngineRoute]) -> None:
+        if sum(route.sessions for route in routes) == self.n:
+            self.open.set()
+
+
+def held(gate: AllPlaced) -> Callable[[ServedRequest], Awaitable[RawResponse | None]]:
+    metrics = Scripted(vllm_metrics(running=0, waiting=0))
+
+    async def intercept(request: ServedRequest) -> RawResponse | None:
+        if request.path == "/v1/completions":
+            await gate.open.wait()
+        return metrics(request)
+
+    return intercept
+
+
+async def test_a_generate_call_reports_where_its_groups_went(anyio_backend, tokenizer, monkeypatch):
+    """rollout_metrics, the trace's counter tracks and Prometheus's gauges say each server's share and sessions."""
+    monkeypatch.setattr(routes_module, "ROUTES_INTERVAL_S", 0.01)
+    cfg = GeneratorConfig(max_turns=1, max_input_length=4096, sampling_params=SamplingParams(max_generate_length=4))
+    n = 8
+    gate, trace, prom = AllPlaced(n), TraceRecorder(), PrometheusObserver()
+    inputs: GeneratorInput = {
+        "prompts": [[{"role": "user", "content": f"Tom has {i // 4} apples. How many?"}] for i in range(n)],
+        "env_classes": ["gsm8k_multi_turn"] * n,
+        "env_extras": [{"reward_spec": {"ground_truth": "5"}, "extra_info": {}} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(instance_id=f"q{i // 4}", repetition_id=i % 4) for i in range(n)],
+    }
+    async with (
+        serve_vllm(echo(tokenizer), intercept=held(gate)) as a,
+        serve_vllm(echo(tokenizer), intercept=held(gate)) as b,
+        HTTPEngine([a.url, b.url], "test-model", load_interval_s=3600) as engine,
+    ):
+        generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=2), engine, tokenizer)
+        generator.observers = [gate, trace, prom]
+        out = await generator.generate(inputs, disable_tqdm=True)
+        # Whichever group is placed first takes a (a tie, round robin from the first server); the other
+        # then finds a holding a session and b none.
+        groups_on = [{session_group(s) for s in seen(server)} for server in (a, b)]
+        assert sorted(groups_on, key=str) == [{"q0"}, {"q1"}]
+        assert len(seen(a)) == len(seen(b)) == 4
+    metrics = not_none(out["rollout_metrics"])
+    for i in (0, 1):
+        assert metrics[f"generate/routing/server{i}_share_mean"] == 0.5
+        assert metrics[f"generate/routing/server{i}_sessions_max"] == 4.0
+        assert metrics[f"generate/routing/server{i}_load_max"] >= 0.0
+    counters = [e for e in trace.events if e.get("cat") == "routing"]
+    assert {e["name"] for e in counters} == {"engine sessions", "engine load"}
+    sessions = [e["args"] for e in counters if e["name"] == "engine sessions"]
+    assert {a.url: 4, b.url: 4} in sessions
+    assert sessions[-1] == {a.url: 0, b.url: 0}  # every session finished by the call's last reading
+    for url in (a.url, b.url):
+        assert prom.registry.get_sample_value("skyrl_structured_engine_sessions_placed", {"server": url}) == 4.0
+        assert prom.registry.get_sample_value("skyrl_structured_engine_sessions", {"server": url}) == 0.0
+        assert prom.registry.get_sample_value("skyrl_structured_engine_up", {"server": url}) == 1.0
+
+
+async def test_a_call_on_one_server_reports_no_routing(anyio_backend, tokenizer):
+    cfg = GeneratorConfig(max_turns=1, max_input_length=4096, sampling_params=SamplingParams(max_generate_length=4))
+    inputs: GeneratorInput = {
+        "prompts": [[{"role": "user", "content": "Tom has 3 apples. How many?"}]],
+        "env_classes": ["gsm8k_multi_turn"],
+        "env_extras": [{"reward_spec": {"ground_truth": "5"}, "extra_info": {}}],
+    }
+    async with serve_vllm(echo(tokenizer)) as a, HTTPEngine(a.url, "test-model") as engine:
+        generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=1), engine, tokenizer)
+        out = await generator.generate(inputs, disable_tqdm=True)
+    assert not any(key.startswith("generate/routing/") for key in not_none(out["rollout_metrics"]))
