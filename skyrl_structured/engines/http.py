@@ -27,10 +27,10 @@ its own, so that reading load never takes a connection a completion request is w
 
 Where a new session goes is the ``routing`` policy's (:mod:`skyrl_structured.engines.routing`):
 ``group_least_loaded`` (the default) keeps a prompt group's sessions on one server and places new
-groups on the least-loaded server, read from the same ``/metrics`` (a new session's first request,
-with more than one server, waits up to 0.5 s for a reading older than ``load_interval_s`` to be
-renewed, sharing one read with every caller); ``round_robin`` takes the servers in turn.
-:meth:`HTTPEngine.routes` tells each server's sessions and load.
+groups on the least-loaded server, read from the same ``/metrics`` (with more than one server, a new
+session's first request renews a reading older than ``load_interval_s``, waiting up to 0.5 s for it,
+unless a read is in flight and there was one before: then it uses the last reading); ``round_robin``
+takes the servers in turn. :meth:`HTTPEngine.routes` tells each server's sessions and load.
 """
 
 from __future__ import annotations
@@ -314,6 +314,17 @@ class HTTPEngine(AsyncResource):
         """
         return self.router.routes()
 
+    def _placement_reads(self) -> bool:
+        """Whether placing a new session reads the servers' load first: with ``group_least_loaded`` over
+        several servers, when the last reading is stale and no read is in flight (a placement meanwhile
+        uses the last reading, with the sessions placed since counted, rather than wait for that read),
+        or when there is no reading yet."""
+        if self.routing != "group_least_loaded" or len(self.base_urls) < 2:
+            return False
+        if self._load.reads_finished == 0:
+            return True
+        return not self._load.fresh() and not self._load.reading
+
     def _group(self, session_id: Hashable | None, prompt_ids: Sequence[int] | None) -> Hashable | None:
         """The prompt group of a request: the session's, else its prompt's (None: neither)."""
         group = self._session_group(session_id)
@@ -415,9 +426,9 @@ class HTTPEngine(AsyncResource):
         group = None
         if not self.router.is_placed(session_id):
             group = self._group(session_id, prompt_ids)
-            if self.routing == "group_least_loaded" and len(self.base_urls) > 1:
-                # Renew a stale reading (never raises; a fresh one answers at once), waiting a bounded
-                # time: a server whose /metrics hangs must not hold up the completion.
+            if self._placement_reads():
+                # Renew a stale reading (never raises), waiting a bounded time: a server whose /metrics
+                # hangs must not hold up the completion.
                 with anyio.move_on_after(_PLACEMENT_READ_S):
                     await self.engine_load()
         for url in self.router.candidates(session_id, group):

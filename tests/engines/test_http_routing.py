@@ -23,6 +23,7 @@ from skyrl_structured import (
 )
 from skyrl_structured._runtime import routes as routes_module
 from skyrl_structured.engines import HTTPEngine
+from skyrl_structured.engines import http as http_module
 from skyrl_structured.engines.routing import session_group
 from skyrl_structured.observe import EngineRoute, PrometheusObserver, RolloutObserver, TraceRecorder
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, VLLMServer, serve_vllm
@@ -223,3 +224,37 @@ async def test_a_call_on_one_server_reports_no_routing(anyio_backend, tokenizer)
         generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=1), engine, tokenizer)
         out = await generator.generate(inputs, disable_tqdm=True)
     assert not any(key.startswith("generate/routing/") for key in not_none(out["rollout_metrics"]))
+
+
+async def test_a_placement_during_a_read_in_flight_takes_the_last_reading(anyio_backend, tokenizer, monkeypatch):
+    """Only the placement that starts a read waits for it (bounded); others meanwhile place on the last reading."""
+    monkeypatch.setattr(http_module, "_PLACEMENT_READ_S", 3600.0)  # the read's wait ends when the test says
+    hanging, hung, release = False, anyio.Event(), anyio.Event()
+    busy = Scripted(vllm_metrics(running=3, waiting=0))
+
+    async def slow_metrics(request: ServedRequest) -> RawResponse | None:
+        if request.path == "/metrics" and hanging:
+            hung.set()
+            await release.wait()
+        return busy(request)
+
+    async with (
+        serve_vllm(echo(tokenizer), intercept=slow_metrics) as a,
+        serve_vllm(echo(tokenizer), intercept=Scripted(vllm_metrics(running=0, waiting=0))) as b,
+        HTTPEngine([a.url, b.url], "test-model", load_interval_s=0) as engine,
+    ):
+        await engine.generate(batch(["x_0"], [1]))  # the first reading: b (0) against a (3)
+        hanging = True
+        async with anyio.create_task_group() as group:
+            first_done = anyio.Event()
+
+            async def first() -> None:
+                await engine.generate(batch(["y_0"], [2]))  # starts a read, which hangs on a's /metrics
+                first_done.set()
+
+            group.start_soon(first)
+            await hung.wait()
+            await engine.generate(batch(["z_0"], [3]))  # placed on the last reading: no wait
+            assert not first_done.is_set()
+            release.set()
+        assert (seen(a), seen(b)) == (set(), {"x_0", "y_0", "z_0"})
