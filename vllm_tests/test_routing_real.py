@@ -130,3 +130,64 @@ async def test_a_groups_prompt_is_prefilled_once_per_server_it_used(anyio_backen
     placed, missed, lengths = await run_groups(servers, tokenizer, "round_robin")
     assert all(len(groups) == GROUPS for groups in placed.values()), placed
     assert sum(missed) >= 2 * sum(lengths.values()), (missed, lengths)
+
+
+async def test_a_server_killed_mid_batch_under_auto_admission_loses_nothing(anyio_backend, vllm_server_pair, tokenizer):
+    """group_least_loaded with max_concurrent_rollouts=auto: the server of the batch's first answer is killed at
+    its third; every rollout finishes on the other, the admission limit reads only that one, no request hangs."""
+    groups, samples, turns = 4, 4, 3
+    nonce = uuid.uuid4().hex[:8]
+    ledger = EnvLedger()
+    script = [{"observation": f"<observation>turn {k} done</observation>", "sleep": 0.3} for k in range(turns - 1)]
+    script.append({"reward": 1.0, "done": True, "sleep": 0.3})
+    n = groups * samples
+    batch: GeneratorInput = {
+        "prompts": [[{"role": "user", "content": f"[{nonce} group {i // samples}] {BODY}"}] for i in range(n)],
+        "env_classes": [SCRIPTED_ENV] * n,
+        "env_extras": [{"script": script, "ledger": ledger} for _ in range(n)],
+        "trajectory_ids": [TrajectoryID(f"{nonce}-g{i // samples}", i % samples) for i in range(n)],
+        "sampling_params": {"max_tokens": 4, "temperature": 0.7},
+    }
+    cfg = GeneratorConfig(
+        max_turns=turns,
+        max_input_length=4096,
+        sampling_params=SamplingParams(max_generate_length=4),
+        max_concurrent_rollouts="auto",
+        skip_failed_rollouts=True,
+    )
+    answers: list[str] = []
+    doomed: list[VLLMServer] = []
+    with anyio.fail_after(300):  # no request hangs
+        async with HTTPEngine(
+            [s.url for s in vllm_server_pair], "tiny", failover_cooldown_s=600, load_interval_s=0.25
+        ) as client:
+            succeeded = client.router.succeeded
+
+            def kill_at_its_third_answer(session_id: Any, url: str, group: Any = None) -> None:
+                succeeded(session_id, url, group)
+                answers.append(url)
+                first = next(s for s in vllm_server_pair if s.url == answers[0])
+                if not doomed and answers.count(first.url) >= 3:
+                    first.kill()  # an event, not a poll: it dies as its third answer comes back
+                    doomed.append(first)
+
+            client.router.succeeded = kill_at_its_third_answer  # type: ignore[method-assign]
+            generator = StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=4), client, tokenizer)
+            output = await generator.generate(batch, disable_tqdm=True)
+            (dead,) = doomed
+            survivor = next(s for s in vllm_server_pair if s is not dead)
+            assert client.router.active_sessions == 0
+            # The load admission reads now is the one server left's.
+            assert [load.server for load in await client.engine_load()] == [survivor.url]
+            assert [route.up for route in client.routes()] == [s is survivor for s in vllm_server_pair]
+    validate_generator_output(n, output)
+    ledger.assert_all_closed_once()
+    assert ledger.opened == n
+    # Nothing lost: every rollout finished, those on the killed server failing over to the survivor.
+    assert output["stop_reasons"].count("rollout_error") == 0, output["stop_reasons"]
+    assert all(sum(rewards) == 1.0 for rewards in output["rewards"])
+    assert answers.count(dead.url) >= 3  # a reply read before the kill may still come in
+    assert len(answers) == n * turns
+    metrics = output["rollout_metrics"] or {}
+    assert metrics["generate/admission_fallback"] == 0.0  # auto read the servers' load
+    assert not dead.alive()
