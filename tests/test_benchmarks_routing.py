@@ -52,7 +52,7 @@ async def test_both_policies_run_on_a_pair_and_read_its_counters(anyio_backend, 
         serve_vllm(engine, model="tiny", intercept=two) as b,
     ):
         result = await run_pair([a.url, b.url], "tiny", tokenizer, settings, log=lambda message: None)
-    assert served_one[0] + served_two[0] == 2 * 4 * 2  # both policies: 4 rollouts of 2 turns
+    assert served_one[0] + served_two[0] == 4 + 2 * 4 * 2  # the warm-up (4 rollouts of 1 turn), both policies (4 of 2)
     rows = {row["routing"]: row for row in result["rows"]}
     assert list(rows) == list(POLICIES)
     for row in rows.values():
@@ -92,13 +92,13 @@ def test_a_groups_rollouts_share_one_prompt_and_runs_share_none():
     assert len(set(prompts[:3])) == len(set(prompts[3:])) == 1
     assert prompts[0] != prompts[3]
     assert len(prompts[0].split()) >= 90
-    assert [session_group(t.to_string()) for t in first["trajectory_ids"]] == ["r1g0"] * 3 + ["r1g1"] * 3
+    assert [session_group(t.to_string()) for t in first["trajectory_ids"] or []] == ["r1g0"] * 3 + ["r1g1"] * 3
     assert not {p[0]["content"] for p in first["prompts"]} & {p[0]["content"] for p in second["prompts"]}
 
 
 def test_quick_sizes_and_a_bad_pair_is_refused(capsys):
     args = _args(["--quick"])
-    assert (args.groups, args.samples, args.pairs) == (4, 4, ("skewed", "even"))
+    assert (args.groups, args.samples, args.max_concurrent, args.pairs) == (6, 4, 8, ("skewed", "even"))
     with pytest.raises(SystemExit):
         _args(["--pairs", "odd"])
     assert "--pairs takes skewed, even or skewed,even" in capsys.readouterr().err
