@@ -67,6 +67,9 @@ KV_BOUND = 0.9
 #: How many prompt groups' servers are remembered (the most recently placed).
 GROUPS_KEPT = 65_536
 
+#: How many placements since a server's last reading are counted, at most.
+_PLACED_KEPT = 65_536
+
 
 def check_routing(policy: object, *, name: str = "routing") -> RoutingPolicy:
     """``policy`` if it is one of :data:`ROUTING_POLICIES`.
@@ -145,7 +148,8 @@ class Router:
         self._open = [0] * len(self.urls)
         self._placed_total = [0] * len(self.urls)
         #: When each session placed on a server since its last reading was placed.
-        self._placed_since: list[deque[float]] = [deque() for _ in self.urls]
+        #: (Bounded: a client whose load is never read again keeps no more than that.)
+        self._placed_since: list[deque[float]] = [deque(maxlen=_PLACED_KEPT) for _ in self.urls]
         self._readings: list[EngineLoad | None] = [None] * len(self.urls)
         self._next = 0
 
