@@ -118,12 +118,16 @@ def make_generator(engine: Any, tokenizer: Any, settings: Settings) -> Structure
 
 
 async def _idle(engine: HTTPEngine) -> list[EngineLoad]:
-    """Every server's reading once nothing runs or waits on any (their counters final for the last run)."""
+    """Every server's reading, taken from now on, once nothing runs or waits on any (their counters final
+    for the last run; an older reading the engine still answers with, under ``--poll-s``, is not taken)."""
+    since = time.monotonic()
     with anyio.fail_after(IDLE_TIMEOUT_S):
         while True:
             loads = await engine.engine_load()
-            if len(loads) == len(engine.base_urls) and all(
-                load.requests_running == load.requests_waiting == 0 for load in loads
+            if (
+                len(loads) == len(engine.base_urls)
+                and all(load.at >= since for load in loads)
+                and all(load.requests_running == load.requests_waiting == 0 for load in loads)
             ):
                 return loads
             await anyio.sleep(0.1)
