@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._observers.base import BatchEvent as BatchEvent
 from ._observers.base import CleanupKind as CleanupKind
 from ._observers.base import CleanupOutcome as CleanupOutcome
+from ._observers.base import EngineRoute as EngineRoute
 from ._observers.base import EnvMethod as EnvMethod
 from ._observers.base import FinishedTrajectory as FinishedTrajectory
 from ._observers.base import Observers as Observers
@@ -37,6 +38,7 @@ from ._observers.trace import TraceRecorder as TraceRecorder
 __all__ = [
     "CleanupKind",
     "CleanupOutcome",
+    "EngineRoute",
     "EnvMethod",
     "FinishedTrajectory",
     "OpenTelemetryObserver",

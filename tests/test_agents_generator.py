@@ -6,6 +6,7 @@ deadlines are driven by events (an engine that blocks until the test lets it go,
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anyio
@@ -13,6 +14,7 @@ import pytest
 
 from skyrl_structured import TrajectoryID
 from skyrl_structured.agents import AgentContext, AgentError, CaptureSession, StructuredAgentGenerator
+from skyrl_structured.engines.routing import session_group
 from skyrl_structured.testing import EngineCall, LeakTracker, ScriptedEngine
 from skyrl_structured.types import GeneratorInput
 from skyrl_structured.validate import validate_generator_output
@@ -174,6 +176,19 @@ async def test_a_failed_rollout_is_a_placeholder_or_fails_the_step(tokenizer, an
     assert (out["rollout_metrics"] or {})["generate/num_failed_rollouts"] == 1
     with pytest.raises(ValueError, match="the agent's own bug"):
         await StructuredAgentGenerator(engine, tokenizer, agent).generate(batch(2))
+
+
+async def test_an_agents_engine_session_names_its_rollouts_prompt_group(tokenizer, anyio_backend):
+    """HTTPEngine's routing reads a rollout's prompt group from its session id: an agent's capture
+    session names its rollout's, so the samples of one prompt go to one server (design rule 26)."""
+    engine = ScriptedEngine.from_replies(tokenizer, "fine")
+    inputs = batch(3)
+    inputs["trajectory_ids"] = [TrajectoryID("q0", 0), TrajectoryID("q0", 1), TrajectoryID("q1", 0)]
+    await StructuredAgentGenerator(engine, tokenizer, one_call_agent()).generate(inputs)
+    ids = sorted(str(call.session_id) for call in engine.calls)
+    assert [re.fullmatch(r"(q[01]_[01])~[0-9a-f]{32}", i)[1] for i in ids] == ["q0_0", "q0_1", "q1_0"]  # type: ignore[index]
+    assert [session_group(i) for i in ids] == ["q0", "q0", "q1"]
+    assert sorted(map(str, engine.finished_sessions)) == ids
 
 
 async def test_an_agent_that_never_calls_the_endpoint_or_returns_no_reward_fails_by_name(tokenizer, anyio_backend):

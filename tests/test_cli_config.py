@@ -16,7 +16,7 @@ from skyrl_structured.cli import main
 from skyrl_structured.cli._checks import check_config
 from skyrl_structured.cli._config import load_config
 from skyrl_structured.cli._data import load_dataset
-from skyrl_structured.cli._engine import chaos_policy
+from skyrl_structured.cli._engine import chaos_policy, load_engine
 from skyrl_structured.cli._help import keys_help
 from skyrl_structured.cli._schema import (
     CHAOS_ENGINE_STAGES,
@@ -130,6 +130,11 @@ def test_yaml_file_sits_under_the_command_line(tmp_path):
         ("generator.skip_failed_rollouts=1", r"takes bool, got '1' \(int\)"),
         ("generator.max_turns=null", r"`generator.max_turns` cannot be null"),
         ("run.backend=curio", r"`run.backend` must be one of asyncio, trio; got 'curio'"),
+        (
+            "engine.routing=least_loaded",
+            r"^`engine.routing` must be one of group_least_loaded, round_robin; got 'least_loaded'; "
+            r"did you mean 'group_least_loaded'\?$",
+        ),
         ("generator.failed_rollout_policy=mask", r"must be one of placeholder, mask_group, fill_group_mean"),
         ("chaos.stage=steps", r"did you mean 'step'\?"),
         ("generator.sampling_params=0.5", r"`generator.sampling_params` is a section"),
@@ -543,3 +548,17 @@ def test_env_stage_fault_drills_with_worker_envs_are_refused_before_any_rollout(
         )
     )
     check_config(load_config(["chaos.stage=step", "chaos.failure_rate=0.2"]))
+
+
+@pytest.mark.parametrize("routing", [None, "round_robin"])
+def test_engine_routing_reaches_the_http_engine(tmp_path, tokenizer, routing):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    keys = ["engine.kind=http", "engine.model=tiny", f"engine.tokenizer={tmp_path / 'tok'}"]
+    keys.append("engine.base_urls=[http://127.0.0.1:1,http://127.0.0.1:2]")
+    if routing is not None:
+        keys.append(f"engine.routing={routing}")
+    setup = load_engine(load_config(keys), None)
+    expected = routing or "group_least_loaded"
+    assert setup.engine.routing == expected
+    assert setup.engine.router.policy == expected
+    assert setup.description.endswith(f", {expected}")

@@ -68,10 +68,10 @@ def spy_on_answers(client: HTTPEngine) -> dict[object, list[str]]:
     answered: dict[object, list[str]] = defaultdict(list)
     succeeded = client.router.succeeded
 
-    def record(session_id, url):
+    def record(session_id, url, group=None):
         if session_id is not None:
             answered[session_id].append(url)
-        succeeded(session_id, url)
+        succeeded(session_id, url, group)
 
     client.router.succeeded = record  # type: ignore[method-assign]
     return answered
@@ -104,7 +104,7 @@ async def test_each_session_sticks_to_one_server_and_sessions_spread_evenly(anyi
     ledger = EnvLedger()
     before = await counts(vllm_server_pair)
     with anyio.fail_after(180):
-        async with HTTPEngine([s.url for s in vllm_server_pair], "tiny") as client:
+        async with HTTPEngine([s.url for s in vllm_server_pair], "tiny", routing="round_robin") as client:
             answered = spy_on_answers(client)
             generator = generator_for(client, tokenizer, turns=turns)
             output = await generator.generate(scripted_batch(sessions, ledger, turns=turns), disable_tqdm=True)
@@ -131,7 +131,7 @@ async def test_requests_without_a_session_spread_over_both_servers(anyio_backend
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     before = await counts(vllm_server_pair)
     with anyio.fail_after(120):
-        async with HTTPEngine([s.url for s in vllm_server_pair], "tiny") as client:
+        async with HTTPEngine([s.url for s in vllm_server_pair], "tiny", routing="round_robin") as client:
             out = await client.generate({"prompt_token_ids": [prompt] * 16, "sampling_params": {"max_tokens": 16}})
     after = await counts(vllm_server_pair)
     assert all(len(ids) == 16 for ids in out["response_ids"])
@@ -180,14 +180,16 @@ async def test_a_server_killed_mid_batch_fails_over_and_nothing_hangs(anyio_back
     killed = anyio.Event()
 
     with anyio.fail_after(180):
-        async with HTTPEngine([s.url for s in vllm_server_pair], "tiny", failover_cooldown_s=600) as client:
+        async with HTTPEngine(
+            [s.url for s in vllm_server_pair], "tiny", failover_cooldown_s=600, routing="round_robin"
+        ) as client:
             answered = spy_on_answers(client)
             recorded = client.router.succeeded
 
-            def kill_at_its_sixth_answer(session_id: object, url: str) -> None:
+            def kill_at_its_sixth_answer(session_id: object, url: str, group: object = None) -> None:
                 # An event, not a poll: the doomed server dies as its 6th answer of this batch comes
                 # back, in the middle of its sessions (they have 4 turns each, half the batch is its).
-                recorded(session_id, url)
+                recorded(session_id, url, group)
                 doomed_answers = sum(u == doomed.url for urls in answered.values() for u in urls)
                 if url == doomed.url and doomed_answers >= 6 and not killed.is_set():
                     doomed.kill()

@@ -20,6 +20,7 @@ __all__ = [
     "BatchEvent",
     "CleanupKind",
     "CleanupOutcome",
+    "EngineRoute",
     "EnvMethod",
     "FinishedTrajectory",
     "Observers",
@@ -46,6 +47,28 @@ CleanupKind = Literal["env_close", "finish_session"]
 CleanupOutcome = Literal["ok", "error", "timeout"]
 #: Which environment method a call event is about.
 EnvMethod = Literal["init", "step"]
+
+
+class EngineRoute(Protocol):
+    """One engine server as an inference client's routing sees it
+    (:class:`~skyrl_structured.engines.routing.ServerRoute`, named structurally)."""
+
+    @property
+    def server(self) -> str: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def sessions(self) -> int: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def placed_total(self) -> int: ...
+    @property
+    def load(self) -> float: ...
+    @property
+    def read(self) -> bool: ...
+    @property
+    def past_bound(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -210,6 +233,12 @@ class RolloutObserver:
         (``grow``, ``cut_preempted``, ``cut_queued``, or a ``hold_*`` reason when it did not change);
         ``kv_cache_usage`` is the fullest server's KV-cache usage (0-1), None without a reading.
         Heard by the observers of the call whose rollouts drive the limit at that moment.
+        """
+
+    def engine_routes_read(self, routes: Sequence[EngineRoute]) -> None:
+        """The inference client routes over several servers (``HTTPEngine`` with more than one ``base_urls``):
+        where its sessions are and each server's load, read about once a second while the call runs and
+        at its end (``routes``: one per server, in the client's order). Heard by every running call's observers.
         """
 
     def batch_aborted(self, size: int, error: BaseException) -> None:

@@ -20,15 +20,20 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | ``skyrl_structured_admission_limit`` | gauge | ``max_concurrent_rollouts="auto"``: the admission limit now |
 | ``skyrl_structured_admission_changes_total{reason}`` | counter | its changes: ``grow``, ``cut_*`` |
 | ``skyrl_structured_engine_kv_cache_usage`` | gauge | the fullest engine server's KV-cache usage (0-1), last read |
+| ``skyrl_structured_engine_sessions{server}`` | gauge | routing over several servers: sessions bound to each now |
+| ``skyrl_structured_engine_groups{server}`` | gauge | prompt groups each server serves (``group_least_loaded``) |
+| ``skyrl_structured_engine_sessions_placed{server}`` | gauge | sessions placed on each since the client started |
+| ``skyrl_structured_engine_load{server}`` | gauge | each server's load as routing compares it |
+| ``skyrl_structured_engine_up{server}`` | gauge | 1 while a server is not in its failover cooldown, else 0 |
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import CleanupKind, CleanupOutcome, FinishedTrajectory, RolloutObserver, RolloutRef
+from .base import CleanupKind, CleanupOutcome, EngineRoute, FinishedTrajectory, RolloutObserver, RolloutRef
 
 __all__ = ["PrometheusObserver"]
 
@@ -86,6 +91,30 @@ class PrometheusObserver(RolloutObserver):
         )
         self.kv_cache_usage = prom.Gauge(
             "engine_kv_cache_usage", "The fullest engine server's KV-cache usage (0-1)", namespace=ns, registry=r
+        )
+        per_server = ["server"]
+        self.engine_sessions = prom.Gauge(
+            "engine_sessions", "Sessions bound to each engine server", per_server, namespace=ns, registry=r
+        )
+        self.engine_groups = prom.Gauge(
+            "engine_groups", "Prompt groups each engine server serves", per_server, namespace=ns, registry=r
+        )
+        self.engine_sessions_placed = prom.Gauge(
+            "engine_sessions_placed",
+            "Sessions placed on each engine server since the client started",
+            per_server,
+            namespace=ns,
+            registry=r,
+        )
+        self.engine_load = prom.Gauge(
+            "engine_load", "Each engine server's load as routing compares it", per_server, namespace=ns, registry=r
+        )
+        self.engine_up = prom.Gauge(
+            "engine_up",
+            "1 while an engine server is not in its failover cooldown",
+            per_server,
+            namespace=ns,
+            registry=r,
         )
         if env_workers is not None:
             self.count_env_workers(env_workers)
@@ -184,6 +213,14 @@ class PrometheusObserver(RolloutObserver):
 
     def batch_aborted(self, size: int, error: BaseException) -> None:
         self.batches.labels(outcome="aborted").inc()
+
+    def engine_routes_read(self, routes: Sequence[EngineRoute]) -> None:
+        for route in routes:
+            self.engine_sessions.labels(server=route.server).set(route.sessions)
+            self.engine_groups.labels(server=route.server).set(route.groups)
+            self.engine_sessions_placed.labels(server=route.server).set(route.placed_total)
+            self.engine_load.labels(server=route.server).set(route.load)
+            self.engine_up.labels(server=route.server).set(1 if route.up else 0)
 
     def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
         self.admission_limit.set(limit)

@@ -20,6 +20,9 @@ With ``max_concurrent_rollouts="auto"``, the admission limit and the fullest eng
 KV-cache usage are counter tracks (``"ph": "C"``, ``admission limit`` and ``kv cache usage``,
 category ``admission``) of the batch running when they were read, and each change of the limit is
 a process-wide instant named ``admission <reason>`` (``admission grow``, ``admission cut_preempted``).
+With an inference client that routes over several servers, each server's sessions and load are
+counter tracks too (``engine sessions`` and ``engine load``, one series per server URL, category
+``routing``), read about once a second.
 
 While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
 :class:`_TraceBuilder` replays the log into complete (``"ph": "X"``) events with integer
@@ -33,12 +36,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..types import ROLLOUT_ERROR_STOP_REASON, TrajectoryID
-from .base import CleanupKind, CleanupOutcome, EnvMethod, FinishedTrajectory, RolloutObserver, RolloutRef
+from .base import (
+    CleanupKind,
+    CleanupOutcome,
+    EngineRoute,
+    EnvMethod,
+    FinishedTrajectory,
+    RolloutObserver,
+    RolloutRef,
+)
 
 __all__ = ["TraceRecorder"]
 
@@ -203,6 +214,10 @@ class TraceRecorder(RolloutObserver):
 
     def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
         self._log.append((self._clock(), _ADMISSION, -1, 0, None, limit, previous, reason, kv_cache_usage))
+
+    def engine_routes_read(self, routes: Sequence[EngineRoute]) -> None:
+        servers = tuple((route.server, route.sessions, route.load) for route in routes)
+        self._log.append((self._clock(), _ROUTES, -1, 0, None, servers))
 
 
 def _failure(error: BaseException | None) -> tuple[str | None, str | None]:
@@ -430,6 +445,17 @@ class _TraceBuilder:
                 }
             )
 
+    def routes(self, servers: tuple[tuple[str, int, float], ...]) -> None:
+        """Routing over several servers: each one's sessions and load as counter tracks."""
+        now = self._now_us()
+        for name, args in (
+            ("engine sessions", {server: sessions for server, sessions, _ in servers}),
+            ("engine load", {server: round(load, 4) for server, _, load in servers}),
+        ):
+            self._records.append(
+                {"ph": "C", "name": name, "cat": "routing", "pid": self._batch, "ts": now, "args": args}
+            )
+
     def batch_finished(self) -> None:
         self._close_all()
 
@@ -493,7 +519,8 @@ def _as_event(record: _Ended) -> dict[str, Any]:
     _BATCH_ABORTED,
     _ROLLOUT_CUT,
     _ADMISSION,
-) = range(18)
+    _ROUTES,
+) = range(19)
 
 _REPLAY: dict[int, Callable[..., None]] = {
     _BATCH_STARTED: lambda b, r, size: b.batch_started(size),
@@ -518,4 +545,5 @@ _REPLAY: dict[int, Callable[..., None]] = {
     _BATCH_FINISHED: lambda b, r: b.batch_finished(),
     _BATCH_ABORTED: lambda b, r, name, text: b.batch_aborted(_Err(name, text)),
     _ADMISSION: lambda b, r, limit, previous, reason, kv: b.admission(limit, previous, reason, kv),
+    _ROUTES: lambda b, r, servers: b.routes(servers),
 }

@@ -43,6 +43,7 @@ from .contexts import BatchContext, BatchShape, RolloutContext, activate
 from .gc import relaxed_gc
 from .parking import Parked, ParkRequest, RolloutParked, close_parked
 from .pauses import PausableDeadline, use_clock, use_rollout_deadline
+from .routes import RoutesWatch
 from .stragglers import StragglerCutError, StragglerCutoff
 from .wakers import loop_scheduler
 
@@ -219,6 +220,8 @@ async def run_rollouts(
 
 
 async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchContext) -> BatchResult[OutputT]:
+    # A client routing over several servers: where the call's sessions went (routes.py).
+    routes = RoutesWatch.of(batch.client) if count else None
     try:
         async with anyio.create_task_group() as group:
             if batch.pauses is not None and count:
@@ -229,6 +232,9 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
                 # with the last rollout.
                 admission = batch.admission
                 supervisor.background(group, lambda: admission.run(batch.observers))
+            if routes is not None:
+                watch = routes
+                supervisor.background(group, lambda: watch.run(batch.observers))
             for index in range(count):
                 group.start_soon(supervisor.child, index, group)
     except BaseExceptionGroup as group_error:
@@ -245,6 +251,8 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
     await anyio.lowlevel.checkpoint_if_cancelled()
     if supervisor.first_error is not None:
         raise supervisor.first_error
+    if routes is not None:
+        routes.read(batch.observers)  # the call's last reading: every session of it placed
     batch.observers.emit(RolloutObserver.batch_finished, count, len(supervisor.failures))
     return BatchResult(
         # A slot is empty only for a rollout cancelled because the batch was over its budget.
@@ -253,7 +261,11 @@ async def _supervise(supervisor: _Supervisor[OutputT], count: int, batch: BatchC
         retries=supervisor.retries,
         cleanup=batch.cleanup,
         over_budget=supervisor.over_budget,
-        metrics={**(batch.admission.metrics() if batch.admission is not None else {}), **supervisor.metrics()},
+        metrics={
+            **(batch.admission.metrics() if batch.admission is not None else {}),
+            **(routes.metrics() if routes is not None else {}),
+            **supervisor.metrics(),
+        },
         cut=frozenset(supervisor.cut_rows()),
         parked=frozenset(supervisor.parked_rows),
     )

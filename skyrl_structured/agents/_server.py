@@ -41,7 +41,7 @@ from .._runtime.sessions import SessionEnd
 from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
-from ..types import InferenceClient, InferenceEngineInput
+from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
 from . import _anthropic, _responses
 from ._capture import (
     SURROGATE_ESCAPE,
@@ -230,12 +230,12 @@ class CaptureServer:
         (:class:`~skyrl_structured._runtime.sessions.SessionEnd`), each wait shielded and bounded by
         ``cleanup_timeout_s``.
         """
-        session_id = secrets.token_hex(16)  # 128 bits, public
         key = secrets.token_urlsafe(24)  # 192 bits, the credential
         if context is None:
             context = RolloutContext(
                 BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
             )
+        session_id = _engine_session_id(context.ref.trajectory_id)
         context.ref = dataclasses.replace(context.ref, session_id=session_id)
         session = CaptureSession(
             id=session_id,
@@ -583,3 +583,13 @@ def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:
         return settings.agent_endpoint_url.replace("{port}", str(port)).rstrip("/")
     host = settings.agent_endpoint_host
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _engine_session_id(trajectory_id: TrajectoryID | None) -> str:
+    """A capture session's id (public): 128 random bits, after ``"<instance_id>_<repetition_id>~"`` for a
+    rollout with a trajectory id, so that routing over several servers
+    (:func:`~skyrl_structured.engines.routing.session_group`) places the session with its prompt group."""
+    token = secrets.token_hex(16)
+    if trajectory_id is None:
+        return token
+    return f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}~{token}"

@@ -148,9 +148,15 @@ def load_engine(cfg: RolloutConfig, policy: Any | None) -> EngineSetup:
         assert e.model is not None  # checked by check_config
         tokenizer = _auto_tokenizer(_hub_source(e.tokenizer or e.model, tokenizer=True))
         engine = HTTPEngine(
-            list(e.base_urls), e.model, tokenizer=tokenizer, timeout_s=e.timeout_s, default_sampling_params=defaults
+            list(e.base_urls),
+            e.model,
+            tokenizer=tokenizer,
+            timeout_s=e.timeout_s,
+            default_sampling_params=defaults,
+            routing=e.routing,
         )
-        setup = EngineSetup(engine, tokenizer, f"http, {e.model} at {', '.join(e.base_urls)}")
+        routed = f", {e.routing}" if len(e.base_urls) > 1 else ""
+        setup = EngineSetup(engine, tokenizer, f"http, {e.model} at {', '.join(e.base_urls)}{routed}")
     else:
         from ..engines import VLLMEngine
 

@@ -133,6 +133,12 @@ class EngineSection:
         lambda: ["http://127.0.0.1:8000"],
     )
     timeout_s: float = _opt("http: seconds to wait for one server answer.", 600.0)
+    routing: Literal["group_least_loaded", "round_robin"] = _opt(
+        "http: where a new trajectory goes among engine.base_urls. group_least_loaded: the trajectories "
+        "of one prompt group to one server (its prompt prefilled once there) unless it is past its load "
+        "bound, new groups to the least-loaded server by its /metrics; round_robin: the servers in turn.",
+        "group_least_loaded",
+    )
     device: str | None = _opt(
         "transformers: torch device (cpu, cuda, cuda:1); null leaves the model where it loads (the CPU).", None
     )

@@ -90,6 +90,20 @@ class LoadReader:
         self._problems: dict[str, str] = {}
         self._counters = {server: _Monotonic() for server in self.servers}
 
+    @property
+    def reads_finished(self) -> int:
+        """How many reads have finished (a new number: a new reading)."""
+        return self._reads_finished
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read is in flight now."""
+        return self._in_flight is not None
+
+    def fresh(self) -> bool:
+        """Whether the last reading is younger than ``min_interval_s``."""
+        return self._fresh()
+
     def _fresh(self) -> bool:
         return self._read_at is not None and self._clock() - self._read_at < self.min_interval_s
 

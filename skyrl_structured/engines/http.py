@@ -24,6 +24,13 @@ clear error instead of a failure per request.
 :meth:`HTTPEngine.engine_load` (the :class:`~skyrl_structured.engines.load.ReportsLoad` signal)
 reads each server's ``GET /metrics`` at most once per ``load_interval_s``, on a connection pool of
 its own, so that reading load never takes a connection a completion request is waiting for.
+
+Where a new session goes is the ``routing`` policy's (:mod:`skyrl_structured.engines.routing`):
+``group_least_loaded`` (the default) keeps a prompt group's sessions on one server and places new
+groups on the least-loaded server, read from the same ``/metrics`` (with more than one server, a new
+session's first request renews a reading older than ``load_interval_s``, waiting up to 0.5 s for it,
+unless a read is in flight and there was one before: then it uses the last reading); ``round_robin``
+takes the servers in turn. :meth:`HTTPEngine.routes` tells each server's sessions and load.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
+import anyio
 from anyio.lowlevel import RunVar
 
 from .._runtime.pauses import PausableDeadline, current_clock
@@ -56,12 +64,15 @@ from .render import (
     parse_generated,
     parse_render,
 )
-from .routing import StickyRouter
+from .routing import Router, RoutingPolicy, ServerRoute, check_routing, make_router, session_group
 from .sampling import SamplingSpec, default_spec, resolve_sampling
 
 __all__ = ["HTTPEngine", "ServerStatus"]
 
 logger = logging.getLogger(__name__)
+
+#: The longest a new session's first request waits for a reading of the servers' load to place it.
+_PLACEMENT_READ_S = 0.5
 
 #: Idle connections are closed after this long: under the servers' keep-alive (vLLM: 5 s).
 _KEEPALIVE_EXPIRY_S = 3.0
@@ -133,11 +144,17 @@ class HTTPEngine(AsyncResource):
         failover_cooldown_s: how long an unreachable server is tried last.
         load_interval_s: the least time between two reads of the servers' ``/metrics`` by
             :meth:`engine_load` (0: every call reads, concurrent calls still share one read).
+        routing: where a new session goes: ``"group_least_loaded"`` (a prompt group's sessions
+            together, new groups on the least-loaded server) or ``"round_robin"``; see
+            :mod:`skyrl_structured.engines.routing`.
+        session_group: the prompt group of a session id (None: it names none); default
+            :func:`~skyrl_structured.engines.routing.session_group`, which reads the generator's
+            ``"<instance_id>_<repetition_id>"``. A session that names none is grouped by its first prompt.
 
     Raises:
         ImportError: httpx is not installed (``pip install 'skyrl-structured[http]'``).
-        ValueError: no URL, a URL that is not http(s), bad default sampling params, or a
-            negative ``load_interval_s``.
+        ValueError: no URL, a URL that is not http(s), bad default sampling params, a
+            negative ``load_interval_s``, or an unknown ``routing``.
     """
 
     def __init__(
@@ -154,7 +171,10 @@ class HTTPEngine(AsyncResource):
         headers: Mapping[str, str] | None = None,
         failover_cooldown_s: float = 30.0,
         load_interval_s: float = 1.0,
+        routing: RoutingPolicy = "group_least_loaded",
+        session_group: Callable[[Hashable | None], Hashable | None] = session_group,
     ) -> None:
+        policy = check_routing(routing)
         self._httpx = import_optional("httpx", "http", needed_by="HTTPEngine")
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
@@ -173,7 +193,10 @@ class HTTPEngine(AsyncResource):
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.default_sampling: SamplingSpec = default_spec(default_sampling_params)
-        self.router = StickyRouter(self.base_urls, cooldown_s=failover_cooldown_s)
+        self.routing: RoutingPolicy = policy
+        self.router: Router = make_router(policy, self.base_urls, cooldown_s=failover_cooldown_s)
+        self._session_group = session_group
+        self._observed_reads = 0
         self._headers = dict(headers or {})
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -278,7 +301,38 @@ class HTTPEngine(AsyncResource):
         value reported, so differences between readings are never negative. The KV capacity
         (``kv_capacity_tokens``) is read from the labels of vLLM's ``vllm:cache_config_info``.
         """
-        return await self._load.latest()
+        loads = await self._load.latest()
+        if self._load.reads_finished != self._observed_reads:  # a new reading: the router learns it
+            self._observed_reads = self._load.reads_finished
+            self.router.observe(loads)
+        return loads
+
+    def routes(self) -> list[ServerRoute]:
+        """Each server's sessions, prompt groups and load as routing sees them now, in ``base_urls`` order.
+
+        Cheap and synchronous; safe to call from another thread (a metrics scrape).
+        """
+        return self.router.routes()
+
+    def _placement_reads(self) -> bool:
+        """Whether placing a new session reads the servers' load first: with ``group_least_loaded`` over
+        several servers, when the last reading is stale and no read is in flight (a placement meanwhile
+        uses the last reading, with the sessions placed since counted, rather than wait for that read),
+        or when there is no reading yet."""
+        if self.routing != "group_least_loaded" or len(self.base_urls) < 2:
+            return False
+        if self._load.reads_finished == 0:
+            return True
+        return not self._load.fresh() and not self._load.reading
+
+    def _group(self, session_id: Hashable | None, prompt_ids: Sequence[int] | None) -> Hashable | None:
+        """The prompt group of a request: the session's, else its prompt's (None: neither)."""
+        group = self._session_group(session_id)
+        if group is not None:
+            return ("group", group)
+        if prompt_ids is not None:
+            return ("prompt", hash(tuple(prompt_ids)))
+        return None
 
     async def _fetch_metrics(self, url: str) -> str:
         client = self._metrics_client.get(None)
@@ -346,11 +400,16 @@ class HTTPEngine(AsyncResource):
         cache_salt: str | None,
     ) -> Completion:
         body = completion_request(prompt_ids, spec, model=model, cache_salt=cache_salt)
-        url, raw = await self._post("/v1/completions", body, session_id)
+        url, raw = await self._post("/v1/completions", body, session_id, prompt_ids)
         return parse_completion(raw, url=url, want_logprobs=spec.logprobs is not None)
 
-    async def _post(self, path: str, body: Any, session_id: Hashable | None) -> tuple[str, bytes]:
+    async def _post(
+        self, path: str, body: Any, session_id: Hashable | None, prompt_ids: Sequence[int] | None = None
+    ) -> tuple[str, bytes]:
         """POST ``body`` to ``path`` on the session's server, failing over past unreachable ones.
+
+        A new session is placed by the router first (``prompt_ids`` group it when its id names no
+        group); ``group_least_loaded`` renews a stale reading of the servers' load for that.
 
         Returns:
             The server's base URL and the 2xx answer's body.
@@ -364,7 +423,15 @@ class HTTPEngine(AsyncResource):
         client = self._get_client()
         headers = session_header(session_id)
         unreachable: dict[str, str] = {}
-        for url in self.router.candidates(session_id):
+        group = None
+        if not self.router.is_placed(session_id):
+            group = self._group(session_id, prompt_ids)
+            if self._placement_reads():
+                # Renew a stale reading (never raises), waiting a bounded time: a server whose /metrics
+                # hangs must not hold up the completion.
+                with anyio.move_on_after(_PLACEMENT_READ_S):
+                    await self.engine_load()
+        for url in self.router.candidates(session_id, group):
             try:
                 # timeout_s stops while the generator running this rollout is paused (a weight sync).
                 with PausableDeadline(current_clock(), self.timeout_s) as deadline:
@@ -396,7 +463,7 @@ class HTTPEngine(AsyncResource):
             except httpx.HTTPError as exc:  # anything else httpx raises (a bad URL, a proxy error, ...)
                 why = f"{type(exc).__name__}: {exc}"
                 raise EngineConnectionError(f"the request to {url} failed: {why}", failures={url: why}) from exc
-            self.router.succeeded(session_id, url)
+            self.router.succeeded(session_id, url, group)
             if not 200 <= response.status_code < 300:
                 raise EngineHTTPError(url, response.status_code, error_message(response.content))
             return url, bytes(response.content)
@@ -454,7 +521,7 @@ class HTTPEngine(AsyncResource):
     ) -> Completion:
         """One rendered prompt with its image features through ``POST /inference/v1/generate``."""
         body = generate_request(prompt_ids, features, spec, model=model, cache_salt=cache_salt)
-        url, raw = await self._post(GENERATE_PATH, body, session_id)
+        url, raw = await self._post(GENERATE_PATH, body, session_id, prompt_ids)
         ids, reason, logprobs = parse_generated(raw, url=url, want_logprobs=spec.logprobs is not None)
         if self.tokenizer is not None:
             text = str(self.tokenizer.decode(ids, skip_special_tokens=spec.skip_special_tokens))

@@ -70,7 +70,7 @@ async def test_sessions_stick_to_one_server_until_finished(anyio_backend, tokeni
     async with (
         serve_vllm(echo_engine(tokenizer, "a")) as a,
         serve_vllm(echo_engine(tokenizer, "b")) as b,
-        HTTPEngine([a.url, b.url], "test-model") as engine,
+        HTTPEngine([a.url, b.url], "test-model", routing="round_robin") as engine,
     ):
         for _turn in range(3):
             for session in ["s0", "s1", "s2", "s3"]:
@@ -90,7 +90,10 @@ async def test_sessions_stick_to_one_server_until_finished(anyio_backend, tokeni
 
 async def test_failover_to_the_next_server_when_one_is_down(anyio_backend, tokenizer, caplog):
     dead = closed_port_url()
-    async with serve_vllm(echo_engine(tokenizer)) as live, HTTPEngine([dead, live.url], "test-model") as engine:
+    async with (
+        serve_vllm(echo_engine(tokenizer)) as live,
+        HTTPEngine([dead, live.url], "test-model", routing="round_robin") as engine,
+    ):
         out = await engine.generate({"prompt_token_ids": [[1, 2]], "session_ids": ["s0"]})
         assert out["responses"] == ["ok 2"]
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING and dead in r.getMessage()]
