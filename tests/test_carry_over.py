@@ -155,6 +155,23 @@ async def test_a_resumed_row_is_the_uncut_row_token_for_token(tokenizer: Any) ->
     assert other_tasks() == before
 
 
+async def test_a_resumed_step_wise_rollout_is_the_uncut_one(tokenizer: Any) -> None:
+    step_wise = {"step_wise_trajectories": True}
+    reference = make_generator(tokenizer, ScriptedEngine(tokenizer, Script(tokenizer)), **step_wise)
+    expected = await reference.generate(make_batch(4, EnvLedger()), disable_tqdm=True)
+    ledger = EnvLedger()
+    script = Script(tokenizer, hung={"q1_0"})
+    gen = carrying(tokenizer, script, **step_wise)
+    await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert gen.parked_rollouts == 1
+    no_more_cuts(gen)
+    second = await gen.generate(make_batch(4, ledger), disable_tqdm=True)
+    assert len(script.continued) == 1
+    for key in ("prompt_token_ids", "response_ids", "loss_masks", "rewards", "is_last_step"):
+        assert second[key] == expected[key], key  # type: ignore[literal-required]
+    ledger.assert_all_closed_once()
+
+
 async def test_an_engine_without_partial_replies_resumes_from_the_last_turn_and_says_so_once(
     tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
