@@ -148,6 +148,12 @@ async def _cancel_in_engine(server: Any, capture: Any, k: int) -> Attempt:
     The agent runs outside the rollout's scope (as its worker thread does in a generator) and is
     answered by the session's close.
     """
+    # Nothing else in vLLM first: the "ran to its end" counter below is the server's, and a request of an
+    # earlier test finishing during this attempt once read as this one (a CI lane run; aborted=[] then).
+    while True:
+        if not await anyio.to_thread.run_sync(in_flight, server):
+            break
+        await anyio.sleep(0.05)
     log_before = len(server.log_text())
     finished_before = await anyio.to_thread.run_sync(finished, server)
     answers: list[Any] = []
