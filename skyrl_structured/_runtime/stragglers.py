@@ -83,6 +83,8 @@ class StragglerCutoff:
         self.park: Callable[[int], bool] | None = None
         self._final = [False] * len(groups)
         self._cut = [False] * len(groups)
+        #: Whether :meth:`cut_now` was called (the cuts are the group stop's, not the share's).
+        self._stopped = False
 
     def scope(self, index: int) -> anyio.CancelScope:
         """The cancel scope rollout ``index`` runs in (all its attempts, its slot wait, its backoffs)."""
@@ -94,6 +96,8 @@ class StragglerCutoff:
 
     def describe(self, index: int) -> str:
         """Why rollout ``index`` was cut, for its :class:`StragglerCutError`."""
+        if self._stopped:
+            return "the call had the informative groups it needed (InformativeBatches)"
         scope = self._scope_of[index]
         return (
             f"{scope.threshold} of the {len(scope.members)} rollouts of its scope were final "
@@ -132,6 +136,7 @@ class StragglerCutoff:
         What :class:`~skyrl_structured._runtime.group_stop.GroupStop` asks for once the call has enough.
         """
         before = sum(self._cut)
+        self._stopped = True
         for scope in {id(s): s for s in self._scope_of}.values():
             if scope.grace is not None:
                 scope.grace.cancel()
