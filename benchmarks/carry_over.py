@@ -71,6 +71,7 @@ from skyrl_structured.engines.partial import offer_partial
 
 from .harness import package_version, run_loop
 from .tokenizer import load_tokenizer
+from .workload import skyrl_generator_class
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -203,18 +204,9 @@ def generator_config(**knobs: Any) -> GeneratorConfig:
 
 def upstream_generator(tokenizer: Any, engine: TailEngine) -> Any | None:
     """SkyRL's own ``SkyRLGymGenerator`` (skyrl 0.3.0), or None where it is not installed."""
-    try:
-        from tests._upstream import load_upstream_generator
-
-        cls = load_upstream_generator()
-    except (ImportError, RuntimeError):
+    cls = skyrl_generator_class()
+    if cls is None:
         return None
-    try:
-        from loguru import logger
-
-        logger.disable("skyrl")
-    except ImportError:
-        pass
     return cls(generator_config(), SkyRLGymConfig(max_env_workers=0), engine, tokenizer)
 
 

@@ -293,8 +293,8 @@ def make_generator(
     return StructuredGymGenerator(cfg, SkyRLGymConfig(max_env_workers=max_env_workers), engine, tokenizer)
 
 
-def make_skyrl_generator(tokenizer: Any, engine: Any, *, turns: int, max_env_workers: int = 0) -> Any | None:
-    """SkyRL's own ``SkyRLGymGenerator`` on the same configuration, or None when SkyRL is not installed."""
+def skyrl_generator_class() -> Any | None:
+    """SkyRL's own ``SkyRLGymGenerator`` class (its loguru logging off), or None when SkyRL is not installed."""
     try:
         from tests._upstream import load_upstream_generator
 
@@ -307,4 +307,12 @@ def make_skyrl_generator(tokenizer: Any, engine: Any, *, turns: int, max_env_wor
         logger.disable("skyrl")
     except ImportError:
         pass
+    return cls
+
+
+def make_skyrl_generator(tokenizer: Any, engine: Any, *, turns: int, max_env_workers: int = 0) -> Any | None:
+    """SkyRL's own ``SkyRLGymGenerator`` on the same configuration, or None when SkyRL is not installed."""
+    cls = skyrl_generator_class()
+    if cls is None:
+        return None
     return cls(generator_config(turns), SkyRLGymConfig(max_env_workers=max_env_workers), engine, tokenizer)

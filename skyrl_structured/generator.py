@@ -517,19 +517,22 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
 
         async def rollout(i: int) -> RolloutOutput:
             trajectory_id = trajectory_ids[i] if trajectory_ids is not None else None
+            loop = self.agent_loop(
+                prompts[i],
+                env_classes[i],
+                env_extras[i],
+                cfg.sampling_params.max_generate_length,
+                cfg.max_input_length,
+                sampling_params=request.sampling_params,
+                trajectory_id=trajectory_id,
+                cache_salt=request.cache_salt,
+            )
+            if resumes[i] is None:  # the common path: nothing to hand over (carry-over off, or a fresh row)
+                return await loop
             context = current_rollout(self, trajectory_id)
             context.resume, resumes[i] = resumes[i], None
             try:
-                return await self.agent_loop(
-                    prompts[i],
-                    env_classes[i],
-                    env_extras[i],
-                    cfg.sampling_params.max_generate_length,
-                    cfg.max_input_length,
-                    sampling_params=request.sampling_params,
-                    trajectory_id=trajectory_id,
-                    cache_salt=request.cache_salt,
-                )
+                return await loop
             finally:
                 if context.resume is not None:  # an agent_loop of a subclass's own that did not take it
                     resumes[i], context.resume = context.resume, None
