@@ -15,6 +15,7 @@ from ..config import read_knob
 from ..generator import StructuredGymGenerator
 from ..types import InferenceClient, SkyRLConfig, Tokenizer
 from ..vlm_generator import StructuredVLMGymGenerator
+from ._fully_async import check_fully_async, fully_async_enabled
 
 __all__ = ["AGENT_KEY", "configured_agent", "fully_async_failure_budget", "structured_generator"]
 
@@ -42,7 +43,12 @@ def structured_generator(
     :func:`fully_async_failure_budget` first. Weight syncs are wired to the generator's pauses once
     the trainer exists (``StructuredPPOExp._setup_trainer``, see
     :func:`~skyrl_structured.integrations._weight_sync.pause_during_weight_sync`).
+
+    Raises:
+        ValueError: under ``trainer.fully_async.enabled=true``, ``generator.oversample_groups`` or
+            ``generator.carry_over_cut_rollouts`` (see :mod:`~skyrl_structured.integrations._fully_async`).
     """
+    check_fully_async(cfg)  # the three-line route to the fully-async trainer never runs parse_config
     fully_async_failure_budget(cfg)
     agent = configured_agent(cfg.generator)
     if agent is not None:
@@ -81,8 +87,7 @@ def fully_async_failure_budget(cfg: SkyRLConfig) -> None:
     generator = cfg.generator
     if getattr(generator, "failure_budget_action", "raise") is not None:
         return
-    fully_async = bool(getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False))
-    if fully_async and getattr(generator, "skip_failed_rollouts", False):
+    if fully_async_enabled(cfg) and getattr(generator, "skip_failed_rollouts", False):
         generator.failure_budget_action = "warn"
         logger.info(
             "generator.failure_budget_action=warn (it was not set): SkyRL's fully-async trainer calls generate() "

@@ -58,6 +58,7 @@ from ..keys import dataclass_keys, did_you_mean, siblings, suggest
 from ..types import SkyRLConfig
 from ..validate import check_generator_config
 from ..vlm_generator import check_vision_language_config
+from ._fully_async import check_fully_async, fully_async_enabled
 from ._skyrl_generator import AGENT_KEY, configured_agent
 from ._skyrl_generator import fully_async_failure_budget as fully_async_failure_budget
 from ._skyrl_generator import structured_generator as structured_generator
@@ -275,6 +276,7 @@ def check_structured_config(cfg: SkyRLConfig) -> None:
     if getattr(cfg.generator, "vision_language_generator", False):
         check_vision_language_config(cfg.generator)
     settings = resolve_resilience(cfg.generator)
+    check_fully_async(cfg)  # first: under the fully-async trainer the fix is another key, not dynamic_sampling
     template = load_custom_chat_template(cfg.generator.chat_template)
     check_generator_config(cfg.generator, cfg.environment.skyrl_gym, settings, template)
     check_oversampling(cfg, settings)
@@ -423,11 +425,6 @@ def check_oversampling(cfg: SkyRLConfig, settings: ResilienceSettings) -> None:
             f"`generator.oversample_groups={share:g}` cuts the groups still running once the batch has its groups, "
             "which needs `generator.carry_over_cut_rollouts=true` so they are parked, not lost: turn it on"
         )
-    if getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False):
-        raise ValueError(
-            f"`generator.oversample_groups={share:g}` drives SkyRL's synchronous trainer; the fully-async trainer "
-            "(trainer.fully_async.enabled=true) has its own sample_full_batch: set oversample_groups to null there"
-        )
     if getattr(cfg.generator, "step_wise_trajectories", False):
         raise ValueError(
             f"`generator.oversample_groups={share:g}` needs whole trajectories: set "
@@ -436,7 +433,7 @@ def check_oversampling(cfg: SkyRLConfig, settings: ResilienceSettings) -> None:
 
 
 def _refuse_fully_async(cfg: SkyRLConfig) -> None:
-    if getattr(getattr(cfg.trainer, "fully_async", None), "enabled", False):
+    if fully_async_enabled(cfg):
         raise ValueError(
             "`trainer.fully_async.enabled=true`: this entrypoint (and trainer.override_entrypoint) drives SkyRL's "
             "synchronous trainer; for fully-async training keep your fully-async entrypoint and make the "
