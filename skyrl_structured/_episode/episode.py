@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from .._runtime.contexts import RolloutContext
 from .._runtime.parking import RolloutParked
 from .._runtime.versions import NOT_SAMPLED
+from ..engines._no_partial import no_partial_reason
 from ..engines.partial import PartialReply, collecting_partial
 from ..errors import PromptTooLongError
 from ..types import (
@@ -386,8 +387,9 @@ class Episode:
             if parking is not None and not parking.said_no_partial:
                 parking.said_no_partial = True
                 logger.info(
-                    "the engine handed back no partial reply for a request the straggler cutoff stopped: the "
-                    "parked rollout resumes from its last finished turn and that request is sampled again"
+                    "the engine handed back no partial reply for a request the straggler cutoff stopped (%s): the "
+                    "parked rollout resumes from its last finished turn and that request is sampled again",
+                    no_partial_reason(context.client),
                 )
             return before
         kept = before or _Partial([], [], "", [])
