@@ -307,14 +307,7 @@ class StructuredGymGenerator(ChatAttributes, FramedGenerator):
             output.time_splits = context.time_splits
         except RolloutParked as parked:
             # Its environment was handed over open; the generator keeps both until a later call resumes it.
-            parked.keep(
-                trajectory_id,
-                env_class,
-                prompt,
-                sampling_params,
-                session_id=session_id,
-                parked_at=context.policy_version,
-            )
+            parked.keep(trajectory_id, env_class, prompt, sampling_params, session_id, context.policy_version)
             raise
         except BaseException as exc:
             if not session_end.started:

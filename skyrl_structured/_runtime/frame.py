@@ -221,11 +221,15 @@ class FramedGenerator(Pausable):
     def observers(self, value: list[RolloutObserver]) -> None:
         self._frame.observers = value
 
-    @property  # type: ignore[override]  # Pausable's `pauses` attribute, read from the frame
+    @property
     def pauses(self) -> PauseClock:
         """The pause clock (:meth:`pause`, :meth:`resume`): rollout deadlines, ``HTTPEngine`` timeouts and
         the straggler grace stop while it is paused (a weight sync)."""
         return self._frame.pauses
+
+    @pauses.setter
+    def pauses(self, value: PauseClock) -> None:
+        self._frame.pauses = value
 
     @property
     def event_loop_lag_interval_s(self) -> float:

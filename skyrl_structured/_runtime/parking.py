@@ -114,23 +114,21 @@ class RolloutParked(Exception):
     def keep(
         self,
         trajectory_id: Any,
-        row: tuple[str, Any, dict[str, Any] | None],
-        *,
+        env_class: str,
+        prompt: Any,
+        sampling_params: dict[str, Any] | None,
         session_id: str,
         parked_at: int,
     ) -> None:
         """Record what the generator keeps (``agent_loop``, once its environment was handed over open).
 
-        ``row`` is the rollout's (env class, prompt, sampling params); ``parked_at`` the policy version now.
-        Nothing is kept without an open environment or a usable trajectory id: the supervisor then
-        closes what was handed over.
+        The rollout's row (``env_class``, ``prompt``, ``sampling_params``), its session and the policy
+        version now. Nothing is kept without an open environment or a usable trajectory id: the
+        supervisor then closes what was handed over.
         """
         key = parking_key(trajectory_id)
         if self.env is not None and key is not None:
-            env_class, prompt, sampling_params = row
-            self.record = Parked(
-                key, env_class, prompt, sampling_params, self.episode, self.env, session_id, parked_at=parked_at
-            )
+            self.record = Parked(key, env_class, prompt, sampling_params, self.episode, self.env, session_id, parked_at)
 
 
 class ParkRequest:
