@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,38 +28,25 @@ from ._episode.chat_attributes import ChatAttributes
 from ._episode.episode import Episode, EpisodeRunner
 from ._output.batched import BatchedSetup, generate_batched
 from ._output.collector import OutputSpec, collect
-from ._runtime.carry import claim_parked
-from ._runtime.cleanup import Cleanup, CleanupStats, run_cleanups
+from ._runtime.carry import CarryOver
+from ._runtime.cleanup import Cleanup, run_cleanups
 from ._runtime.contexts import (
-    BatchContext,
     BatchRequest,
     RolloutContext,
+    activate,
     current_rollout,
     sampling_params_dict,
-    seed_scope,
 )
+from ._runtime.frame import BatchFrame, BatchJob, FramedGenerator
 from ._runtime.group_stop import GroupStop
-from ._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from ._runtime.parking import (
-    Parked,
-    ParkingLot,
-    RolloutParked,
-    close_parked,
-    close_parked_without_loop,
-    parking_key,
-)
-from ._runtime.pauses import Pausable, PauseClock
+from ._runtime.parking import Parked, RolloutParked
 from ._runtime.sessions import SessionEnd
-from ._runtime.slots import ADMISSION_INTERVAL_S, AdmissionCall, RolloutSlots
-from ._runtime.supervisor import BatchResult, run_rollouts
-from ._runtime.versions import PolicyVersion
+from ._runtime.supervisor import BatchResult
 from .config import ResilienceSettings, resolve_resilience, routed_experts_enabled
 from .engines._load_source import load_reader
 from .engines.bridge import bridged_client
 from .envs import EnvSettings, open_env
 from .envs._workers import EnvWorkers
-from .observe import Observers, RolloutObserver
-from .progress import Progress
 from .types import (
     ConversationType,
     EnvHandle,
@@ -79,7 +65,7 @@ __all__ = ["StructuredGymGenerator"]
 logger = logging.getLogger(__name__)
 
 
-class StructuredGymGenerator(ChatAttributes, Pausable):
+class StructuredGymGenerator(ChatAttributes, FramedGenerator):
     """Multi-turn rollouts against ``skyrl_gym`` environments, one task group per batch.
 
     Args:
@@ -91,12 +77,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         policy_model_name: passed as ``model`` on every engine call.
 
     Attributes:
-        observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
-            of every ``generate()`` call (append yours; see ``docs/observers.md``).
-        event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
-            (``generate/event_loop_lag_mean`` and ``_max`` in ``rollout_metrics``); 0 turns it off.
-        admission_interval_s: with ``max_concurrent_rollouts="auto"``, the seconds between two reads of
-            the engines' load (1.0; the engines themselves read their servers at a bounded rate).
+        observers, pauses, event_loop_lag_interval_s, admission_interval_s: shared with the agent
+            generator (:class:`~skyrl_structured._runtime.frame.FramedGenerator`).
 
     Raises:
         ValueError: a configuration SkyRL rejects, or a knob out of range (the message names it).
@@ -110,6 +92,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         tokenizer: Tokenizer,
         policy_model_name: str | None = None,
     ) -> None:
+        # Observers, the pause clock, the slots: what every generate() of this generator shares.
+        self._frame = BatchFrame(bridged_client, load_reader)
         self.generator_cfg = generator_cfg
         self.skyrl_gym_cfg = skyrl_gym_cfg
         self.inference_engine_client = inference_engine_client
@@ -122,9 +106,6 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         self.resilience: ResilienceSettings = resolve_resilience(generator_cfg)
         check_generator_config(generator_cfg, skyrl_gym_cfg, self.resilience, self.custom_chat_template)
         self.max_env_workers: int = skyrl_gym_cfg.max_env_workers
-        self.observers: list[RolloutObserver] = []
-        self.event_loop_lag_interval_s: float = INTERVAL_S
-        self.admission_interval_s: float = ADMISSION_INTERVAL_S
         self._chat = ChatTokenizer(
             tokenizer, generator_cfg.chat_template_kwargs, multi_turn=self.use_conversation_multi_turn
         )
@@ -137,12 +118,8 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             rollout_timeout_s=self.resilience.rollout_timeout_s,
         )
         self._open_with: EnvSettings | None = None  # see _env_settings
-        self._rollout_slots = RolloutSlots(self)
-        #: Pauses (weight syncs) that stop rollout deadlines, HTTPEngine timeouts and the straggler grace.
-        self.pauses = PauseClock()
-        self._versions = PolicyVersion()
-        #: Parked rollouts (generator.carry_over_cut_rollouts), made on first use: see _parking_lot.
-        self._parking: ParkingLot | None = None
+        #: The policy version and the parked rollouts (generator.carry_over_cut_rollouts).
+        self._carry = CarryOver()
 
     # ------------------------------------------------------------------ policy versions, parked rollouts
 
@@ -153,23 +130,16 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         Every sampled token records it (``rollout_policy_versions``). SkyRL's integration advances it
         after each ``save_weights_for_sampler``; call :meth:`advance_policy_version` where you swap weights.
         """
-        return self._versions.value
+        return self._carry.versions.value
 
     def advance_policy_version(self) -> int:
         """Count one weight sync (the engines now hold new weights); returns the new version."""
-        return self._versions.advance()
+        return self._carry.versions.advance()
 
     @property
     def parked_rollouts(self) -> int:
         """Rollouts parked now, waiting for a later ``generate()`` (``generator.carry_over_cut_rollouts``)."""
-        return len(self._parking) if self._parking is not None else 0
-
-    def _parking_lot(self) -> ParkingLot | None:
-        """The generator's parked rollouts with carry-over on (closed at interpreter exit), else None."""
-        if self._parking is None and self.resilience.carry_over_cut_rollouts:
-            self._parking = ParkingLot()
-            weakref.finalize(self, close_parked_without_loop, self._parking)
-        return self._parking
+        return len(self._carry)
 
     # ------------------------------------------------------------------ subclass hooks (SkyRL's)
 
@@ -230,15 +200,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
 
     def _slots(self) -> anyio.CapacityLimiter | None:
         """This generator's ``max_concurrent_rollouts`` limiter in the running event loop (None: unbounded)."""
-        return self._admission(self.inference_engine_client)[0]
-
-    def _admission(self, client: InferenceClient) -> tuple[anyio.CapacityLimiter | None, AdmissionCall | None]:
-        """The limiter of a ``generate()`` call whose rollouts call ``client``, and with
-        ``max_concurrent_rollouts="auto"`` the call's part in following the engines' load."""
-        read = load_reader(self.inference_engine_client, client) if self.resilience.adaptive_admission else None
-        return self._rollout_slots.for_call(
-            self.resilience, self.inference_engine_client, read, self.admission_interval_s
-        )
+        return self._frame.admission(self, self.inference_engine_client)[0]
 
     def _compute_cache_salt(self) -> str | None:
         """Prefix-cache salt from the engine's weight version, fixed for one ``generate()`` call."""
@@ -261,7 +223,7 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         ``started_version``: the policy version when the call started (rows without their own versions get it).
         """
         pad = self.tokenizer.pad_token_id
-        now = self._versions.value
+        now = self._carry.versions.value
         return OutputSpec(
             policy_version=now,
             started_version=now if started_version is None else started_version,
@@ -319,20 +281,9 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         session_end = self._session_end(context, session_id)
         try:
             env_extras["max_turns"] = self.max_turns
-            opened: AbstractAsyncContextManager[EnvHandle]
             if resume is None:
                 env_extras = self._setup_env_extras(env_class, env_extras, sampling_params, trajectory_id)
-                opened = open_env(
-                    env_class,
-                    self._env_settings(),
-                    extras=env_extras,
-                    stats=context.cleanup,
-                    rollout=context,
-                    then=session_end,
-                )
-            else:  # a parked rollout resumed: its environment is still open (and now this attempt's)
-                opened = resume.env.adopt(context.cleanup, context, session_end)
-            async with opened as env:
+            async with self._open(env_class, env_extras, context, session_end, resume) as env:
                 output: RolloutOutput
                 if resume is None:
                     output = await self._episode.run(
@@ -356,24 +307,28 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             output.time_splits = context.time_splits
         except RolloutParked as parked:
             # Its environment was handed over open; the generator keeps both until a later call resumes it.
-            key = parking_key(trajectory_id)
-            if parked.env is not None and key is not None:
-                parked.record = Parked(
-                    key=key,
-                    env_class=env_class,
-                    prompt=prompt,
-                    sampling_params=sampling_params,
-                    episode=parked.episode,
-                    env=parked.env,
-                    session_id=session_id,
-                    parked_at=context.policy_version,
-                )
+            parked.keep(trajectory_id, env_class, prompt, sampling_params, session_id, context.policy_version)
             raise
         except BaseException as exc:
             if not session_end.started:
                 await run_cleanups([session_end], limit_s=self.resilience.env_cleanup_timeout_s, error=exc)
             raise
         return output
+
+    def _open(
+        self,
+        env_class: str,
+        env_extras: dict[str, Any],
+        context: RolloutContext,
+        session_end: Cleanup,
+        resume: Parked | None,
+    ) -> AbstractAsyncContextManager[EnvHandle]:
+        """The rollout's environment: opened afresh, or a parked rollout's, still open (now this attempt's)."""
+        if resume is not None:
+            return resume.env.adopt(context.cleanup, context, session_end)
+        return open_env(
+            env_class, self._env_settings(), extras=env_extras, stats=context.cleanup, rollout=context, then=session_end
+        )
 
     # ------------------------------------------------------------------ a batch
 
@@ -424,44 +379,59 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
                     request.sampling_params,
                     cache_salt=request.cache_salt,
                 )
-            progress = Progress(len(prompts), disable=disable_tqdm)
-            try:
-                return await self._batched(request, max_tokens, progress=progress)
-            finally:
-                progress.close()
-        # Under trio, an asyncio-only client (vLLM's engine, SkyRL's aiohttp clients) is reached through
-        # trio-asyncio for the whole batch; anywhere else the client is used as is.
-        async with bridged_client(self.inference_engine_client) as client:
-            progress = Progress(len(prompts), disable=disable_tqdm)
-            slots, admission = self._admission(client)
-            batch = BatchContext(
-                generator=self,
-                client=client,
-                default_params=sampling_params_dict(cfg.sampling_params),
-                observers=Observers([progress, *self.observers]),
-                sampling_seed=self.resilience.sampling_seed,
-                seed_scope=seed_scope(input_batch.get("batch_metadata")),
-                slots=slots,
-                admission=admission,
-                pauses=self.pauses,
-                versions=self._versions,
-                parking=self._parking_lot(),
-                group_stop=call.group_stop,
-            )
-            try:
-                return await self._generate_rollouts(batch, request, call)
-            finally:
-                progress.close()
+            return await self._batched(request, max_tokens, disable_tqdm=disable_tqdm)
+        job = self._job(request, input_batch, call.group_stop)
+        try:
+            return await self._frame.run(self, job, disable_tqdm=disable_tqdm)
+        finally:
+            call.result = job.result
+
+    def _job(
+        self, request: BatchRequest, input_batch: GeneratorInput, group_stop: GroupStop | None
+    ) -> BatchJob[RolloutOutput]:
+        """This generator's part of a ``generate()`` call: each row's ``agent_loop`` and the collector."""
+        cfg = self.generator_cfg
+        prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
+        trajectory_ids = request.trajectory_ids
+        shape = request.shape(step_wise=bool(cfg.step_wise_trajectories))
+        started_version = self._carry.versions.value
+
+        async def rollout(i: int, context: RolloutContext) -> RolloutOutput:
+            # agent_loop keeps SkyRL's signature: it (or a subclass's override calling super()) finds its
+            # context through the one ContextVar, made current here for this attempt only.
+            with activate(context):
+                return await self.agent_loop(
+                    prompts[i],
+                    env_classes[i],
+                    env_extras[i],
+                    cfg.sampling_params.max_generate_length,
+                    cfg.max_input_length,
+                    sampling_params=request.sampling_params,
+                    trajectory_id=trajectory_ids[i] if trajectory_ids is not None else None,
+                    cache_salt=request.cache_salt,
+                )
+
+        return BatchJob(
+            request=request,
+            shape=shape,
+            rollout=rollout,
+            output=lambda result: collect(result, shape, self._output_spec(request.sampling_params, started_version)),
+            default_params=sampling_params_dict(cfg.sampling_params),
+            batch_metadata=input_batch.get("batch_metadata"),
+            versions=self._carry.versions,
+            parking=self._carry.lot(self, self.resilience),
+            group_stop=group_stop,
+            env_workers=self.max_env_workers,
+        )
 
     async def aclose(self) -> None:
         """Close the parked rollouts' environments, then stop the env workers (``env_executor`` process or ray).
 
         Also run at garbage collection and at interpreter exit; call it when done with the generator.
         """
-        lot = self._parking
-        if lot is not None and len(lot):
+        if len(self._carry):
             async with bridged_client(self.inference_engine_client) as client:
-                await close_parked(lot.take_all(), CleanupStats(), client)
+                await self._carry.aclose(client)
         await self._envs.aclose()
 
     async def generate_batched(
@@ -481,9 +451,9 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
         return await self._batched(request, max_tokens)
 
     async def _batched(
-        self, request: BatchRequest, max_tokens: int, *, progress: Progress | None = None
+        self, request: BatchRequest, max_tokens: int, *, disable_tqdm: bool | None = None
     ) -> GeneratorOutput:
-        """The batched path with this generator's collaborators (never the generator itself)."""
+        """The batched path with this generator's collaborators (never the generator itself); no bar for None."""
         setup = BatchedSetup(
             envs=self._env_settings(),
             chat=self._chat,
@@ -491,73 +461,14 @@ class StructuredGymGenerator(ChatAttributes, Pausable):
             overlong_filtering=bool(self.generator_cfg.apply_overlong_filtering),
             policy_model_name=self.policy_model_name,
         )
-        observers = Observers(self.observers if progress is None else [progress, *self.observers])
-        async with bridged_client(self.inference_engine_client) as client:
-            batch = BatchContext(
-                generator=self,
-                client=client,
-                default_params=sampling_params_dict(self.generator_cfg.sampling_params),
-                observers=observers,
-                versions=self._versions,
-            )
-            return await generate_batched(batch, setup, request, max_tokens)
-
-    async def _generate_rollouts(self, batch: BatchContext, request: BatchRequest, call: _Call) -> GeneratorOutput:
-        cfg = self.generator_cfg
-        prompts, env_classes, env_extras = request.prompts, request.env_classes, request.env_extras
-        trajectory_ids = request.trajectory_ids
-        started_version = self._versions.value
-        lot = batch.parking
-        resumes: list[Parked | None] = [None] * len(prompts)
-        carried: dict[str, float] = {}
-        if lot is not None:
-            resumes, carried = await claim_parked(
-                lot, batch, request, version=self._versions.value, max_steps=self.resilience.max_carry_over_steps
-            )
-
-        async def rollout(i: int) -> RolloutOutput:
-            trajectory_id = trajectory_ids[i] if trajectory_ids is not None else None
-            loop = self.agent_loop(
-                prompts[i],
-                env_classes[i],
-                env_extras[i],
-                cfg.sampling_params.max_generate_length,
-                cfg.max_input_length,
-                sampling_params=request.sampling_params,
-                trajectory_id=trajectory_id,
-                cache_salt=request.cache_salt,
-            )
-            if resumes[i] is None:  # the common path: nothing to hand over (carry-over off, or a fresh row)
-                return await loop
-            context = current_rollout(self, trajectory_id)
-            context.resume, resumes[i] = resumes[i], None
-            try:
-                return await loop
-            finally:
-                if context.resume is not None:  # an agent_loop of a subclass's own that did not take it
-                    resumes[i], context.resume = context.resume, None
-
-        shape = request.shape(step_wise=bool(cfg.step_wise_trajectories))
-        lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
-        try:
-            result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
-            call.result = result
-            output = collect(result, shape, self._output_spec(request.sampling_params, started_version))
-        except BaseException:
-            if lot is not None:  # a failed or cancelled call leaves nothing parked behind
-                left = [*(r for r in resumes if r is not None), *lot.take_all()]
-                await close_parked(left, batch.cleanup, batch.client)
-            raise
-        if lot is not None:
-            for unstarted in resumes:  # claimed by a row cut before it started: kept for a later call
-                if unstarted is not None and (displaced := lot.park(unstarted)) is not None:
-                    await close_parked([displaced], batch.cleanup, batch.client)
-        if carried:
-            output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **carried}
-        if lag is not None:
-            output["rollout_metrics"] = {**(output["rollout_metrics"] or {}), **lag.metrics()}
-            lag.warn_if_high(rollouts=len(prompts), env_workers=self.max_env_workers)
-        return output
+        return await self._frame.run_batched(
+            self,
+            lambda batch: generate_batched(batch, setup, request, max_tokens),
+            count=len(request.prompts),
+            default_params=sampling_params_dict(self.generator_cfg.sampling_params),
+            versions=self._carry.versions,
+            disable_tqdm=disable_tqdm,
+        )
 
 
 @dataclass

@@ -95,5 +95,5 @@ class AdmissionWatch(RolloutObserver):
 
 def admission_of(generator: Any) -> Admission:
     """The generator's load-following slots (``max_concurrent_rollouts="auto"``) in the running event loop."""
-    admission: Admission = generator._rollout_slots._adaptive.get()
+    admission: Admission = generator._frame.slots._adaptive.get()
     return admission

@@ -611,7 +611,7 @@ async def test_max_concurrent_rollouts_is_shared_by_concurrent_generate_calls(to
             group.start_soon(one)
             group.start_soon(one)
             await entered.wait()
-            slots = generator._rollout_slots.current(1)
+            slots = generator._frame.slots.current(1)
             assert slots is not None
             # The other call's rollout waits for this generator's one slot (a limiter per call would not hold it).
             while slots.statistics().tasks_waiting < 1:  # noqa: ASYNC110 - the limiter has no event to wait on

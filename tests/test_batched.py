@@ -246,7 +246,7 @@ async def test_the_progress_bar_counts_a_batched_run(tokenizer, anyio_backend, m
             super().__init__(*a, **k)
             bars.append(self)
 
-    monkeypatch.setattr("skyrl_structured.generator.Progress", Recording)
+    monkeypatch.setattr("skyrl_structured._runtime.frame.Progress", Recording)
     gen = _batched(tokenizer)
     await gen.generate(make_batch(ROWS, EnvLedger()))
     (bar,) = bars

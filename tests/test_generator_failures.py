@@ -386,7 +386,7 @@ async def test_progress_bar_shows_failures(tokenizer, anyio_backend, monkeypatch
             super().__init__(*a, **k)
             bars.append(self)
 
-    monkeypatch.setattr("skyrl_structured.generator.Progress", Recording)
+    monkeypatch.setattr("skyrl_structured._runtime.frame.Progress", Recording)
     gen = make_generator(tokenizer, failing_engine(tokenizer, {"q0_0", "q1_0"}), skip_failed_rollouts=True)
     await gen.generate(make_batch(4, EnvLedger()))
     (bar,) = bars

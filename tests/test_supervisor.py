@@ -457,8 +457,10 @@ async def test_run_rollouts_keeps_input_order_and_retries_only_failed_attempts(a
 
     attempts: dict[int, int] = {}
 
-    async def rollout(i: int) -> TrajectoryOutput:
+    async def rollout(i: int, context: Any) -> TrajectoryOutput:
         attempts[i] = attempts.get(i, 0) + 1
+        # Each attempt is handed its own context: its rollout, its attempt number.
+        assert (context.ref.index, context.ref.attempt) == (i, attempts[i])
         await anyio.sleep(0.001 * (5 - i))  # finish in reverse order
         if i == 2 and attempts[i] == 1:
             raise ConnectionError("blip")
@@ -483,7 +485,7 @@ async def test_run_rollouts_without_skip_raises_the_first_error_after_cancelling
 
     cancelled: list[int] = []
 
-    async def rollout(i: int) -> TrajectoryOutput:
+    async def rollout(i: int, _context: Any) -> TrajectoryOutput:
         if i == 0:
             raise KeyError("first")
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._runtime.contexts import RolloutContext
@@ -31,6 +30,8 @@ from ..types import (
 )
 from .calls import engine_call, env_call
 from .chat import ChatTokenizer
+from .parked import ParkedState, continuation_params
+from .state import Partial, Run, Turn
 
 __all__ = ["Episode", "EpisodeRunner", "PromptTooLongError"]
 
@@ -87,112 +88,6 @@ def eos_after_stop_string(
     return True
 
 
-@dataclass
-class _Turn:
-    """One engine reply and the environment's answer to it."""
-
-    output: str
-    output_ids: list[int]
-    output_logprobs: list[float] | None
-    rollout_expert_indices: Any | None
-    added_eos: bool
-    #: The policy version that sampled each of ``output_ids`` (:data:`NOT_SAMPLED` for an EOS we appended).
-    versions: list[int] = field(default_factory=list)
-    new_obs: ConversationType = field(default_factory=list)
-    obs_ids: list[int] = field(default_factory=list)
-
-    def loss_mask(self) -> list[int]:
-        # An EOS we appended ourselves was not generated: it carries no loss, like observations.
-        generated = [1] * len(self.output_ids)
-        if self.added_eos:
-            generated[-1] = 0
-        return generated + [0] * len(self.obs_ids)
-
-    def logprobs(self) -> list[float] | None:
-        if not self.output_logprobs:
-            return None
-        return self.output_logprobs + [0.0] * len(self.obs_ids)
-
-    def version_row(self) -> list[int]:
-        """Each token's policy version, aligned with :meth:`loss_mask` (observations were not sampled)."""
-        return self.versions + [NOT_SAMPLED] * len(self.obs_ids)
-
-
-@dataclass
-class _Partial:
-    """What a parked rollout's cut request had sampled, kept to be continued (never sampled again)."""
-
-    ids: list[int]
-    logprobs: list[float] | None
-    text: str
-    versions: list[int]
-
-
-@dataclass
-class _Run:
-    """The state of one :meth:`Episode.run`."""
-
-    chat_history: ConversationType
-    input_ids: list[int]
-    initial_prompt_length: int
-    initial_history_length: int
-    params: dict[str, Any]
-    loss_mask: list[int] | None = field(default_factory=list)
-    rollout_logprobs: list[float] | None = None
-    response_end_idx: int | None = None
-    rollout_expert_indices: Any | None = None
-    done: bool = False
-    stop_reason: str = "length"
-    last_obs: ConversationType = field(default_factory=list)
-    #: (reward, index of the last response token of that turn)
-    per_step_rewards: list[tuple[float, int | None]] = field(default_factory=list)
-    steps: list[TrajectoryOutput] = field(default_factory=list)
-    #: Engine calls made so far: the turn part of each request's derived seed.
-    engine_calls: int = 0
-    #: The policy version of each token in ``loss_mask``'s positions (None where the response is
-    #: re-tokenized at the end, or step-wise, where each step carries its own).
-    versions: list[int] | None = field(default_factory=list)
-    #: A parked request's partial reply, continued by the next engine call.
-    partial: _Partial | None = None
-
-
-@dataclass
-class _ParkedState:
-    """A parked episode (:class:`~skyrl_structured._runtime.parking.ParkedEpisode`): its run, kept as it was."""
-
-    episode: Episode
-    run: _Run
-
-    def _sampled(self) -> list[int]:
-        run = self.run
-        found = [v for v in run.versions or () if v != NOT_SAMPLED]
-        for step in run.steps:
-            found += [v for v in step.policy_versions or () if v != NOT_SAMPLED]
-        if run.partial is not None:
-            found += run.partial.versions
-        return found
-
-    @property
-    def tokens(self) -> int:
-        return len(self._sampled())
-
-    @property
-    def first_version(self) -> int | None:
-        return min(self._sampled(), default=None)
-
-    async def resume(
-        self,
-        env: EnvHandle,
-        *,
-        context: RolloutContext,
-        max_input_length: int | None,
-        sampling_params: dict[str, Any] | None,
-        cache_salt: str | None,
-    ) -> RolloutOutput:
-        """Go on from where it was parked, in ``env`` (the same environment, still open)."""
-        return await self.episode._play(env, self.run, context, max_input_length, sampling_params, cache_salt)
-
-
 class Episode:
     """Runs episodes for one generator configuration; testable on its own with any env and engine."""
 
@@ -232,22 +127,23 @@ class Episode:
             RolloutParked: the straggler cutoff parked it (``generator.carry_over_cut_rollouts``).
         """
         run = await self._start(env, prompt, context, sampling_params)
-        return await self._play(env, run, context, max_input_length, sampling_params, cache_salt)
+        return await self.play(env, run, context, max_input_length, sampling_params, cache_salt)
 
-    async def _play(
+    async def play(
         self,
         env: EnvHandle,
-        run: _Run,
+        run: Run,
         context: RolloutContext,
         max_input_length: int | None,
         sampling_params: dict[str, Any] | None,
         cache_salt: str | None,
     ) -> RolloutOutput:
+        """Play ``run`` on from where it is (a fresh start, or a parked run resumed) and build the trajectory."""
         park = context.park
         while not run.done:
             if park is not None and park.requested:
                 # Asked to park while its engine call returned anyway: parks at this turn boundary.
-                raise RolloutParked(_ParkedState(self, run))
+                raise RolloutParked(ParkedState(self, run))
             if max_input_length is not None and len(run.input_ids) > max_input_length:
                 run.stop_reason = "length"
                 if not self.step_wise and not run.per_step_rewards:
@@ -280,13 +176,13 @@ class Episode:
         prompt: ConversationType,
         context: RolloutContext,
         sampling_params: dict[str, Any] | None,
-    ) -> _Run:
+    ) -> Run:
         chat_history, _ = await env_call(context, "init", 0, lambda: env.init(copy.deepcopy(prompt)), timed=False)
         # With re-tokenization the generation prompt would land in both prompt and response ids.
         initial_ids = self._render(chat_history, add_generation_prompt=not self.retokenize)
         # Read only (stop strings, logprobs): one dict per batch serves every rollout.
         params = sampling_params if sampling_params is not None else context.batch.default_params
-        return _Run(
+        return Run(
             chat_history=chat_history,
             input_ids=initial_ids,
             initial_prompt_length=len(initial_ids),
@@ -298,11 +194,11 @@ class Episode:
 
     async def _generate(
         self,
-        run: _Run,
+        run: Run,
         context: RolloutContext,
         sampling_params: dict[str, Any] | None,
         cache_salt: str | None,
-    ) -> _Turn:
+    ) -> Turn:
         partial = run.partial
         # Seeded from (prompt, sample, turn) with generator.sampling_seed; as given without it.
         params = context.request_params(sampling_params, run.engine_calls)
@@ -310,7 +206,9 @@ class Episode:
         if partial is not None:
             # A parked request continued: its sampled tokens extend the prompt, the budget shrinks by them.
             prompt_ids += partial.ids
-            params = self._continuation_params(params, context, len(partial.ids))
+            params = continuation_params(
+                params, context, len(partial.ids), self.cfg.sampling_params.max_generate_length
+            )
         version = context.policy_version
         if params is not None and params.get("max_tokens") == 0:
             # The parked request had sampled its whole budget: nothing is left to ask for.
@@ -349,10 +247,10 @@ class Episode:
         )
         if added_eos:
             versions.append(NOT_SAMPLED)
-        return _Turn(output, output_ids, output_logprobs, expert_indices, added_eos, versions)
+        return Turn(output, output_ids, output_logprobs, expert_indices, added_eos, versions)
 
     async def _call_engine(
-        self, run: _Run, context: RolloutContext, engine_input: InferenceEngineInput, version: int
+        self, run: Run, context: RolloutContext, engine_input: InferenceEngineInput, version: int
     ) -> Any:
         """One engine request; with carry-over, in a scope the cutoff may cancel to park the rollout."""
         turn = run.engine_calls
@@ -375,12 +273,12 @@ class Episode:
         if parts is None:  # the cutoff cancelled the request: park with what the engine had sampled
             run.engine_calls = turn  # the continuation is the same request: the same turn, the same seed
             run.partial = self._kept_partial(run.partial, sink.reply, version, context)
-            raise RolloutParked(_ParkedState(self, run))
+            raise RolloutParked(ParkedState(self, run))
         return parts
 
     def _kept_partial(
-        self, before: _Partial | None, offered: PartialReply | None, version: int, context: RolloutContext
-    ) -> _Partial | None:
+        self, before: Partial | None, offered: PartialReply | None, version: int, context: RolloutContext
+    ) -> Partial | None:
         """The partial reply a parked rollout keeps: what an earlier cut kept plus what this engine offered."""
         if offered is None:
             parking = context.batch.parking
@@ -392,29 +290,9 @@ class Episode:
                     no_partial_reason(context.client),
                 )
             return before
-        kept = before or _Partial([], [], "", [])
-        logprobs = None
-        if kept.logprobs is not None and offered.logprobs is not None:
-            logprobs = kept.logprobs + offered.logprobs
-        return _Partial(
-            kept.ids + offered.token_ids,
-            logprobs,
-            kept.text + offered.text,
-            kept.versions + [version] * len(offered.token_ids),
-        )
+        return (before or Partial([], [], "", [])).extended(offered, version)
 
-    def _continuation_params(
-        self, params: dict[str, Any] | None, context: RolloutContext, sampled: int
-    ) -> dict[str, Any]:
-        """The request's parameters with ``max_tokens`` lowered by the ``sampled`` tokens it continues."""
-        base = dict(params if params is not None else context.batch.engine_defaults())
-        default = self.cfg.sampling_params.max_generate_length
-        budget = base.get("max_tokens", base.get("max_generate_length", default))
-        base["max_tokens"] = max(0, int(budget) - sampled)
-        base.pop("max_generate_length", None)
-        return base
-
-    async def _step(self, env: EnvHandle, run: _Run, turn: _Turn, context: RolloutContext) -> float:
+    async def _step(self, env: EnvHandle, run: Run, turn: Turn, context: RolloutContext) -> float:
         step = run.engine_calls - 1
         step_output = await env_call(context, "step", step, lambda: env.step(turn.output), timed=True)
         turn.new_obs = step_output["observations"]
@@ -431,7 +309,7 @@ class Episode:
         reward: float = step_output["reward"]
         return reward
 
-    def _record(self, env: EnvHandle, run: _Run, turn: _Turn, reward: float) -> None:
+    def _record(self, env: EnvHandle, run: Run, turn: Turn, reward: float) -> None:
         if self.step_wise:
             run.steps.append(
                 TrajectoryOutput(
@@ -461,7 +339,7 @@ class Episode:
             self._extend_single_turn(run, turn)
         run.per_step_rewards.append((reward, run.response_end_idx))
 
-    def _extend_multi_turn(self, run: _Run, turn: _Turn) -> None:
+    def _extend_multi_turn(self, run: Run, turn: Turn) -> None:
         """Token-in-token-out with one chat message per turn."""
         if self.step_wise:
             # Step-wise rollouts keep no running sequence: each turn is its own sample.
@@ -483,7 +361,7 @@ class Episode:
             # The engine returns routing for the whole sequence so far: keep the latest.
             run.rollout_expert_indices = turn.rollout_expert_indices
 
-    def _extend_single_turn(self, run: _Run, turn: _Turn) -> None:
+    def _extend_single_turn(self, run: Run, turn: Turn) -> None:
         """Token-in-token-out inside one assistant message: EOS dropped, observations as raw text."""
         assert run.loss_mask is not None
         response = list(turn.output_ids)
@@ -501,7 +379,7 @@ class Episode:
 
     # ------------------------------------------------------------------ the trajectory
 
-    def _finish(self, env: EnvHandle, run: _Run) -> RolloutOutput:
+    def _finish(self, env: EnvHandle, run: Run) -> RolloutOutput:
         env_metrics = env.get_metrics()
         if self.step_wise:
             for step, (reward, end) in zip(run.steps, run.per_step_rewards, strict=True):
@@ -512,7 +390,7 @@ class Episode:
             return StepWiseOutput(step_outputs=run.steps)
         return self._assemble(run, env_metrics)
 
-    def _assemble(self, run: _Run, env_metrics: dict[str, Any]) -> TrajectoryOutput:
+    def _assemble(self, run: Run, env_metrics: dict[str, Any]) -> TrajectoryOutput:
         """The rollout's final trajectory: the last observation cut off, rewards placed on tokens."""
         prompt_ids = run.input_ids[: run.initial_prompt_length]
         logprobs: list[float] | None = None

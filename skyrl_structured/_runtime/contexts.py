@@ -1,9 +1,10 @@
 """What one ``generate()`` call and each of its rollout attempts carry, passed down explicitly.
 
-The supervisor builds a :class:`BatchContext` per call and a :class:`RolloutContext` per attempt;
-our code hands the attempt's context from layer to layer. The single :class:`~contextvars.ContextVar`
-here exists only to reach through SkyRL's fixed ``agent_loop`` signature, so that a subclass that
-overrides ``agent_loop`` and calls ``super()`` keeps working.
+The batch frame builds a :class:`BatchContext` per call and the supervisor a :class:`RolloutContext`
+per attempt, handed to the generator's rollout as an argument and on from layer to layer. The single
+:class:`~contextvars.ContextVar` here exists only to reach through SkyRL's fixed ``agent_loop``
+signature (the gym generator's rollout makes its context current around ``agent_loop``), so that a
+subclass that overrides ``agent_loop`` and calls ``super()`` keeps working.
 
 With ``generator.sampling_seed`` set, each engine request is seeded from what the request *is*
 (:func:`request_seed`: the seed, the batch's training phase and step, the prompt, the sample, the
@@ -335,7 +336,7 @@ def activate(context: RolloutContext) -> _Active:
 
 
 def current_rollout(generator: RolloutOwner, trajectory_id: TrajectoryID | None = None) -> RolloutContext:
-    """The attempt ``generator``'s supervisor started, or a standalone one (``agent_loop`` called directly)."""
+    """The attempt made current for ``generator`` (:func:`activate`), else a standalone one (a direct call)."""
     context = _CURRENT.get()
     if context is not None and context.batch.generator is generator:
         return context

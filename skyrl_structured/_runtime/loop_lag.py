@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import anyio
 
-from .supervisor import _interrupt_in as interrupt_in
+from .rollout_errors import interrupt_in
 
 __all__ = ["LAG_MAX_KEY", "LAG_MEAN_KEY", "LoopLag", "watch_loop_lag"]
 

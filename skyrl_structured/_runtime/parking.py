@@ -111,6 +111,25 @@ class RolloutParked(Exception):
         self.env: ParkedEnv | None = None
         self.record: Parked | None = None
 
+    def keep(
+        self,
+        trajectory_id: Any,
+        env_class: str,
+        prompt: Any,
+        sampling_params: dict[str, Any] | None,
+        session_id: str,
+        parked_at: int,
+    ) -> None:
+        """Record what the generator keeps (``agent_loop``, once its environment was handed over open).
+
+        The rollout's row (``env_class``, ``prompt``, ``sampling_params``), its session and the policy
+        version now. Nothing is kept without an open environment or a usable trajectory id: the
+        supervisor then closes what was handed over.
+        """
+        key = parking_key(trajectory_id)
+        if self.env is not None and key is not None:
+            self.record = Parked(key, env_class, prompt, sampling_params, self.episode, self.env, session_id, parked_at)
+
 
 class ParkRequest:
     """One attempt's line to the cutoff: whether it is asked to park, and the engine call it may cancel."""

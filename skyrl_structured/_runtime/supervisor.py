@@ -20,14 +20,10 @@ a :class:`~skyrl_structured._runtime.contexts.RolloutContext`; observers hear of
 from __future__ import annotations
 
 import logging
-import math
 import random
-import sys
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Generic
 
 import anyio
@@ -37,17 +33,20 @@ from ..config import ResilienceSettings
 from ..errors import RolloutCancelledError
 from ..failures import FailedRollout, OutputT, failure_budget_exceeded
 from ..observe import RolloutObserver, RolloutRef
-from ..types import TrajectoryID
 from .cleanup import AbandonedClose, CleanupStats
-from .contexts import BatchContext, BatchShape, RolloutContext, activate
+from .contexts import BatchContext, BatchShape, RolloutContext
 from .gc import relaxed_gc
 from .parking import Parked, ParkRequest, RolloutParked, close_parked
 from .pauses import PausableDeadline, use_clock, use_rollout_deadline
+from .rollout_errors import as_rollout_error as _as_rollout_error
+from .rollout_errors import describe as _describe
+from .rollout_errors import describe_error
+from .rollout_errors import interrupt_in as _interrupt_in
 from .routes import RoutesWatch
 from .stragglers import StragglerCutError, StragglerCutoff
 from .wakers import loop_scheduler
 
-__all__ = ["BatchResult", "RolloutCancelledError", "run_rollouts"]
+__all__ = ["BatchResult", "RolloutCancelledError", "describe_error", "run_rollouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,90 +81,6 @@ def _backoff(base: float, attempt: int) -> float:
     return _jitter.uniform(0.0, base * (2 ** (attempt - 1))) if base > 0 else 0.0
 
 
-def _describe(index: int, trajectory_id: TrajectoryID | None) -> str:
-    if trajectory_id is None:
-        return f"rollout {index}"
-    to_string = getattr(trajectory_id, "to_string", None)
-    return f"rollout {index} ({to_string() if callable(to_string) else trajectory_id})"
-
-
-def describe_error(exc: BaseException) -> str:
-    """``"Type: message"``; for an empty message, the cause chain down to the first message (or where it was raised).
-
-    ``EngineGenerateError()`` raised from a bare ``assert`` reads ``"EngineGenerateError <- AssertionError
-    (no message; raised at trio_asyncio/_base.py:123 in run_in_executor)"``.
-    """
-    names: list[str] = []
-    current: BaseException | None = exc
-    seen: set[int] = set()
-    last = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        message = str(current)
-        if message:
-            return " <- ".join([*names, f"{type(current).__name__}: {message}"])
-        names.append(type(current).__name__)
-        last = current
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
-    frames = traceback.extract_tb(last.__traceback__)
-    where = ""
-    if frames:
-        frame = frames[-1]
-        where = f"; raised at {'/'.join(Path(frame.filename).parts[-2:])}:{frame.lineno} in {frame.name}"
-    return f"{' <- '.join(names)} (no message{where})"
-
-
-def _foreign_cancellation(exc: BaseException, native: type[BaseException]) -> bool:
-    """True for a cancellation exception that no cancel scope around the caller has caused.
-
-    ``native`` is the running backend's cancellation class (looked up once per batch).
-    """
-    asyncio_module = sys.modules.get("asyncio")
-    # Under trio an asyncio CancelledError is never trio's own cancellation.
-    if (
-        asyncio_module is not None
-        and native is not asyncio_module.CancelledError
-        and isinstance(exc, asyncio_module.CancelledError)
-    ):
-        return True
-    return isinstance(exc, native) and anyio.current_effective_deadline() != -math.inf
-
-
-def _as_rollout_error(
-    exc: BaseException, index: int, trajectory_id: TrajectoryID | None, native_cancellation: type[BaseException]
-) -> Exception | None:
-    """The error a rollout failed with, or None for what must propagate (our cancellation, interrupts)."""
-    if isinstance(exc, Exception):
-        return exc
-    if not isinstance(exc, GeneratorExit) and not _foreign_cancellation(exc, native_cancellation):
-        return None  # decided before describing the rollout: a cancelled batch does this once per rollout
-    where = _describe(index, trajectory_id)
-    if not isinstance(exc, GeneratorExit):
-        error = RolloutCancelledError(
-            f"{where} raised {type(exc).__name__} although generate() was not cancelled (an inference client "
-            "or environment that cancels its own work); counted as this rollout's failure"
-        )
-    else:
-        error = RolloutCancelledError(f"{where} raised GeneratorExit; counted as this rollout's failure")
-    error.__cause__ = exc
-    return error
-
-
-def _interrupt_in(exc: BaseException) -> BaseException | None:
-    """The ``KeyboardInterrupt``/``SystemExit`` carried by ``exc`` (possibly inside a group), if any."""
-    if isinstance(exc, KeyboardInterrupt | SystemExit):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for kind in (KeyboardInterrupt, SystemExit):
-            matched, _ = exc.split(kind)
-            if matched is not None:
-                leaf: BaseException = matched
-                while isinstance(leaf, BaseExceptionGroup):
-                    leaf = leaf.exceptions[0]
-                return leaf
-    return None
-
-
 def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, abandoned: list[AbandonedClose]) -> None:
     """Free a rollout's slot now, or once the closes it abandoned have run (the env is live until then)."""
     pending = [call for call in abandoned if not call.done]
@@ -188,13 +103,13 @@ def _release_when_closed(limiter: anyio.CapacityLimiter, borrower: object, aband
 
 async def run_rollouts(
     shape: BatchShape,
-    rollout: Callable[[int], Awaitable[OutputT]],
+    rollout: Callable[[int, RolloutContext], Awaitable[OutputT]],
     settings: ResilienceSettings,
     batch: BatchContext,
 ) -> BatchResult[OutputT]:
-    """Run ``rollout(i)`` for each of the ``shape.count`` rollouts concurrently in one task group.
+    """Run ``rollout(i, context)`` for each of the ``shape.count`` rollouts concurrently in one task group.
 
-    Each attempt runs with its :class:`RolloutContext` active (see :func:`.contexts.activate`).
+    Each attempt is handed its own :class:`RolloutContext` (a retry gets a fresh one).
     ``shape`` describes the rollouts to observers (``trajectory_finished``) and gives the straggler
     cutoff its groups. ``batch.slots`` (the generator's limiter, shared by its concurrent calls)
     bounds the attempts running at once; ``batch.pauses`` stops the deadlines while the generator
@@ -277,7 +192,7 @@ class _Supervisor(Generic[OutputT]):
     def __init__(
         self,
         shape: BatchShape,
-        rollout: Callable[[int], Awaitable[OutputT]],
+        rollout: Callable[[int, RolloutContext], Awaitable[OutputT]],
         settings: ResilienceSettings,
         batch: BatchContext,
     ) -> None:
@@ -439,8 +354,7 @@ class _Supervisor(Generic[OutputT]):
                 committed.admit(context)
             context.started = time.monotonic()
             context.emit(RolloutObserver.attempt_started)
-            with activate(context):
-                result = await self._within_deadline(index, context)
+            result = await self._within_deadline(index, context)
             context.emit(RolloutObserver.attempt_finished, time.monotonic() - context.started)
             return result
         finally:
@@ -453,11 +367,11 @@ class _Supervisor(Generic[OutputT]):
     async def _within_deadline(self, index: int, context: RolloutContext) -> OutputT:
         deadline = self.settings.rollout_timeout_s
         if deadline is None:
-            return await self.rollout(index)
+            return await self.rollout(index, context)
         # Measures work: the clock stops while the generator is paused (a weight sync).
         own = context.deadline = PausableDeadline(self.batch.pauses, deadline)
         with own as scope, use_rollout_deadline(own):
-            result = await self.rollout(index)
+            result = await self.rollout(index, context)
         if scope.cancelled_caught:
             raise TimeoutError(
                 f"{_describe(index, context.ref.trajectory_id)} exceeded generator.rollout_timeout_s={deadline:g}s"

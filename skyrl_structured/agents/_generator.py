@@ -1,10 +1,10 @@
 """``StructuredAgentGenerator``: SkyRL's ``generate(input_batch)`` for agents that speak the OpenAI chat API.
 
-It runs on the gym generator's machinery: the supervisor
-(:func:`~skyrl_structured._runtime.supervisor.run_rollouts`: slots, deadlines that stop while paused,
-retries from scratch, the straggler cutoff, observers) and the collector
-(:func:`~skyrl_structured._output.collector.collect`: placeholders, group policies, the failure
-budget). One attempt of one rollout is one capture session and one run of the agent.
+It runs in the gym generator's batch frame (:class:`~skyrl_structured._runtime.frame.BatchFrame`: the
+bridge, admission, the supervisor's slots, deadlines that stop while paused, retries from scratch,
+the straggler cutoff, observers) and its collector (:func:`~skyrl_structured._output.collector.collect`:
+placeholders, group policies, the failure budget). It supplies its rollout (one attempt is one capture
+session and one run of the agent) and its output.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,22 +22,9 @@ import anyio
 import anyio.to_thread
 
 from .._output.collector import OutputSpec, collect
-from .._runtime.contexts import (
-    BatchContext,
-    BatchRequest,
-    BatchShape,
-    current_rollout,
-    sampling_params_dict,
-    seed_scope,
-)
-from .._runtime.loop_lag import INTERVAL_S, LoopLag, watch_loop_lag
-from .._runtime.pauses import Pausable, PauseClock
-from .._runtime.slots import ADMISSION_INTERVAL_S, RolloutSlots
-from .._runtime.supervisor import run_rollouts
+from .._runtime.contexts import BatchRequest, BatchShape, RolloutContext, sampling_params_dict
+from .._runtime.frame import BatchFrame, BatchJob, FramedGenerator
 from ..config import (
-    AGENT_ENDPOINT_KNOBS,
-    AgentEndpointSettings,
-    ResilienceSettings,
     invalid_value,
     read_knob,
     resolve_agent_endpoint,
@@ -47,8 +34,6 @@ from ..engines._load_source import load_reader
 from ..engines.bridge import bridged_client
 from ..errors import AgentError
 from ..failures import FailedRollout
-from ..observe import Observers, RolloutObserver
-from ..progress import Progress
 from ..types import (
     ConversationType,
     GeneratorInput,
@@ -57,8 +42,9 @@ from ..types import (
     StepWiseOutput,
     TrajectoryOutput,
 )
-from ..validate import check_batch_input, check_failure_knobs
+from ..validate import check_batch_input
 from ._capture import Branch, Capture
+from ._knobs import OUTPUT_KNOBS, read_knobs
 from ._server import CaptureServer, CaptureSession, serve_capture
 from ._threads import AgentThreads, is_async_agent
 from ._tombstone import Afterlife
@@ -69,13 +55,6 @@ logger = logging.getLogger(__name__)
 
 #: The env class of a row whose batch names none (``env_classes`` is optional for agents).
 _ENV_CLASS = "agent"
-#: The ``generator`` fields (SkyRL's names) that shape and filter the rows, with their defaults.
-_OUTPUT_KNOBS: dict[str, bool] = {
-    "step_wise_trajectories": False,
-    "zero_reward_on_non_stop": False,
-    "apply_overlong_filtering": False,
-}
-_RESILIENCE_KNOBS = frozenset(f.name for f in dataclasses.fields(ResilienceSettings))
 
 
 @dataclass(frozen=True)
@@ -108,15 +87,6 @@ AgentFn = Callable[[AgentContext], Awaitable[float | dict[str, Any]]]
 SyncAgentFn = Callable[[AgentContext], float | dict[str, Any]]
 #: The worker threads for sync agents, by default: as many as ``max_env_workers``'s default.
 _AGENT_THREADS = 32
-
-
-@dataclass(frozen=True)
-class AgentOutputConfig:
-    """The ``generator`` fields the collector reads, in SkyRL's names: how rows are shaped and filtered."""
-
-    step_wise_trajectories: bool = False
-    zero_reward_on_non_stop: bool = False
-    apply_overlong_filtering: bool = False
 
 
 def _reward(result: Any) -> float:
@@ -158,29 +128,7 @@ async def _run_agent(session: CaptureSession, agent: AgentFn, ctx: AgentContext)
     return outcome[0]
 
 
-def _knobs(knobs: Mapping[str, Any]) -> tuple[ResilienceSettings, AgentOutputConfig, AgentEndpointSettings]:
-    """The generator knobs given as keywords, checked by the gym generator's rules and wording."""
-    unknown = sorted(set(knobs) - _RESILIENCE_KNOBS - set(_OUTPUT_KNOBS) - set(AGENT_ENDPOINT_KNOBS))
-    if unknown:
-        known = ", ".join(sorted(_RESILIENCE_KNOBS | set(_OUTPUT_KNOBS) | set(AGENT_ENDPOINT_KNOBS)))
-        raise TypeError(f"StructuredAgentGenerator got unknown knob(s) {unknown}; the generator knobs are: {known}")
-    settings = resolve_resilience(knobs)
-    check_failure_knobs(settings)
-    if settings.carry_over_cut_rollouts:
-        raise ValueError(
-            "`generator.carry_over_cut_rollouts=true` is not supported with an agent: an agent is a running program, "
-            "which cannot be parked between generate() calls (only state can); set it to false."
-        )
-    flags: dict[str, bool] = {}
-    for name, default in _OUTPUT_KNOBS.items():
-        value = knobs.get(name, default)
-        if not isinstance(value, bool):
-            raise invalid_value(f"generator.{name}", value, "true or false", with_type=True)
-        flags[name] = value
-    return settings, AgentOutputConfig(**flags), resolve_agent_endpoint(knobs)
-
-
-class StructuredAgentGenerator(Pausable):
+class StructuredAgentGenerator(FramedGenerator):
     """SkyRL's ``GeneratorInterface`` for OpenAI-API agents: one capture session per attempt, token-exact output.
 
     Args:
@@ -207,15 +155,9 @@ class StructuredAgentGenerator(Pausable):
             all from SkyRL's section.
 
     Attributes:
-        observers: :class:`~skyrl_structured.RolloutObserver` instances told about every rollout
-            (attempts, retries, one ``engine_call_*`` pair per captured call, the session's
-            ``finish_session`` cleanup); append yours.
-        pauses: the pause clock (:meth:`pause`, :meth:`resume`): rollout deadlines and the
-            straggler grace stop while it is paused.
-        event_loop_lag_interval_s: how often the event-loop lag is sampled during ``generate()``
-            (``generate/event_loop_lag_mean`` and ``_max``); 0 turns it off.
-        admission_interval_s: with ``max_concurrent_rollouts="auto"``, the seconds between two reads of
-            the engines' load (1.0).
+        observers, pauses, event_loop_lag_interval_s, admission_interval_s: as on the gym generator
+            (:class:`~skyrl_structured._runtime.frame.FramedGenerator`); observers hear attempts, retries,
+            one ``engine_call_*`` pair per captured call and the session's ``finish_session`` cleanup.
 
     Raises:
         TypeError: an unknown knob.
@@ -234,7 +176,9 @@ class StructuredAgentGenerator(Pausable):
         max_agent_threads: int = _AGENT_THREADS,
         **knobs: Any,
     ) -> None:
-        self.resilience, self.generator_cfg, self.endpoint = _knobs(knobs)
+        # Observers, the pause clock, the slots: what every generate() of this generator shares.
+        self._frame = BatchFrame(bridged_client, load_reader)
+        self.resilience, self.generator_cfg, self.endpoint = read_knobs(knobs)
         if isinstance(max_agent_threads, bool) or not isinstance(max_agent_threads, int) or max_agent_threads < 1:
             raise invalid_value("max_agent_threads", max_agent_threads, "an integer of at least 1", with_type=True)
         self.inference_engine_client = inference_engine_client
@@ -243,11 +187,6 @@ class StructuredAgentGenerator(Pausable):
         self.model = model
         self.sampling_params = sampling_params
         self.chat_template_kwargs = chat_template_kwargs
-        self.observers: list[RolloutObserver] = []
-        self.pauses = PauseClock()
-        self.event_loop_lag_interval_s: float = INTERVAL_S
-        self.admission_interval_s: float = ADMISSION_INTERVAL_S
-        self._rollout_slots = RolloutSlots(self)
         self._server: CaptureServer | None = None
         #: Where sync agents run (its threads start on demand: none for an async agent).
         self._agent_threads = AgentThreads(max_agent_threads)
@@ -272,7 +211,7 @@ class StructuredAgentGenerator(Pausable):
         """
         settings = resolve_resilience(generator_cfg)
         knobs: dict[str, Any] = dataclasses.asdict(settings)
-        knobs.update({name: read_knob(generator_cfg, name, default) for name, default in _OUTPUT_KNOBS.items()})
+        knobs.update({name: read_knob(generator_cfg, name, default) for name, default in OUTPUT_KNOBS.items()})
         knobs.update(dataclasses.asdict(resolve_agent_endpoint(generator_cfg)))
         params = read_knob(generator_cfg, "sampling_params", None)
         kwargs = read_knob(generator_cfg, "chat_template_kwargs", None)
@@ -345,9 +284,9 @@ class StructuredAgentGenerator(Pausable):
             trajectory_ids=input_batch.get("trajectory_ids"),
         )
         if self._server is not None:
-            return await self._generate(self._server, request, input_batch, disable_tqdm)
+            return await self._frame.run(self, self._job(self._server, request, input_batch), disable_tqdm=disable_tqdm)
         async with self.serving() as server:
-            return await self._generate(server, request, input_batch, disable_tqdm)
+            return await self._frame.run(self, self._job(server, request, input_batch), disable_tqdm=disable_tqdm)
 
     async def aclose(self) -> None:
         """Close the ports that still answer abandoned agent threads (the endpoint itself lives inside
@@ -362,32 +301,10 @@ class StructuredAgentGenerator(Pausable):
             if not await anyio.to_thread.run_sync(tombstone.join):
                 logger.warning("the port %d kept for abandoned agent threads did not close", tombstone.port)
 
-    async def _generate(
-        self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput, disable_tqdm: bool
-    ) -> GeneratorOutput:
-        async with bridged_client(self.inference_engine_client) as client:
-            progress = Progress(len(request.prompts), disable=disable_tqdm)
-            read = load_reader(self.inference_engine_client, client) if self.resilience.adaptive_admission else None
-            slots, admission = self._rollout_slots.for_call(
-                self.resilience, self.inference_engine_client, read, self.admission_interval_s
-            )
-            batch = BatchContext(
-                generator=self,
-                client=client,
-                default_params=dict(request.sampling_params or {}),
-                observers=Observers([progress, *self.observers]),
-                sampling_seed=self.resilience.sampling_seed,
-                seed_scope=seed_scope(input_batch.get("batch_metadata")),
-                slots=slots,
-                admission=admission,
-                pauses=self.pauses,
-            )
-            try:
-                return await self._run(server, batch, request)
-            finally:
-                progress.close()
-
-    async def _run(self, server: CaptureServer, batch: BatchContext, request: BatchRequest) -> GeneratorOutput:
+    def _job(
+        self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput
+    ) -> BatchJob[TrajectoryOutput | StepWiseOutput]:
+        """This generator's part of a ``generate()`` call: one capture session and agent run per attempt."""
         step_wise = self.generator_cfg.step_wise_trajectories
         ids = request.trajectory_ids
         names = [t.to_string() if hasattr(t, "to_string") else str(t) for t in ids or []] or [
@@ -396,8 +313,7 @@ class StructuredAgentGenerator(Pausable):
         #: The session of each rollout's successful attempt (for the agent metrics).
         captured: list[Capture | None] = [None] * len(request.prompts)
 
-        async def rollout(i: int) -> TrajectoryOutput | StepWiseOutput:
-            context = current_rollout(self, ids[i] if ids is not None else None)
+        async def rollout(i: int, context: RolloutContext) -> TrajectoryOutput | StepWiseOutput:
             started = time.monotonic()
             async with server.session(
                 names[i],
@@ -433,15 +349,15 @@ class StructuredAgentGenerator(Pausable):
 
         # No env classes: an agent's row is no skyrl_gym environment's (no per-environment metrics).
         shape = BatchShape(len(request.prompts), ids, step_wise=step_wise)
-        lag = LoopLag(self.event_loop_lag_interval_s) if self.event_loop_lag_interval_s else None
-        result = await watch_loop_lag(lag, lambda: run_rollouts(shape, rollout, self.resilience, batch))
-        output = collect(result, shape, self._output_spec(result.results))
-        metrics = dict(output["rollout_metrics"] or {})
-        metrics.update(_capture_metrics([c for c in captured if c is not None]))
-        if lag is not None:
-            metrics.update(lag.metrics())
-        output["rollout_metrics"] = metrics
-        return output
+        return BatchJob(
+            request=request,
+            shape=shape,
+            rollout=rollout,
+            output=lambda result: collect(result, shape, self._output_spec(result.results)),
+            default_params=dict(request.sampling_params or {}),
+            batch_metadata=input_batch.get("batch_metadata"),
+            metrics=lambda _result: _capture_metrics([c for c in captured if c is not None]),
+        )
 
     def _output_spec(self, results: list[Any]) -> OutputSpec:
         """How this batch's output is shaped: rows carry logprobs when every captured row has them."""
