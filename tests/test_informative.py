@@ -15,6 +15,7 @@ import pytest
 
 from skyrl_structured import InformativeBatches, PromptGroup
 from skyrl_structured.engines.partial import offer_partial
+from skyrl_structured.observe import RolloutRef
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 
 from .helpers import make_generator
@@ -43,9 +44,18 @@ def group(k: int) -> PromptGroup:
 class Graders:
     """The engine: sample 0 of an informative group answers right and sample 1 wrong; both samples of an
     uninformative group answer right. ``hung`` sessions hang on their first request after offering its first
-    ``HEAD`` tokens; every other request waits until the hung ones are in the engine."""
+    ``HEAD`` tokens; every other request waits until the hung ones are in the engine. The requests of the
+    ``last`` groups wait, besides, until every rollout in ``first`` has finished (heard as an observer): which
+    rollouts are still running when a call stops is then the script's, never the scheduler's."""
 
-    def __init__(self, tokenizer: Any, uninformative: set[str], hung: set[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        uninformative: set[str],
+        hung: set[str],
+        last: set[str] = frozenset(),
+        first: set[str] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
         self.uninformative = uninformative
         self.hung = set(hung)
@@ -54,6 +64,19 @@ class Graders:
         if not hung:
             self.hung_in.set()
         self.continued: list[str] = []
+        self.last = set(last)
+        self.first = set(first)
+        self.first_done = anyio.Event()
+        if not first:
+            self.first_done.set()
+
+    def rollout_finished(self, rollout: RolloutRef, *, failed: bool) -> None:
+        """The observer event: a rollout of ``first`` has finished (its session id is ``<uid>_<repetition>``)."""
+        tid = rollout.trajectory_id
+        if tid is not None:
+            self.first.discard(f"{tid.instance_id}_{tid.repetition_id}")
+            if not self.first:
+                self.first_done.set()
 
     def reply_ids(self, session: str) -> list[int]:
         uid, repetition = session.rsplit("_", 1)
@@ -76,6 +99,8 @@ class Graders:
             offer_partial(ids[:HEAD], None, self.tokenizer.decode(ids[:HEAD], skip_special_tokens=True))
             await anyio.sleep_forever()
         await self.hung_in.wait()
+        if session.rsplit("_", 1)[0] in self.last:
+            await self.first_done.wait()
         return Reply(self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids)
 
 
@@ -87,8 +112,12 @@ def groups_of(uids: list[str]) -> list[str]:
 
 
 async def test_a_call_stops_at_the_groups_it_needs_and_carries_the_rest(tokenizer: Any) -> None:
-    graders = Graders(tokenizer, uninformative={"g2", "g5"}, hung={"g1_1"})
+    # g0 and g3 answer only once g1_0 and g2 have finished: the call's stop then finds only g1_1 running.
+    graders = Graders(
+        tokenizer, uninformative={"g2", "g5"}, hung={"g1_1"}, last={"g0", "g3"}, first={"g1_0", "g2_0", "g2_1"}
+    )
     gen = make_generator(tokenizer, ScriptedEngine(tokenizer, graders, logprobs=False), **CARRY)
+    gen.observers = [graders]
     batches = InformativeBatches(gen, n_samples_per_prompt=2, oversample=1.0)
     batches.add(group(k) for k in range(6))
 
