@@ -371,7 +371,9 @@ class Branch:
     #: may fork from any of these points, reusing the ids up to there (design rule 19).
     ends: list[tuple[int, int]] = field(default_factory=list)
 
-    def __len__(self) -> int:
+    @property
+    def length(self) -> int:
+        """How many ids the branch holds: its prompt and response ids."""
         return len(self.prompt_ids) + len(self.response_ids)
 
     def prefix(self, length: int) -> Branch:
@@ -475,7 +477,7 @@ class Capture:
         branch = self.branches[index]
         tail = encode(self.tokenizer, rendered[chars:])
         base = branch.prompt_ids + branch.response_ids[: length - len(branch.prompt_ids)]
-        tip = length == len(branch)
+        tip = length == branch.length
         return Prepared(index, base + tail, tail, rendered, tip, length, fork=not tip, turns=turns, tag=tag)
 
     def _reusable(self, rendered: str) -> tuple[int, int, int] | None:
@@ -489,7 +491,7 @@ class Capture:
         for index in range(len(self.branches) - 1, -1, -1):
             branch = self.branches[index]
             if rendered.startswith(branch.text):
-                point, tip = (len(branch.text), len(branch)), True
+                point, tip = (len(branch.text), branch.length), True
             else:
                 found = _last_end_within(branch, rendered)
                 if found is None:
@@ -513,7 +515,7 @@ class Capture:
         extended = False
         if prepared.extended or prepared.fork:
             source = self.branches[index]
-            if prepared.extended and len(source) == prepared.base_length:
+            if prepared.extended and source.length == prepared.base_length:
                 branch, extended = source, True
             else:
                 branch, index = source.prefix(prepared.base_length), len(self.branches)
@@ -529,7 +531,7 @@ class Capture:
         branch.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled_ids)
         branch.has_logprobs = branch.has_logprobs and logprobs is not None
         branch.text = prepared.rendered + decode(self.tokenizer, sampled_ids)
-        branch.ends.append((len(branch.text), len(branch)))
+        branch.ends.append((len(branch.text), branch.length))
         branch.stop_reason = stop_reason
         branch.calls += 1
         call = CallRecord(

@@ -71,7 +71,7 @@ def main_branch(capture: Capture) -> int:
     for order, call in enumerate(calls):
         turns[call.branch] = max(turns.get(call.branch, 0), call.turns)
         last[call.branch] = order
-    return max(candidates, key=lambda b: (turns[b], len(capture.branches[b]), last[b]))
+    return max(candidates, key=lambda b: (turns[b], capture.branches[b].length, last[b]))
 
 
 def _main(session: CaptureSession) -> int:
