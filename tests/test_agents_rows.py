@@ -19,6 +19,8 @@ import pytest
 
 from skyrl_structured import TrajectoryID
 from skyrl_structured.agents import AgentContext, StructuredAgentGenerator, serve_capture
+from skyrl_structured.agents._capture import CallTag, Capture
+from skyrl_structured.agents._rows import main_branch
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.types import GeneratorInput
 from skyrl_structured.validate import validate_generator_output
@@ -349,3 +351,30 @@ async def test_forks_count_as_branches_and_the_row_is_one_whole_fork(tokenizer, 
             assert out["prompt_token_ids"] == [first, one, two]
             assert [r.count(1) for r in out["loss_masks"]] == [len(s) for s in sampled]
             assert out["is_last_step"] == [False, False, True]
+
+
+async def test_the_row_rule_in_order_marks_then_served_model_then_turns(tokenizer, anyio_backend):
+    # The rule on a session's record alone (main_branch), each step deciding where the one before left a choice.
+    def session(*calls: tuple[list[Any], CallTag]) -> Capture:
+        capture = Capture(tokenizer)
+        for messages, tag in calls:
+            prepared = capture.prepare({"messages": messages}, tag)
+            capture.record(prepared, tokenizer.encode("ok", add_special_tokens=False), None, "stop", "ok")
+        return capture
+
+    short: list[Any] = [{"role": "user", "content": "Hi."}]
+    long_: list[Any] = [{"role": "user", "content": "Hi. " * 40}]
+    two_turns: list[Any] = [*short, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "More."}]
+    plain, side, main, served = CallTag(), CallTag("side"), CallTag("main"), CallTag(served=True)
+    # The last call marked main wins over turns, length and order.
+    assert main_branch(session((short, main), (two_turns, plain), (long_, plain))) == 0
+    # Side marks leave a branch out; when every call is marked side, the marks decide nothing.
+    assert main_branch(session((short, plain), (long_, side))) == 0
+    assert main_branch(session((short, side), (long_, side))) == 1
+    # A call naming the served model leaves out the branches of calls naming another model.
+    assert main_branch(session((short, served), (long_, plain))) == 0
+    # Turns first (the second call extends the first's branch), then tokens, then the last to complete.
+    assert main_branch(session((short, plain), (two_turns, plain), (long_, plain))) == 0
+    assert main_branch(session((short, plain), (long_, plain))) == 1
+    assert main_branch(session((long_, plain), (short, plain))) == 0
+    assert main_branch(session((short, plain), (short, plain))) == 1  # the same request twice: two equal branches
