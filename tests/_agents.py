@@ -218,3 +218,11 @@ def port_of(url: str) -> int:
     port = urlparse(url).port
     assert port is not None
     return port
+
+
+def noncanonical_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text`` tokenized one character at a time, then EOS: ids an engine may sample that re-tokenizing the
+    text would not give back (the tokenizer merges characters), so a test sees any re-tokenization."""
+    ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+    assert ids != tokenizer.encode(text, add_special_tokens=False), f"{text!r} has no merged tokens"
+    return [*ids, tokenizer.eos_token_id]

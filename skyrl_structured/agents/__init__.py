@@ -52,10 +52,12 @@ returns and the cancellation completes.
 
 **Token-in, token-out** (:class:`Capture`). Each request's messages are rendered with the tokenizer's
 chat template (``tools`` passed to it; assistant ``tool_calls`` arguments parsed from their JSON
-string) as text. A session keeps *branches*: append-only token sequences. A call *extends* a branch
-(the latest first) when its render starts with the branch's text, that is the branch's last rendered
-prompt followed by the decoded ids the engine sampled (special tokens kept): then the branch's ids are
-reused exactly as they are, never re-tokenized, and only the rest of the render (the messages added
+string) as text. A session keeps *branches*: append-only token sequences. A call reuses the ids up to
+the longest recorded call end its render starts with (a call's end: its rendered prompt followed by the
+decoded ids the engine sampled, special tokens kept). At a branch's tip the call *extends* the branch;
+at an earlier call's end it *forks*: a new branch starts with the ids up to there as they were
+recorded (two continuations of one earlier turn, or two requests naming one ``previous_response_id``).
+Either way those ids are never re-tokenized, and only the rest of the render (the messages added
 since, the generation prompt) is tokenized (loss mask 0). Otherwise (history rewritten, ``<think>``
 blocks stripped by the template, a summary, a re-serialised tool call) the call starts a new branch
 from the whole render. The engine gets the branch's token ids through the ``InferenceClient``
@@ -63,8 +65,8 @@ from the whole render. The engine gets the branch's token ids through the ``Infe
 ids and logprobs are recorded exactly as returned, and the client is answered with the engine's text.
 The comparison is made on text rather than on a re-tokenized render, so a sampled tokenization that is
 not the tokenizer's canonical one still extends its branch. Two requests of one session in flight at
-once that both extend the same branch cannot both stay on it: the one recorded second becomes a new
-branch from the prompt it was sent with.
+once that both extend the same branch cannot both stay on it: the one recorded second forks at the
+point it was prepared from.
 
 **Tool calls**: when the request offers ``tools``, Hermes-style ``<tool_call>{"name", "arguments"}
 </tool_call>`` blocks of the reply (Qwen2.5 / Qwen3) are returned as OpenAI ``tool_calls`` (ids
@@ -90,14 +92,19 @@ Observers (``generator.observers``) hear the attempt events, ``env_opened`` when
 requests run in the server's tasks, not the rollout's), the session's close as an ``env_close``
 cleanup and its ``finish_session`` cleanup: the session is the agent's environment to every count.
 
-Rows: without ``step_wise_trajectories``, a rollout's row is the **branch of its last call**: prompt
+Rows: without ``step_wise_trajectories``, a rollout's row is its **main conversation**, whatever order
+the calls completed in: the branch of the last call sent with the header ``x-skyrl-branch: main``;
+else, leaving out branches whose calls all say ``x-skyrl-branch: side`` and, when some call names the
+served model, the branches of calls naming another (a small model's side calls), the branch whose
+conversation has the most turns, then the most tokens, then the latest last call. Its prompt
 ids = the branch's first prompt; response ids = sampled ids (loss mask 1, logprobs as sampled) with the
 rendered tails between calls (loss mask 0, logprob 0.0); per-token rewards with the reward on the last
 token; the stop reason of the branch's last call; other branches are counted, not trained on. With
 ``step_wise_trajectories``, **every branch** is returned as steps, one per captured call: the call's
 engine prompt, then what it sampled (mask 1) and the tail rendered before the branch's next call (mask
-0), so a branch's steps concatenate back to the branch token for token; branches come in order, the
-branch of the last call last, whose last step carries the reward (``is_last_step``). Counted either way
+0), so a branch's steps concatenate back to the branch token for token from its first call on (a
+fork's shared ids are in its source's steps); branches come in order, the main branch last, whose last
+step carries the reward (``is_last_step``). Counted either way
 in ``rollout_metrics``: ``generate/agent_calls``, ``generate/agent_branches``,
 ``generate/agent_multi_branch_rollouts`` (over the rollouts that succeeded).
 

@@ -17,6 +17,7 @@ __all__ = [
     "APIError",
     "Branch",
     "CallRecord",
+    "CallTag",
     "Capture",
     "Prepared",
     "check_encodable",
@@ -340,6 +341,18 @@ def parse_tool_calls(text: str, *, id_prefix: str) -> tuple[str | None, list[dic
 # ----------------------------------------------------------------------------- branches
 
 
+@dataclass(frozen=True)
+class CallTag:
+    """What a request says about the conversation it belongs to; the rollout's row is chosen with it.
+
+    ``mark`` is the request's ``x-skyrl-branch`` header (``"main"``, ``"side"`` or None); ``served``
+    says whether its ``model`` names the model the endpoint serves (:mod:`._rows` reads both).
+    """
+
+    mark: str | None = None
+    served: bool = False
+
+
 @dataclass
 class Branch:
     """One append-only token sequence: a prompt, then sampled tokens (mask 1) and rendered tails (mask 0)."""
@@ -354,6 +367,25 @@ class Branch:
     text: str = ""
     stop_reason: str = "stop"
     calls: int = 0
+    #: Where each call recorded on this branch ended: ``(characters of text, ids)``, ascending. A later call
+    #: may fork from any of these points, reusing the ids up to there (design rule 19).
+    ends: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """How many ids the branch holds: its prompt and response ids."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def prefix(self, length: int) -> Branch:
+        """A new branch holding this one's first ``length`` ids as they are (masks and logprobs too)."""
+        cut = length - len(self.prompt_ids)
+        return Branch(
+            prompt_ids=list(self.prompt_ids),
+            response_ids=self.response_ids[:cut],
+            loss_mask=self.loss_mask[:cut],
+            logprobs=self.logprobs[:cut],
+            has_logprobs=self.has_logprobs,
+        )
 
 
 @dataclass
@@ -366,8 +398,13 @@ class CallRecord:
     logprobs: list[float] | None
     stop_reason: str
     text: str
-    #: Whether this call extended its branch (False: it started the branch).
+    #: Whether this call extended its branch (False: it started the branch, afresh or as a fork).
     extended: bool
+    #: How many leading prompt ids were earlier calls' ids reused as recorded (0: the whole prompt was rendered).
+    reused: int = 0
+    #: The conversation's turns with this call: the request's assistant messages, plus this call's reply.
+    turns: int = 1
+    tag: CallTag = CallTag()
 
 
 @dataclass
@@ -378,19 +415,28 @@ class Prepared:
     prompt_ids: list[int]
     tail_ids: list[int]
     rendered: str
+    #: Whether the call extends ``branch`` from its tip.
     extended: bool
-    #: The branch's length (prompt + response ids) when this call was prepared from it.
+    #: How many of ``branch``'s ids the prompt reuses (its length when extended; 0 when nothing is reused).
     base_length: int = 0
+    #: Whether the call forks from ``branch``: reuses its first ``base_length`` ids (an earlier call's end,
+    #: not the tip) in a new branch.
+    fork: bool = False
+    turns: int = 1
+    tag: CallTag = CallTag()
 
 
 class Capture:
     """The branches and calls of one session; the extend-or-branch rule lives here.
 
-    A call extends a branch when its rendered text starts with the branch's text (its last prompt's
-    render followed by the decoded sampled ids; the latest branch is tried first): the branch's ids
-    are reused as they are and only the rest of the render (the new messages, the generation prompt)
-    is tokenized, loss mask 0. Otherwise the call starts a new branch from the whole render. An agent
-    that interleaves two conversations in one session keeps two branches, each extended in turn.
+    A call reuses the ids of the longest recorded point its rendered text starts with: a point is
+    where a recorded call ended (its prompt's render followed by the decoded sampled ids). At a
+    branch's tip the call extends the branch; at an earlier call's end it forks: a new branch starts
+    with the ids up to there, as they were recorded (two continuations of one earlier turn never
+    re-tokenize what the engine sampled, design rule 19). Either way only the rest of the render
+    (the new messages, the generation prompt) is tokenized, loss mask 0. With no such point the call
+    starts a new branch from the whole render. An agent that interleaves two conversations in one
+    session keeps two branches, each extended in turn.
     """
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
@@ -399,8 +445,10 @@ class Capture:
         self.branches: list[Branch] = []
         self.calls: list[CallRecord] = []
 
-    def prepare(self, body: dict[str, Any]) -> Prepared:
+    def prepare(self, body: dict[str, Any], tag: CallTag | None = None) -> Prepared:
         """Render the request and decide which branch it belongs to; nothing is recorded yet.
+
+        ``tag`` is what the request says about its conversation (kept on the call for the row choice).
 
         Raises:
             APIError: 400 for malformed ``messages`` or ``tools``, or messages the chat template refuses
@@ -418,49 +466,100 @@ class Capture:
             raise APIError(
                 400, f"the model's chat template refused these messages: {exc.message or exc}", param="messages"
             ) from None
-        for index in range(len(self.branches) - 1, -1, -1):  # the latest first: usually the one extended
+        turns = 1 + sum(message["role"] == "assistant" for message in messages)
+        tag = tag or CallTag()
+        point = self._reusable(rendered)
+        if point is None:
+            return Prepared(
+                len(self.branches), encode(self.tokenizer, rendered), [], rendered, False, turns=turns, tag=tag
+            )
+        index, chars, length = point
+        branch = self.branches[index]
+        tail = encode(self.tokenizer, rendered[chars:])
+        base = branch.prompt_ids + branch.response_ids[: length - len(branch.prompt_ids)]
+        tip = length == branch.length
+        return Prepared(index, base + tail, tail, rendered, tip, length, fork=not tip, turns=turns, tag=tag)
+
+    def _reusable(self, rendered: str) -> tuple[int, int, int] | None:
+        """The longest recorded point ``rendered`` starts with: ``(branch, characters, ids)``, or None.
+
+        On equal length a branch's tip wins over an earlier call's end (extend rather than fork), then the
+        latest branch (usually the one extended).
+        """
+        best: tuple[int, int, int] | None = None
+        best_key = (0, False)
+        for index in range(len(self.branches) - 1, -1, -1):
             branch = self.branches[index]
             if rendered.startswith(branch.text):
-                tail = encode(self.tokenizer, rendered[len(branch.text) :])
-                base = branch.prompt_ids + branch.response_ids
-                return Prepared(index, base + tail, tail, rendered, True, len(base))
-        return Prepared(len(self.branches), encode(self.tokenizer, rendered), [], rendered, False)
+                point, tip = (len(branch.text), branch.length), True
+            else:
+                found = _last_end_within(branch, rendered)
+                if found is None:
+                    continue
+                point, tip = found, False
+            if (point[0], tip) > best_key:
+                best, best_key = (index, *point), (point[0], tip)
+        return best
 
     def record(
         self, prepared: Prepared, sampled_ids: list[int], logprobs: list[float] | None, stop_reason: str, text: str
     ) -> CallRecord:
         """Keep the engine's sampled ids and logprobs on the prepared call's branch, exactly as returned.
 
+        A fork starts a new branch with the reused ids as they were recorded (their masks and logprobs).
         A call prepared to extend a branch that another call of the session extended meanwhile
-        (concurrent requests) no longer extends it: it is recorded as a new branch from the prompt
-        it was actually sent with, so no branch ever holds ids the engine did not see in that order.
+        (concurrent requests) no longer extends it: it forks at the point it was prepared from, so no
+        branch ever holds ids the engine did not see in that order.
         """
         index = prepared.branch
-        branch = self.branches[index] if prepared.extended else None
-        if branch is not None and len(branch.prompt_ids) + len(branch.response_ids) == prepared.base_length:
+        extended = False
+        if prepared.extended or prepared.fork:
+            source = self.branches[index]
+            if prepared.extended and source.length == prepared.base_length:
+                branch, extended = source, True
+            else:
+                branch, index = source.prefix(prepared.base_length), len(self.branches)
+                self.branches.append(branch)
             branch.response_ids += prepared.tail_ids
             branch.loss_mask += [0] * len(prepared.tail_ids)
             branch.logprobs += [0.0] * len(prepared.tail_ids)
         else:
-            branch = Branch(prompt_ids=list(prepared.prompt_ids))
-            index = len(self.branches)
+            branch, index = Branch(prompt_ids=list(prepared.prompt_ids)), len(self.branches)
             self.branches.append(branch)
-            prepared = Prepared(index, prepared.prompt_ids, [], prepared.rendered, False)
         branch.response_ids += sampled_ids
         branch.loss_mask += [1] * len(sampled_ids)
         branch.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled_ids)
         branch.has_logprobs = branch.has_logprobs and logprobs is not None
         branch.text = prepared.rendered + decode(self.tokenizer, sampled_ids)
+        branch.ends.append((len(branch.text), branch.length))
         branch.stop_reason = stop_reason
         branch.calls += 1
         call = CallRecord(
-            prepared.branch,
+            index,
             list(prepared.prompt_ids),
             list(sampled_ids),
             logprobs,
             stop_reason,
             text,
-            prepared.extended,
+            extended,
+            reused=prepared.base_length if prepared.extended or prepared.fork else 0,
+            turns=prepared.turns,
+            tag=prepared.tag,
         )
         self.calls.append(call)
         return call
+
+
+def _last_end_within(branch: Branch, rendered: str) -> tuple[int, int] | None:
+    """The last of ``branch``'s call ends that ``rendered`` starts with, ``(characters, ids)``, or None.
+
+    Matching is monotone along a branch (its text only grows), so the ends are searched by bisection.
+    """
+    low, high = 0, len(branch.ends)  # invariant: ends[:low] match, ends[high:] do not
+    while low < high:
+        middle = (low + high) // 2
+        if rendered.startswith(branch.text[: branch.ends[middle][0]]):
+            low = middle + 1
+        else:
+            high = middle
+    return branch.ends[low - 1] if low else None

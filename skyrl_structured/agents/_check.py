@@ -185,7 +185,7 @@ class CaptureCheck:
             "append-only: every call extends the previous prompt + reply (one branch per rollout)"
             if own
             else f"NOT append-only: {self.branches} branches over {len(self.calls)} calls; the endpoint starts a "
-            "new branch at each call marked below and trains only on the branch of a rollout's last call"
+            "new branch at each call marked below and trains only on a rollout's main conversation (by default)"
         ]
         for c in self.calls[1:]:
             if c.extended:

@@ -43,8 +43,10 @@ from ..types import (
     TrajectoryOutput,
 )
 from ..validate import check_batch_input
-from ._capture import Branch, Capture
+from ._capture import Capture
 from ._knobs import OUTPUT_KNOBS, read_knobs
+from ._rows import step_wise as _step_wise
+from ._rows import trajectory as _trajectory
 from ._server import CaptureServer, CaptureSession, serve_capture
 from ._threads import AgentThreads, is_async_agent
 from ._tombstone import Afterlife
@@ -385,58 +387,3 @@ def _capture_metrics(captures: list[Capture]) -> dict[str, int]:
         "generate/agent_branches": sum(len(c.branches) for c in captures),
         "generate/agent_multi_branch_rollouts": sum(len(c.branches) > 1 for c in captures),
     }
-
-
-def _last_branch(session: CaptureSession) -> int:
-    """The branch of the session's last call (the rollout's row); an agent that made no call fails by name."""
-    if not session.capture.calls:
-        raise AgentError(
-            f"rollout {session.rollout}: the agent made no chat completion request to its base URL "
-            f"{session.base_url}; point its OpenAI client there (base_url=ctx.base_url, api_key=ctx.api_key)"
-        )
-    return session.capture.calls[-1].branch
-
-
-def _row(branch: Branch, prompt_ids: list[int], span: slice, reward: float | None, stop: str) -> TrajectoryOutput:
-    """A training row: ``prompt_ids``, then ``branch``'s response tokens in ``span``; ``reward`` on the last token."""
-    response = branch.response_ids[span]
-    rewards = [0.0] * len(response)
-    if reward is not None:
-        rewards[-1] = reward
-    return TrajectoryOutput(
-        response_ids=list(response),
-        reward=rewards,
-        stop_reason=stop,
-        loss_mask=list(branch.loss_mask[span]),
-        prompt_ids=list(prompt_ids),
-        rollout_logprobs=list(branch.logprobs[span]) if branch.has_logprobs else None,
-        env_metrics={},
-    )
-
-
-def _trajectory(session: CaptureSession, reward: float) -> TrajectoryOutput:
-    """The rollout's row outside step-wise mode: the branch of its last call (other branches are counted only)."""
-    branch = session.capture.branches[_last_branch(session)]
-    return _row(branch, branch.prompt_ids, slice(None), reward, branch.stop_reason)
-
-
-def _step_wise(session: CaptureSession, reward: float) -> StepWiseOutput:
-    """Every branch as steps, one per call: no captured token is left out.
-
-    A call's step is its engine prompt, then what it sampled (loss mask 1) and the tokens rendered
-    after it on its branch up to the next call (loss mask 0), so a branch's steps, concatenated,
-    are the branch. The branches come in order, the branch of the last call last: its last step
-    ends the rollout and carries the reward (SkyRL broadcasts the last step's advantage to the others).
-    """
-    capture = session.capture
-    last = _last_branch(session)
-    steps: list[TrajectoryOutput] = []
-    for index in [*(b for b in range(len(capture.branches)) if b != last), last]:
-        branch = capture.branches[index]
-        calls = [call for call in capture.calls if call.branch == index]
-        starts = [len(call.prompt_ids) - len(branch.prompt_ids) for call in calls] + [len(branch.response_ids)]
-        for k, call in enumerate(calls):
-            final = index == last and k == len(calls) - 1
-            span = slice(starts[k], starts[k + 1])
-            steps.append(_row(branch, call.prompt_ids, span, reward if final else None, call.stop_reason))
-    return StepWiseOutput(step_outputs=steps)

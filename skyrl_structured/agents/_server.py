@@ -47,12 +47,14 @@ from ._capture import (
     SURROGATE_ESCAPE,
     APIError,
     CallRecord,
+    CallTag,
     Capture,
     Prepared,
     check_encodable,
     engine_sampling_params,
 )
 from ._chat import chat_completion_body, chat_completion_stream
+from ._rows import call_tag
 from ._tombstone import Afterlife
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
@@ -316,11 +318,12 @@ class CaptureServer:
                 raise APIError(400, "the request body must be a JSON object")
             if SURROGATE_ESCAPE.search(raw_body):
                 check_encodable(body)
+            tag = call_tag(headers, body.get("model"), self.model)  # which conversation: for the row (issue 45)
             if route == "/responses":
-                return await self._responses(session, body)
+                return await self._responses(session, body, tag)
             if anthropic:
-                return await self._messages(session, body, count_only=route == _anthropic.COUNT_TOKENS)
-            return await self._chat(session, body)
+                return await self._messages(session, body, tag, count_only=route == _anthropic.COUNT_TOKENS)
+            return await self._chat(session, body, tag)
         except APIError as error:
             return _Response.error(error, shape)
         except Exception as exc:
@@ -380,9 +383,9 @@ class CaptureServer:
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
 
-    async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+    async def _chat(self, session: CaptureSession, body: dict[str, Any], tag: CallTag) -> _Response:
         params = engine_sampling_params(body, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(body), params)
+        call = await self._sample(session, session.capture.prepare(body, tag), params)
         completion = chat_completion_body(
             call,
             completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
@@ -395,11 +398,11 @@ class CaptureServer:
             return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
         return _Response.json(200, completion)
 
-    async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+    async def _responses(self, session: CaptureSession, body: dict[str, Any], tag: CallTag) -> _Response:
         """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
         request = _responses.chat_request(body, session.responses)
         params = _responses.sampling_params(request, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(request.chat), params)
+        call = await self._sample(session, session.capture.prepare(request.chat, tag), params)
         response_id = f"resp_{session.id}_{len(session.calls) - 1}"
         response = _responses.response_body(
             call, request, response_id=response_id, model=str(body.get("model") or self.model), created=int(time.time())
@@ -409,11 +412,13 @@ class CaptureServer:
             return _Response(200, _responses.response_stream(response), "text/event-stream")
         return _Response.json(200, response)
 
-    async def _messages(self, session: CaptureSession, body: dict[str, Any], *, count_only: bool) -> _Response:
+    async def _messages(
+        self, session: CaptureSession, body: dict[str, Any], tag: CallTag, *, count_only: bool
+    ) -> _Response:
         """Anthropic's ``/messages`` (or ``/messages/count_tokens``: the prompt's length, nothing sampled)."""
         request = _anthropic.messages_request(body)
         params = engine_sampling_params(request.chat, session.sampling_params)
-        prepared = session.capture.prepare(request.chat)
+        prepared = session.capture.prepare(request.chat, tag)
         if count_only:
             return _Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
         call = await self._sample(session, prepared, params)
