@@ -118,9 +118,11 @@ Not yet (issue 28): token-by-token streaming (the reply is streamed once whole);
 """
 
 from ..errors import AgentError
-from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
+from ._apierrors import APIError
+from ._capture import Branch, CallRecord, Capture
 from ._check import CallCheck, CaptureCheck, check_capture
 from ._command import command_agent
+from ._conversation import parse_tool_calls
 from ._default import default_agent
 from ._generator import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentFn
 from ._select import AGENT_VALUES, check_agent_choice, resolve_agent

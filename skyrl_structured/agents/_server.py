@@ -1,10 +1,12 @@
 """The capture endpoint: an OpenAI-compatible HTTP server (127.0.0.1 by default), in the caller's event loop.
 
 Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or under ``/v1`` with
-``Authorization: Bearer <key>`` or ``x-api-key: <key>``): ``POST /chat/completions``, ``POST /responses``
-(the OpenAI Responses API, translated by :mod:`._responses`), ``GET /models``, and Anthropic's
-``POST /messages`` and ``/messages/count_tokens`` (:mod:`._anthropic`: the ``anthropic`` client's
-``base_url`` is the session's root, without ``/v1``). A session has a
+``Authorization: Bearer <key>`` or ``x-api-key: <key>``), come from the registry of wire APIs
+(:mod:`._wire`): ``POST /chat/completions`` and ``GET /models``, ``POST /responses``, ``POST /completions``,
+and Anthropic's ``POST /messages`` and ``/messages/count_tokens`` (the ``anthropic`` client's
+``base_url`` is the session's root, without ``/v1``). One handler answers them all: the request in its
+API's shape -> the typed conversation (or a raw prompt) -> the capture's branches -> the engine -> the
+reply, stream or error in its API's shape. A session has a
 public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
 its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
 session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
@@ -42,18 +44,21 @@ from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
-from . import _anthropic, _responses
-from ._capture import (
+from ._capture import CallRecord, Capture, Prepared
+from ._conversation import render
+from ._tombstone import Afterlife
+from ._wire import (
+    ROUTES,
     SURROGATE_ESCAPE,
     APIError,
-    CallRecord,
-    Capture,
-    Prepared,
+    ContextLengthError,
+    Exchange,
+    Route,
+    WireAPI,
     check_encodable,
-    engine_sampling_params,
+    context_refusal,
+    messages,
 )
-from ._chat import chat_completion_body, chat_completion_stream
-from ._tombstone import Afterlife
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -97,8 +102,8 @@ class CaptureSession:
     closes: int = 0
     #: Engine requests sent for this session (answered or not): the engine session is finished if any.
     engine_requests: int = 0
-    #: The session's Responses API responses, for a later ``previous_response_id``; dropped when it closes.
-    responses: dict[str, _responses.Remembered] = field(default_factory=dict)
+    #: Each wire API's state in this session, by API name (Responses: its stored responses); dropped when it closes.
+    stores: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: The endpoint's abandoned agent calls (its server's): set by :meth:`CaptureServer.session`.
     _afterlife: Afterlife = field(default_factory=Afterlife, repr=False)
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
@@ -108,6 +113,11 @@ class CaptureSession:
     @property
     def calls(self) -> list[CallRecord]:
         return self.capture.calls
+
+    @property
+    def responses(self) -> dict[str, Any]:
+        """The session's stored Responses API responses, for a later ``previous_response_id``."""
+        return self.stores.setdefault("responses", {})
 
     @property
     def anthropic_base_url(self) -> str:
@@ -124,7 +134,7 @@ class CaptureSession:
         self.closed = True
         self.close_reason = reason
         self.closes += 1
-        self.responses.clear()
+        self.stores.clear()
         for scope in list(self._inflight):
             scope.cancel()
 
@@ -192,11 +202,14 @@ class CaptureServer:
         *,
         model: str,
         chat_template_kwargs: dict[str, Any] | None = None,
+        context_length: int | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        #: The engine's context length when known: a longer prompt is refused before any engine call.
+        self.context_length = context_length
         self.url = ""
         self.port = 0
         #: Open sessions by key, and ended ones' (id, rollout) by key.
@@ -276,51 +289,32 @@ class CaptureServer:
             if session.engine_requests:
                 await run_cleanups([SessionEnd(context, session_id)], limit_s=cleanup_timeout_s, error=error)
 
-    # ------------------------------------------------------------------ routes
+    # ------------------------------------------------------------------ the one handler
 
     async def _route(self, request: Any, raw_body: bytes) -> _Response:
         """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
         session: CaptureSession | None = None
         shape: Callable[[APIError], Any] = APIError.body
         try:
-            method = request.method.decode("latin-1")
-            path = request.target.decode("latin-1").split("?", 1)[0]
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-            path_key, bearer, route = _split_path(path, headers)
-            anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
-            shape = _error_shape(route)
-            if _misplaced(route):
+            method, path, headers = _request_parts(request)
+            path_key, bearer, route_path = _split_path(path, headers)
+            shape = _error_shape(route_path)
+            if _misplaced(route_path):
                 raise APIError(
                     404,
                     f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
                     "(the chat base URL minus its /v1)",
                 )
-            if route == "/models":
-                if method != "GET":
-                    raise APIError(405, f"`{method} {path}`: use GET")
+            found = ROUTES.get(route_path)
+            if found is None:
+                raise APIError(404, f"no route `{path}`; the endpoint serves {_ROUTE_LIST} under a session's base URL")
+            api, route = found
+            if method != route.method:
+                raise APIError(405, f"`{method} {path}`: use {route.method}")
+            if route.action == "models":
                 return _Response.json(200, self._models())
-            if route not in ("/chat/completions", "/responses") and not anthropic:
-                raise APIError(
-                    404,
-                    f"no route `{path}`; the endpoint serves <base_url>/chat/completions, /responses and /models, "
-                    "and Anthropic's /v1/messages under the session's root",
-                )
-            if method != "POST":
-                raise APIError(405, f"`{method} {path}`: use POST")
             session = self._lookup(path_key, bearer)
-            try:
-                body = json.loads(raw_body)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the request body must be a JSON object")
-            if SURROGATE_ESCAPE.search(raw_body):
-                check_encodable(body)
-            if route == "/responses":
-                return await self._responses(session, body)
-            if anthropic:
-                return await self._messages(session, body, count_only=route == _anthropic.COUNT_TOKENS)
-            return await self._chat(session, body)
+            return await self._answer(session, api, route, _json_body(raw_body))
         except APIError as error:
             return _Response.error(error, shape)
         except Exception as exc:
@@ -330,6 +324,37 @@ class CaptureServer:
                 APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}"),
                 shape,
             )
+
+    async def _answer(self, session: CaptureSession, api: WireAPI, route: Route, body: dict[str, Any]) -> _Response:
+        """Parse the request in its API's shape, prepare it on the session's branches, sample, answer in its shape."""
+        exchange = Exchange(
+            session_id=session.id,
+            index=len(session.calls),
+            model=str(body.get("model") or self.model),
+            created=int(time.time()),
+            tokenizer=self.tokenizer,
+            base_sampling=session.sampling_params,
+            store=session.stores.setdefault(api.name, {}),
+        )
+        turn = api.parse(body, exchange)
+        capture = session.capture
+        if isinstance(turn.prompt, tuple):  # token ids (legacy completions): never re-tokenized
+            prepared = capture.prepare_ids(turn.prompt)
+        elif turn.prompt is not None:  # a raw text prompt: tokenized as it is, no template
+            prepared = capture.prepare(turn.prompt)
+        else:
+            prepared = capture.prepare(render(self.tokenizer, turn.conversation, capture.chat_template_kwargs))
+        if route.action == "count":
+            assert api.count is not None  # a count route's API counts
+            return _Response.json(200, api.count(len(prepared.prompt_ids)))
+        if self.context_length is not None and len(prepared.prompt_ids) > self.context_length:
+            raise ContextLengthError(len(prepared.prompt_ids), self.context_length, turn.prompt_param)
+        call = await self._sample(session, prepared, dict(turn.conversation.sampling), turn.prompt_param)
+        exchange.index = len(session.calls) - 1  # recorded just now, with no await since: this call's number
+        reply = api.reply(call, turn, exchange)
+        if turn.stream:
+            return _Response(200, api.stream(reply, turn), "text/event-stream")
+        return _Response.json(200, reply)
 
     def _models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "skyrl-structured"}
@@ -370,8 +395,7 @@ class CaptureServer:
         """
         if request is None:
             return _Response.error(_rollout_ended(None))
-        path = request.target.decode("latin-1").split("?", 1)[0]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        _, path, headers = _request_parts(request)
         path_key, bearer, route = _split_path(path, headers)
         key = path_key if path_key is not None else bearer
         ended = self._ended.get(key) if key is not None else None
@@ -380,59 +404,14 @@ class CaptureServer:
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
 
-    async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
-        params = engine_sampling_params(body, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(body), params)
-        completion = chat_completion_body(
-            call,
-            completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
-            model=str(body.get("model") or self.model),
-            created=int(time.time()),
-            parse_tools=bool(body.get("tools")),
-        )
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
-        return _Response.json(200, completion)
-
-    async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
-        """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
-        request = _responses.chat_request(body, session.responses)
-        params = _responses.sampling_params(request, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(request.chat), params)
-        response_id = f"resp_{session.id}_{len(session.calls) - 1}"
-        response = _responses.response_body(
-            call, request, response_id=response_id, model=str(body.get("model") or self.model), created=int(time.time())
-        )
-        session.responses[response_id] = _responses.remembered(request, response)
-        if request.stream:
-            return _Response(200, _responses.response_stream(response), "text/event-stream")
-        return _Response.json(200, response)
-
-    async def _messages(self, session: CaptureSession, body: dict[str, Any], *, count_only: bool) -> _Response:
-        """Anthropic's ``/messages`` (or ``/messages/count_tokens``: the prompt's length, nothing sampled)."""
-        request = _anthropic.messages_request(body)
-        params = engine_sampling_params(request.chat, session.sampling_params)
-        prepared = session.capture.prepare(request.chat)
-        if count_only:
-            return _Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
-        call = await self._sample(session, prepared, params)
-        message = _anthropic.message_body(
-            call,
-            request,
-            message_id=f"msg_{session.id}_{len(session.calls) - 1}",
-            model=str(body.get("model") or self.model),
-            tokenizer=self.tokenizer,
-        )
-        if request.stream:
-            return _Response(200, _anthropic.message_stream(message), "text/event-stream")
-        return _Response.json(200, message)
-
-    async def _sample(self, session: CaptureSession, prepared: Prepared, params: dict[str, Any]) -> CallRecord:
+    async def _sample(
+        self, session: CaptureSession, prepared: Prepared, params: dict[str, Any], prompt_param: str
+    ) -> CallRecord:
         """Send a prepared call to the engine and record it: what every API's route answers from.
 
         Raises:
-            APIError: 500 when the engine fails; 499 when the session closed while the call was in flight.
+            ContextLengthError: the engine refused the prompt as longer than its context (400).
+            APIError: 500 when the engine fails otherwise; 499 when the session closed while the call was in flight.
         """
         context = session.context
         turn = session.engine_requests
@@ -451,6 +430,9 @@ class CaptureServer:
                         context, turn, len(prepared.prompt_ids), lambda: context.client.generate(request)
                     )
             except Exception as exc:
+                refusal = context_refusal(exc, len(prepared.prompt_ids), prompt_param)
+                if refusal is not None:
+                    raise refusal from None
                 logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
                 raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", final=True) from None
             finally:
@@ -482,16 +464,47 @@ def _rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = Fal
     return APIError(404, message, kind="rollout_ended")
 
 
+def _request_parts(request: Any) -> tuple[str, str, dict[str, str]]:
+    """``(method, path without its query, headers with lower-case names)`` of a transport's request: the one
+    place this module reads the transport's request object."""
+    method = request.method.decode("latin-1")
+    path = request.target.decode("latin-1").split("?", 1)[0]
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+    return method, path, headers
+
+
+def _json_body(raw_body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, checked for text no tokenizer can encode.
+
+    Raises:
+        APIError: 400 when it is not JSON, not an object, or holds a lone UTF-16 surrogate.
+    """
+    try:
+        body = json.loads(raw_body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if SURROGATE_ESCAPE.search(raw_body):
+        check_encodable(body)
+    return body
+
+
 def _misplaced(route: str) -> bool:
     """An ``anthropic`` client given the chat base URL (it calls ``.../v1/v1/messages``)."""
-    return route.startswith("/v1" + _anthropic.MESSAGES)
+    return route.startswith("/v1/messages")
 
 
 def _error_shape(route: str) -> Callable[[APIError], Any]:
-    """The error shape of a route's API: Anthropic's on the Messages routes (a misplaced one too), else OpenAI's."""
-    if route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS) or _misplaced(route):
-        return _anthropic.error_body
-    return APIError.body
+    """The error shape of a route's API (OpenAI's for an unknown route); a misplaced Messages route is Anthropic's."""
+    if _misplaced(route):
+        return messages.error_body
+    found = ROUTES.get(route)
+    return found[0].error if found is not None else APIError.body
+
+
+#: The routes, as a 404 lists them.
+_ROUTE_LIST = ", ".join(f"{route.method} {path}" for path, (_, route) in ROUTES.items())
 
 
 def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
@@ -521,6 +534,7 @@ async def serve_capture(
     port: int = 0,
     url: str | None = None,
     close_timeout_s: float = _CLEANUP_BOUND_S,
+    context_length: int | None = None,
 ) -> AsyncIterator[CaptureServer]:
     """Serve a capture endpoint in front of ``client`` until the block exits.
 
@@ -531,6 +545,11 @@ async def serve_capture(
     block ends (a caller's cancellation included), the requests being answered are answered (a closed
     session's 499) before their connections close, waiting at most ``close_timeout_s``.
 
+    ``context_length`` is the served model's context (vLLM's ``max_model_len``) when the caller knows it:
+    a prompt longer than it is answered in its API's own error (OpenAI's 400 ``context_length_exceeded``,
+    Anthropic's 400 "prompt is too long: N tokens > M maximum") before any engine call. Without it the
+    engine's own refusal of a too-long prompt is answered the same way.
+
     Raises:
         ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
         ValueError: a bad setting (see :class:`~skyrl_structured.config.AgentEndpointSettings`).
@@ -539,7 +558,11 @@ async def serve_capture(
 
     import_optional("h11", "http", needed_by="serve_capture")
     settings = AgentEndpointSettings(agent_endpoint_host=host, agent_endpoint_port=port, agent_endpoint_url=url)
-    server = CaptureServer(client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs)
+    if context_length is not None and (type(context_length) is not int or context_length < 1):
+        raise ValueError(f"`context_length` must be a positive integer or None, got {context_length!r}")
+    server = CaptureServer(
+        client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs, context_length=context_length
+    )
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     server.port = int(listener.extra(SocketAttribute.local_port))
     server.url = _advertised_url(settings, server.port)
