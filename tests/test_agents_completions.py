@@ -118,7 +118,9 @@ async def test_a_text_prompt_is_tokenized_and_its_continuation_reuses_the_sample
     ],
     ids=["texts", "id-lists", "empty", "echo", "logprobs", "n"],
 )
-async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tokenizer, anyio_backend, request_fields, param, words):
+async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
+    tokenizer, anyio_backend, request_fields, param, words
+):
     engine = ScriptedEngine.from_replies(tokenizer, "x")
     async with serve_capture(engine, tokenizer) as server:
         async with server.session("t0_0") as session:
