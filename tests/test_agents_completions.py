@@ -32,7 +32,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def two_replies(tokenizer: Any) -> tuple[ScriptedEngine, list[list[int]]]:
-    sampled = [char_ids(tokenizer, FIRST) + [tokenizer.eos_token_id], char_ids(tokenizer, SECOND)]
+    sampled = [[*char_ids(tokenizer, FIRST), tokenizer.eos_token_id], char_ids(tokenizer, SECOND)]
     assert sampled[0][:-1] != encode(tokenizer, FIRST)
     replies = [Reply(FIRST, token_ids=sampled[0]), Reply(SECOND, stop_reason="length", token_ids=sampled[1])]
     return ScriptedEngine.from_replies(tokenizer, *replies), sampled
@@ -63,15 +63,15 @@ async def complete(base_url: str, **request: Any) -> Any:
 async def test_token_id_prompts_are_taken_as_ids_and_extend_one_token_exact_branch(tokenizer, anyio_backend, stream):
     engine, sampled = two_replies(tokenizer)
     prompt = char_ids(tokenizer, "Q: the capital of France?\nA:")
-    assert tokenizer.decode(prompt) and prompt != encode(tokenizer, tokenizer.decode(prompt))
+    assert tokenizer.decode(prompt)
+    assert prompt != encode(tokenizer, tokenizer.decode(prompt))
     follow = char_ids(tokenizer, "\nQ: and of Italy?\nA:")
     extra = {"stream_options": {"include_usage": True}} if stream else {}
-    async with serve_capture(engine, tokenizer) as server:
-        async with server.session("t0_0") as session:
-            one = await complete(session.base_url, prompt=prompt, max_tokens=8, stream=stream, **extra)
-            two = await complete(
-                session.base_url, prompt=prompt + sampled[0] + follow, max_tokens=8, stream=stream, **extra
-            )
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        one = await complete(session.base_url, prompt=prompt, max_tokens=8, stream=stream, **extra)
+        two = await complete(
+            session.base_url, prompt=prompt + sampled[0] + follow, max_tokens=8, stream=stream, **extra
+        )
     assert (one[0], one[1]) == (FIRST, "stop")
     assert (two[0], two[1]) == (SECOND, "length")
     usages = [(u.prompt_tokens, u.completion_tokens, u.total_tokens) for u in (one[2], two[2])]
@@ -92,11 +92,10 @@ async def test_token_id_prompts_are_taken_as_ids_and_extend_one_token_exact_bran
 async def test_a_text_prompt_is_tokenized_and_its_continuation_reuses_the_sampled_ids(tokenizer, anyio_backend):
     engine, sampled = two_replies(tokenizer)
     prompt = "Q: the capital of France?\nA:"
-    async with serve_capture(engine, tokenizer) as server:
-        async with server.session("t0_0") as session:
-            await complete(session.base_url, prompt=prompt, temperature=0.5, stop=["\n"])
-            continued = prompt + tokenizer.decode(sampled[0]) + "\nQ: and of Italy?\nA:"
-            await complete(session.base_url, prompt=continued)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        await complete(session.base_url, prompt=prompt, temperature=0.5, stop=["\n"])
+        continued = prompt + tokenizer.decode(sampled[0]) + "\nQ: and of Italy?\nA:"
+        await complete(session.base_url, prompt=continued)
     tail = encode(tokenizer, "\nQ: and of Italy?\nA:")
     assert engine.calls[0].prompt_token_ids == encode(tokenizer, prompt)
     assert engine.calls[1].prompt_token_ids == encode(tokenizer, prompt) + sampled[0] + tail
@@ -122,9 +121,8 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
     tokenizer, anyio_backend, request_fields, param, words
 ):
     engine = ScriptedEngine.from_replies(tokenizer, "x")
-    async with serve_capture(engine, tokenizer) as server:
-        async with server.session("t0_0") as session:
-            answer = await complete(session.base_url, **request_fields)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        answer = await complete(session.base_url, **request_fields)
     assert isinstance(answer, openai.BadRequestError), answer
     error = answer.response.json()["error"]
     assert (error["param"], error["type"]) == (param, "invalid_request_error")

@@ -94,11 +94,10 @@ async def test_a_known_context_length_refuses_a_longer_prompt_before_the_engine(
     engine = ScriptedEngine.from_replies(tokenizer, "never sent")
     n = prompt_length(tokenizer)
     assert n > 16
-    async with serve_capture(engine, tokenizer, context_length=16) as server:
-        async with server.session("t0_0") as session:
-            answers = await openai_answers(session.base_url)
-            refused = await anthropic_answer(session.anthropic_base_url)
-            counted = await anthropic_answer(session.anthropic_base_url, count=True)
+    async with serve_capture(engine, tokenizer, context_length=16) as server, server.session("t0_0") as session:
+        answers = await openai_answers(session.base_url)
+        refused = await anthropic_answer(session.anthropic_base_url)
+        counted = await anthropic_answer(session.anthropic_base_url, count=True)
     assert_openai_too_long(answers, {"chat": n, "responses": n, "completions": 50}, 16)
     assert isinstance(refused, anthropic.BadRequestError), refused
     assert refused.response.json() == {
@@ -113,10 +112,9 @@ async def test_a_known_context_length_refuses_a_longer_prompt_before_the_engine(
 async def test_the_engines_refusal_of_a_too_long_prompt_is_the_apis_own_error(tokenizer, anyio_backend):
     engine = refusing_engine(tokenizer)
     n = prompt_length(tokenizer)
-    async with serve_capture(engine, tokenizer) as server:
-        async with server.session("t0_0") as session:
-            answers = await openai_answers(session.base_url)
-            refused = await anthropic_answer(session.anthropic_base_url)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        answers = await openai_answers(session.base_url)
+        refused = await anthropic_answer(session.anthropic_base_url)
     assert_openai_too_long(answers, {"chat": n, "responses": n, "completions": 50}, 16)
     assert isinstance(refused, anthropic.BadRequestError), refused
     assert refused.response.json() == {
@@ -132,9 +130,8 @@ async def test_another_engine_failure_is_still_a_500(tokenizer, anyio_backend):
         raise EngineHTTPError("http://vllm:8000", 400, "`temperature` must be non-negative")
 
     engine = ScriptedEngine(tokenizer, fail)
-    async with serve_capture(engine, tokenizer) as server:
-        async with server.session("t0_0") as session:
-            answers = await openai_answers(session.base_url)
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        answers = await openai_answers(session.base_url)
     assert {api: answer.status_code for api, answer in answers.items()} == {
         "chat": 500,
         "responses": 500,

@@ -204,11 +204,10 @@ def assert_not_found(answer: Any, response_id: str) -> None:
 async def test_previous_response_id_naming_a_store_false_response_is_not_found(hermes, anyio_backend):
     """Issue 45: a ``store: false`` response is not kept, so continuing it is OpenAI's not found (nothing sampled)."""
     engine, _ = tool_engine(hermes)
-    async with serve_capture(engine, hermes) as server:
-        async with server.session("t0_0") as session:
-            first = await respond(session.base_url, tools=[RESPONSES_TOOL], input=QUESTION, store=False)
-            second = await respond(session.base_url, previous_response_id=first.id, input="Go on.")
-            kept = dict(session.responses)
+    async with serve_capture(engine, hermes) as server, server.session("t0_0") as session:
+        first = await respond(session.base_url, tools=[RESPONSES_TOOL], input=QUESTION, store=False)
+        second = await respond(session.base_url, previous_response_id=first.id, input="Go on.")
+        kept = dict(session.responses)
     assert first.store is False
     assert kept == {}
     assert_not_found(second, first.id)

@@ -90,8 +90,9 @@ class Tool:
 class Conversation:
     """What a request asks the model to continue: its messages, the tools offered, the sampling it asks for.
 
-    ``sampling`` is laid over the generator's sampling parameters (SkyRL's names: ``temperature``,
-    ``top_p``, ``max_tokens``, ``stop``, ...), already checked by :func:`~._wire._sampling.sampling_overrides`.
+    ``sampling`` is the engine's sampling parameters for the call: the generator's (SkyRL's names), with
+    the request's fields (``temperature``, ``top_p``, ``max_tokens``, ``stop``, ...) laid over them by
+    the one sampling rule (:func:`~._wire._sampling.engine_sampling_params`).
     """
 
     messages: tuple[Message, ...]

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -36,7 +36,6 @@ from anyio.abc import SocketAttribute
 
 from .._episode.calls import engine_call
 from .._runtime.cleanup import run_cleanups
-from .._runtime.completion import Completion
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
@@ -46,18 +45,17 @@ from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
 from ._capture import CallRecord, Capture, Prepared
 from ._conversation import render
+from ._routes import ROUTE_LIST, error_shape, json_body, misplaced, request_parts, rollout_ended, split_path
+from ._session import CaptureSession
 from ._tombstone import Afterlife
 from ._wire import (
     ROUTES,
-    SURROGATE_ESCAPE,
     APIError,
     ContextLengthError,
     Exchange,
     Route,
     WireAPI,
-    check_encodable,
     context_refusal,
-    messages,
 )
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
@@ -74,100 +72,6 @@ _LOOPBACK = ("127.", "::1", "localhost")
 #: ``finish_session`` (each shielded): a hung engine cannot keep a rollout from ending. The generator
 #: passes its ``env_cleanup_timeout_s``; this is that knob's default.
 _CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
-
-
-@dataclass(eq=False)
-class CaptureSession:
-    """One rollout's view of the endpoint: its base URL, API key, and the calls captured so far.
-
-    ``id`` is public (the engine's session id, in traces and observers); ``api_key`` is the secret that
-    reaches the session, in its ``base_url`` or as ``Authorization: Bearer <api_key>``.
-
-    ``closed`` is set once, by the scope that opened it; ``close_reason`` says why (``"ended"``,
-    ``"cancelled"``, ``"failed"``). ``context`` is the rollout attempt the session belongs to: its
-    requests run in the server's tasks, not the rollout's, so they reach the attempt's observers
-    (``engine_call_*``), time splits, sampling seed, pause clock and engine client through it.
-    """
-
-    id: str
-    api_key: str
-    rollout: str
-    base_url: str
-    capture: Capture
-    sampling_params: dict[str, Any] | None
-    context: RolloutContext
-    closed: bool = False
-    close_reason: str | None = None
-    #: How many times the session was closed: 1 after its scope exits, whatever the path.
-    closes: int = 0
-    #: Engine requests sent for this session (answered or not): the engine session is finished if any.
-    engine_requests: int = 0
-    #: Each wire API's state in this session, by API name (Responses: its stored responses); dropped when it closes.
-    stores: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: The endpoint's abandoned agent calls (its server's): set by :meth:`CaptureServer.session`.
-    _afterlife: Afterlife = field(default_factory=Afterlife, repr=False)
-    _inflight: set[anyio.CancelScope] = field(default_factory=set)
-    #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
-    _drained: anyio.Event | None = None
-
-    @property
-    def calls(self) -> list[CallRecord]:
-        return self.capture.calls
-
-    @property
-    def responses(self) -> dict[str, Any]:
-        """The session's stored Responses API responses, for a later ``previous_response_id``."""
-        return self.stores.setdefault("responses", {})
-
-    @property
-    def anthropic_base_url(self) -> str:
-        """The official ``anthropic`` client's ``base_url`` for this session: its root, without ``/v1``.
-
-        That client appends ``/v1/messages`` itself (``ANTHROPIC_BASE_URL`` for a command agent).
-        """
-        return self.base_url.removesuffix("/v1")
-
-    def close(self, reason: str) -> None:
-        """End the session now (idempotent): in-flight requests are cancelled and answer 499."""
-        if self.closed:
-            return
-        self.closed = True
-        self.close_reason = reason
-        self.closes += 1
-        self.stores.clear()
-        for scope in list(self._inflight):
-            scope.cancel()
-
-    def outlived_by(self, call: Completion[Any]) -> None:
-        """An agent call abandoned by this session's rollout still runs: the endpoint's port keeps answering
-        (once the endpoint has closed, with the ended session's 404) until ``call`` has returned."""
-        self._afterlife.hold(call)
-
-    def _request_ended(self, scope: anyio.CancelScope) -> None:
-        self._inflight.discard(scope)
-        if not self._inflight and self._drained is not None:
-            self._drained.set()
-
-    async def _drain(self, limit_s: float) -> bool:
-        """Wait (shielded, at most ``limit_s``) until the requests the close cancelled have ended; whether they did.
-
-        So nothing of the session outlives its scope: each request's ``engine_call_finished`` is
-        told, and its engine task cancelled, before the rollout's attempt ends.
-        """
-        if not self._inflight:
-            return True
-        self._drained = anyio.Event()
-        with anyio.move_on_after(limit_s, shield=True) as bound:
-            await self._drained.wait()
-        if bound.cancelled_caught:
-            logger.warning(
-                "%d request(s) of rollout %s's capture session did not end within %g s of its close; left running",
-                len(self._inflight),
-                self.rollout,
-                limit_s,
-            )
-            return False
-        return True
 
 
 @dataclass
@@ -296,10 +200,10 @@ class CaptureServer:
         session: CaptureSession | None = None
         shape: Callable[[APIError], Any] = APIError.body
         try:
-            method, path, headers = _request_parts(request)
-            path_key, bearer, route_path = _split_path(path, headers)
-            shape = _error_shape(route_path)
-            if _misplaced(route_path):
+            method, path, headers = request_parts(request)
+            path_key, bearer, route_path = split_path(path, headers)
+            shape = error_shape(route_path)
+            if misplaced(route_path):
                 raise APIError(
                     404,
                     f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
@@ -307,14 +211,14 @@ class CaptureServer:
                 )
             found = ROUTES.get(route_path)
             if found is None:
-                raise APIError(404, f"no route `{path}`; the endpoint serves {_ROUTE_LIST} under a session's base URL")
+                raise APIError(404, f"no route `{path}`; the endpoint serves {ROUTE_LIST} under a session's base URL")
             api, route = found
             if method != route.method:
                 raise APIError(405, f"`{method} {path}`: use {route.method}")
             if route.action == "models":
                 return _Response.json(200, self._models())
             session = self._lookup(path_key, bearer)
-            return await self._answer(session, api, route, _json_body(raw_body))
+            return await self._answer(session, api, route, json_body(raw_body))
         except APIError as error:
             return _Response.error(error, shape)
         except Exception as exc:
@@ -384,7 +288,7 @@ class CaptureServer:
             return session
         ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
         if ended is not None:
-            raise _rollout_ended(ended)
+            raise rollout_ended(ended)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
     def _closed_answer(self, request: Any) -> _Response:
@@ -394,12 +298,12 @@ class CaptureServer:
         the request names a session this endpoint served, in the error shape of the request's API.
         """
         if request is None:
-            return _Response.error(_rollout_ended(None))
-        _, path, headers = _request_parts(request)
-        path_key, bearer, route = _split_path(path, headers)
+            return _Response.error(rollout_ended(None))
+        _, path, headers = request_parts(request)
+        path_key, bearer, route = split_path(path, headers)
         key = path_key if path_key is not None else bearer
         ended = self._ended.get(key) if key is not None else None
-        return _Response.error(_rollout_ended(ended, endpoint_closed=True), _error_shape(route))
+        return _Response.error(rollout_ended(ended, endpoint_closed=True), error_shape(route))
 
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
@@ -444,83 +348,6 @@ class CaptureServer:
             f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
             "the engine request was cancelled",
         )
-
-
-def _rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = False) -> APIError:
-    """The answer of an ended session (its ``(id, rollout)``; None: any of a closed endpoint's), which no client
-    retries: 404, type ``rollout_ended``, ``x-should-retry: false`` (design rule 22)."""
-    if ended is None:
-        message = (
-            "this capture endpoint has closed: the generate() call (or generator.serving() block) that served it "
-            "has ended, and every rollout with it; stop the agent"
-        )
-    elif endpoint_closed:
-        message = (
-            f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended, and so has the generate() "
-            "call (or generator.serving() block) that served it; stop the agent"
-        )
-    else:
-        message = f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended; stop the agent"
-    return APIError(404, message, kind="rollout_ended")
-
-
-def _request_parts(request: Any) -> tuple[str, str, dict[str, str]]:
-    """``(method, path without its query, headers with lower-case names)`` of a transport's request: the one
-    place this module reads the transport's request object."""
-    method = request.method.decode("latin-1")
-    path = request.target.decode("latin-1").split("?", 1)[0]
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-    return method, path, headers
-
-
-def _json_body(raw_body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, checked for text no tokenizer can encode.
-
-    Raises:
-        APIError: 400 when it is not JSON, not an object, or holds a lone UTF-16 surrogate.
-    """
-    try:
-        body = json.loads(raw_body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    if SURROGATE_ESCAPE.search(raw_body):
-        check_encodable(body)
-    return body
-
-
-def _misplaced(route: str) -> bool:
-    """An ``anthropic`` client given the chat base URL (it calls ``.../v1/v1/messages``)."""
-    return route.startswith("/v1/messages")
-
-
-def _error_shape(route: str) -> Callable[[APIError], Any]:
-    """The error shape of a route's API (OpenAI's for an unknown route); a misplaced Messages route is Anthropic's."""
-    if _misplaced(route):
-        return messages.error_body
-    found = ROUTES.get(route)
-    return found[0].error if found is not None else APIError.body
-
-
-#: The routes, as a 404 lists them.
-_ROUTE_LIST = ", ".join(f"{route.method} {path}" for path, (_, route) in ROUTES.items())
-
-
-def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
-    """``(key in the path, header key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``.
-
-    The header key is ``Authorization: Bearer <key>``'s, else ``x-api-key``'s (Claude-Code-style clients).
-    """
-    auth = headers.get("authorization", "")
-    bearer = auth[len("bearer ") :].strip() or None if auth.lower().startswith("bearer ") else None
-    bearer = bearer or headers.get("x-api-key", "").strip() or None
-    parts = path.rstrip("/").split("/")
-    if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
-        return parts[2], bearer, "/" + "/".join(parts[4:])
-    if len(parts) >= 2 and parts[1] == "v1":
-        return None, bearer, "/" + "/".join(parts[2:])
-    return None, bearer, path
 
 
 @asynccontextmanager

@@ -43,6 +43,24 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+#: Every field :func:`_check_field` knows; another is refused, even when null.
+_KNOWN = frozenset(
+    {
+        *_NEUTRAL,
+        *_NUMBERS,
+        "max_tokens",
+        "max_completion_tokens",
+        "top_k",
+        "seed",
+        "stop",
+        "stream_options",
+        "logit_bias",
+        "modalities",
+        "response_format",
+    }
+)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -76,59 +94,48 @@ def engine_sampling_params(body: dict[str, Any], base: dict[str, Any] | None) ->
             "max_completion_tokens", f"= {limits[1]!r} disagrees with `max_tokens` = {limits[0]!r}; send only one"
         )
     for key, value in body.items():
-        if key in _NOT_SAMPLING:
+        if key in _NOT_SAMPLING or (value is None and key in _KNOWN):  # a known field unset: nothing asked
             continue
-        if key in _NEUTRAL:
-            if value not in _NEUTRAL[key] or (isinstance(value, bool) and key not in ("stream", "logprobs")):
-                # (True == 1 and False == 0 in Python: a boolean `n` or penalty is refused explicitly)
-                raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
-        elif key in _NUMBERS:
-            if value is None:
-                continue
-            if not _is_number(value) or value < _NUMBERS[key]:
-                raise bad(key, f"must be a number >= {_NUMBERS[key]:g}, got {value!r}")
-            params[key] = value
-        elif key in ("max_tokens", "max_completion_tokens"):
-            if value is None:
-                continue
-            if type(value) is not int or value < 1:
-                raise bad(key, f"must be an integer >= 1, got {value!r}")
-            params["max_tokens" if "max_tokens" in params else "max_generate_length"] = value
-        elif key == "top_k":
-            if value is None:
-                continue
-            if type(value) is not int:
-                raise bad(key, f"must be an integer (-1 or 0 disables it), got {value!r}")
-            params[key] = value
-        elif key == "seed":
-            if value is None:
-                continue
-            if type(value) is not int:
-                raise bad(key, f"must be an integer, got {value!r}")
-            params[key] = value
-        elif key == "stop":
-            stops = [value] if isinstance(value, str) else value
-            if stops is None:
-                continue
-            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-                raise bad(key, f"must be a string or a list of strings, got {value!r}")
-            params[key] = list(stops)
-        elif key == "stream_options":
-            if value is None:
-                continue
-            if not body.get("stream"):
-                raise bad(key, "is only allowed with `stream=true`")
-            if not isinstance(value, dict) or set(value) - {"include_usage"}:
-                raise bad(key, f"= {value!r}: only `include_usage` is supported")
-        elif key == "logit_bias":
-            if value:
-                raise bad(key, "cannot be honoured by this capture endpoint; leave it unset")
-        elif key == "modalities":
-            if value is not None and (not isinstance(value, list) or set(value) - {"text"}):
-                raise bad(key, f'= {value!r}: only text can be captured; leave it unset or send ["text"]')
-        elif key == "response_format":
-            if value is not None and value != {"type": "text"}:
-                raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
-        else:
-            raise bad(key, "is not supported by this capture endpoint; remove it from the request")
+        _check_field(key, value, body, params)
     return params
+
+
+def _check_field(key: str, value: Any, body: dict[str, Any], params: dict[str, Any]) -> None:
+    """Check one set sampling field of ``body`` and lay it over ``params`` (see :func:`engine_sampling_params`)."""
+    if key in _NEUTRAL:
+        if value not in _NEUTRAL[key] or (isinstance(value, bool) and key not in ("stream", "logprobs")):
+            # (True == 1 and False == 0 in Python: a boolean `n` or penalty is refused explicitly)
+            raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+    elif key in _NUMBERS:
+        if not _is_number(value) or value < _NUMBERS[key]:
+            raise bad(key, f"must be a number >= {_NUMBERS[key]:g}, got {value!r}")
+        params[key] = value
+    elif key in ("max_tokens", "max_completion_tokens"):
+        if type(value) is not int or value < 1:
+            raise bad(key, f"must be an integer >= 1, got {value!r}")
+        params["max_tokens" if "max_tokens" in params else "max_generate_length"] = value
+    elif key in ("top_k", "seed"):
+        if type(value) is not int:
+            raise bad(key, f"must be an integer{' (-1 or 0 disables it)' if key == 'top_k' else ''}, got {value!r}")
+        params[key] = value
+    elif key == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad(key, f"must be a string or a list of strings, got {value!r}")
+        params[key] = list(stops)
+    elif key == "stream_options":
+        if not body.get("stream"):
+            raise bad(key, "is only allowed with `stream=true`")
+        if not isinstance(value, dict) or set(value) - {"include_usage"}:
+            raise bad(key, f"= {value!r}: only `include_usage` is supported")
+    elif key == "logit_bias":
+        if value:
+            raise bad(key, "cannot be honoured by this capture endpoint; leave it unset")
+    elif key == "modalities":
+        if not isinstance(value, list) or set(value) - {"text"}:
+            raise bad(key, f'= {value!r}: only text can be captured; leave it unset or send ["text"]')
+    elif key == "response_format":
+        if value != {"type": "text"}:
+            raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+    else:
+        raise bad(key, "is not supported by this capture endpoint; remove it from the request")
