@@ -15,8 +15,10 @@ import openai
 import pytest
 
 from skyrl_structured.agents import serve_capture
+from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.errors import EngineHTTPError
 from skyrl_structured.testing import EngineCall, ScriptedEngine
+from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 from tests._agents import client, in_thread
 
 pytestmark = pytest.mark.anyio
@@ -123,6 +125,34 @@ async def test_the_engines_refusal_of_a_too_long_prompt_is_the_apis_own_error(to
     }
     assert len(engine.calls) == 4  # each request reached the engine once: a 400 is not retried
     assert session.calls == []
+
+
+async def test_a_vllm_servers_400_for_a_too_long_prompt_is_the_apis_own_error(tokenizer, anyio_backend):
+    """The same through :class:`HTTPEngine` and a real HTTP server answering as vLLM does (its 400 body)."""
+    refused: list[int] = []
+
+    def too_long(request: ServedRequest) -> RawResponse | None:
+        if request.method != "POST" or not isinstance(request.body, dict):
+            return None
+        ids = request.body.get("token_ids") or request.body.get("prompt") or []
+        refused.append(len(ids))
+        return RawResponse.vllm_error(400, VLLM_REFUSAL.format(n=len(ids)), "BadRequestError")
+
+    n = prompt_length(tokenizer)
+    served = ScriptedEngine.from_replies(tokenizer, "never sampled")
+    async with (
+        serve_vllm(served, model="tiny", intercept=too_long) as vllm,
+        HTTPEngine(vllm.url, "tiny") as engine,
+        serve_capture(engine, tokenizer) as server,
+        server.session("t0_0") as session,
+    ):
+        answers = await openai_answers(session.base_url)
+        anthropic_refusal = await anthropic_answer(session.anthropic_base_url)
+    assert_openai_too_long(answers, {"chat": n, "responses": n, "completions": 50}, 16)
+    assert isinstance(anthropic_refusal, anthropic.BadRequestError), anthropic_refusal
+    assert anthropic_refusal.response.json()["error"]["message"] == f"prompt is too long: {n} tokens > 16 maximum"
+    assert refused == [n, n, 50, n]  # each prompt reached the server once, as the engine's token ids
+    assert served.calls == []
 
 
 async def test_another_engine_failure_is_still_a_500(tokenizer, anyio_backend):

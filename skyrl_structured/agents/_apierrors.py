@@ -119,8 +119,21 @@ def context_refusal(exc: Exception, tokens: int, param: str) -> ContextLengthErr
     """The engine's refusal of a too-long prompt as :class:`ContextLengthError`, or None for any other failure.
 
     Recognised: a 400 from a vLLM server (:class:`~skyrl_structured.engines.errors.EngineHTTPError`) or an
-    in-process engine's ``ValueError``, whose message is one of vLLM's for a prompt over ``max_model_len``.
+    in-process engine's ``ValueError``, whose message is one of vLLM's for a prompt over ``max_model_len``;
+    also as the cause of the exception an engine wrapper raised.
     """
+    seen: BaseException | None = exc
+    for _ in range(8):  # a wrapper's chain of causes is short; a cycle must not loop
+        if not isinstance(seen, Exception):
+            return None
+        refusal = _refusal(seen, tokens, param)
+        if refusal is not None:
+            return refusal
+        seen = seen.__cause__
+    return None
+
+
+def _refusal(exc: Exception, tokens: int, param: str) -> ContextLengthError | None:
     from ..engines.errors import EngineHTTPError
 
     if isinstance(exc, EngineHTTPError):
