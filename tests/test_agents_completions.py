@@ -128,3 +128,27 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
     assert (error["param"], error["type"]) == (param, "invalid_request_error")
     assert words in error["message"]
     assert engine.calls == []
+
+
+async def test_a_completion_continuing_a_chat_call_extends_the_same_branch(tokenizer, anyio_backend):
+    """One branch whatever the API (design rule 23): a completion whose text prompt starts with a chat call's
+    render and the text it sampled extends that call's branch, its sampled ids reused as they are."""
+    engine, sampled = two_replies(tokenizer)
+    messages = [{"role": "user", "content": "The capital of France?"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    follow = "\nAnd of Italy?"
+
+    def chat_then_complete(base_url: str) -> None:
+        with client(base_url) as c:
+            c.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+            c.completions.create(model="m", prompt=rendered + tokenizer.decode(sampled[0]) + follow)
+
+    async with serve_capture(engine, tokenizer) as server, server.session("t0_0") as session:
+        await in_thread(lambda: chat_then_complete(session.base_url))
+    prompt = encode(tokenizer, rendered)
+    tail = encode(tokenizer, follow)
+    assert [c.prompt_token_ids for c in engine.calls] == [prompt, prompt + sampled[0] + tail]
+    assert [c.extended for c in session.calls] == [False, True]
+    (branch,) = session.capture.branches
+    assert branch.response_ids == sampled[0] + tail + sampled[1]
+    assert branch.loss_mask == [1] * len(sampled[0]) + [0] * len(tail) + [1] * len(sampled[1])
