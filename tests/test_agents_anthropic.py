@@ -445,7 +445,7 @@ def test_check_capture_covers_tool_turns_written_in_messages_shape(tokenizer):
 
 
 def test_the_streamed_events_each_carry_an_event_line():
-    from skyrl_structured.agents._anthropic import message_stream
+    from skyrl_structured.agents._wire.messages import message_stream
 
     message = {
         "id": "msg_1",

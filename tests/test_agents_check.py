@@ -7,7 +7,7 @@ import json
 import pytest
 
 from skyrl_structured.agents import APIError, check_capture, parse_tool_calls
-from skyrl_structured.agents._capture import engine_sampling_params
+from skyrl_structured.agents._wire._sampling import engine_sampling_params
 from tests._agents import hermes_template, with_template
 
 

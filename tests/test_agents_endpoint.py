@@ -388,7 +388,7 @@ async def test_malformed_requests_get_openai_error_bodies(tokenizer, anyio_backe
                 json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
             ),
             "GET completions": await _raw(server.port, "GET", f"{base}/chat/completions"),
-            "unknown route": await _raw(server.port, "POST", f"{base}/completions", b"{}"),
+            "unknown route": await _raw(server.port, "POST", f"{base}/embeddings", b"{}"),
         }
     assert {what: status for what, (status, _) in answers.items()} == {
         "not json": 400,
@@ -401,5 +401,5 @@ async def test_malformed_requests_get_openai_error_bodies(tokenizer, anyio_backe
     for _, body in answers.values():
         assert set(body["error"]) == {"message", "type", "param", "code"}
     assert answers["no messages"][1]["error"]["param"] == "messages"
-    assert answers["bad part"][1]["error"]["param"] == "messages[0].content"
+    assert answers["bad part"][1]["error"]["param"] == "messages[0].content[0]"
     assert engine.calls == []

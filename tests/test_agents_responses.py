@@ -186,11 +186,32 @@ async def test_previous_response_id_continues_the_sessions_own_conversation(herm
     assert second.previous_response_id == first.id
     assert ids == [first.id, second.id]
     assert_one_token_exact_branch(hermes, engine, session, sampled, instructions=None)
-    error = error_of(unknown)
-    assert (unknown.status_code, error["param"]) == (400, "previous_response_id")
-    assert "'resp_x' is not a response of this capture session" in error["message"]
+    assert_not_found(unknown, "resp_x")
     assert_rollout_ended(late, "t0_0")
     assert len(engine.calls) == 2
+
+
+def assert_not_found(answer: Any, response_id: str) -> None:
+    """``answer`` is OpenAI's answer to a ``previous_response_id`` it does not hold: a 404 ``NotFoundError``."""
+    assert isinstance(answer, openai.NotFoundError), answer
+    error = answer.response.json()["error"]
+    expected = (404, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+    assert (answer.status_code, error["type"], error["param"], error["code"]) == expected
+    assert error["message"].startswith(f"Previous response with id '{response_id}' not found.")
+    assert answer.response.headers["x-should-retry"] == "false"
+
+
+async def test_previous_response_id_naming_a_store_false_response_is_not_found(hermes, anyio_backend):
+    """Issue 45: a ``store: false`` response is not kept, so continuing it is OpenAI's not found (nothing sampled)."""
+    engine, _ = tool_engine(hermes)
+    async with serve_capture(engine, hermes) as server, server.session("t0_0") as session:
+        first = await respond(session.base_url, tools=[RESPONSES_TOOL], input=QUESTION, store=False)
+        second = await respond(session.base_url, previous_response_id=first.id, input="Go on.")
+        kept = dict(session.responses)
+    assert first.store is False
+    assert kept == {}
+    assert_not_found(second, first.id)
+    assert len(engine.calls) == 1
 
 
 async def test_responses_tools_render_exactly_as_the_same_chat_tools(hermes, anyio_backend):

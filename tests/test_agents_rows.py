@@ -20,6 +20,7 @@ import pytest
 from skyrl_structured import TrajectoryID
 from skyrl_structured.agents import AgentContext, StructuredAgentGenerator, serve_capture
 from skyrl_structured.agents._capture import CallTag, Capture
+from skyrl_structured.agents._conversation import render_text
 from skyrl_structured.agents._rows import main_branch
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.types import GeneratorInput
@@ -358,7 +359,8 @@ async def test_the_row_rule_in_order_marks_then_served_model_then_turns(tokenize
     def session(*calls: tuple[list[Any], CallTag]) -> Capture:
         capture = Capture(tokenizer)
         for messages, tag in calls:
-            prepared = capture.prepare({"messages": messages}, tag)
+            turns = 1 + sum(m["role"] == "assistant" for m in messages)
+            prepared = capture.prepare(render_text(tokenizer, messages, None), turns=turns, tag=tag)
             capture.record(prepared, tokenizer.encode("ok", add_special_tokens=False), None, "stop", "ok")
         return capture
 

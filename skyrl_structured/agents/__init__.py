@@ -1,4 +1,4 @@
-"""Agents that speak the OpenAI chat API, trained token-exact (issue 28; design rule 19).
+"""Agents that speak the OpenAI or Anthropic APIs, trained token-exact (issues 28, 35, 45; design rules 19, 23, 27).
 
 Design
 ======
@@ -10,24 +10,37 @@ otherwise, running in the caller's event loop on anyio + h11, so it works under 
 alike and adds no server dependency. It serves, under a session's base URL
 ``http://127.0.0.1:PORT/sessions/<key>/v1``:
 
-- ``POST /chat/completions``, non-streaming. ``n`` must be 1; ``temperature``, ``top_p``,
+Its routes come from one registry of wire APIs (``agents._wire``: one module per API, each turning its
+request into the typed conversation of ``agents._conversation`` and a recorded call into its reply,
+its stream and its error shape); one handler answers them all:
+
+- ``POST /chat/completions``, ``stream`` true or false. ``n`` must be 1; ``temperature``, ``top_p``,
   ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed`` (and vLLM's ``top_k``, ``min_p``,
   ``repetition_penalty``) are laid over the generator's sampling parameters; every other field that
-  would change sampling or the answer (``stream=true``, ``logprobs=true``, penalties, ``logit_bias``,
-  a forced ``tool_choice``, a non-text ``response_format``, an unknown field) is refused with a 400
-  naming it, never silently dropped; fields that cannot change the answer (``user``, ``metadata``,
-  ``store``, ``service_tier``, ...) are accepted and ignored. The request's ``model`` is not checked
-  (agents hard-code names).
-- ``POST /responses``: the OpenAI Responses API (what the Agents SDK's default model calls), a
-  translation (:mod:`._responses`) of the same conversation: ``input`` items and ``instructions``
-  become chat messages, function ``tools`` chat tools (``strict`` dropped), the captured call a
-  ``response`` object or its event stream; ``previous_response_id`` names a response of the same
-  session (kept until it closes); fields it cannot honour are refused with a 400 naming them.
+  would change sampling or the answer (``logprobs=true``, penalties, ``logit_bias``, a forced
+  ``tool_choice``, a non-text ``response_format``, an unknown field) is refused with a 400 naming it,
+  never silently dropped; fields that cannot change the answer (``user``, ``metadata``, ``store``,
+  ``service_tier``, ...) are accepted and ignored. The request's ``model`` is not checked (agents
+  hard-code names).
+- ``POST /responses``: the OpenAI Responses API (what the Agents SDK's default model calls): ``input``
+  items and ``instructions`` become messages, function ``tools`` tools (``strict`` dropped), the
+  captured call a ``response`` object or its event stream; ``previous_response_id`` names a stored
+  response of the same session (kept until it closes; one made with ``store: false`` is not kept, and
+  naming it is OpenAI's 404 "Previous response with id '...' not found."); fields it cannot honour are
+  refused with a 400 naming them.
+- ``POST /completions``: OpenAI's legacy Completions API, ``prompt`` as text (tokenized as it is) or as
+  token ids (taken as they are, never re-tokenized), captured on the same extend-or-branch rule; a
+  batch of prompts, ``echo``, ``logprobs`` and ``suffix`` are refused with a 400 naming them.
 - ``GET /models``: the served model name.
-- ``POST /messages`` and ``/messages/count_tokens``: Anthropic's Messages API (:mod:`._anthropic`), for
-  the official ``anthropic`` client whose ``base_url`` is the session's root (``ctx.anthropic_base_url``,
-  the base URL without ``/v1``). A translation of the chat conversation: the same render, the same
-  capture and branches; its errors in Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
+- ``POST /messages`` and ``/messages/count_tokens``: Anthropic's Messages API, for the official
+  ``anthropic`` client whose ``base_url`` is the session's root (``ctx.anthropic_base_url``, the base
+  URL without ``/v1``): the same render, the same capture and branches; its errors in Anthropic's
+  shape ``{"type": "error", "error": {"type", "message"}}``.
+
+A prompt longer than the model's context is answered in its API's own error, not a 500: OpenAI's 400
+with ``code: "context_length_exceeded"``, Anthropic's 400 ``invalid_request_error`` "prompt is too
+long: N tokens > M maximum" (which Claude Code compacts on): before any engine call when the endpoint
+is told the context length (``serve_capture(context_length=...)``), else from the engine's refusal.
 
 The same routes answer under ``/v1`` with ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``), for
 agents that cannot change their base URL's path. A session has a public id (the engine's session id) and a secret key,
@@ -118,16 +131,18 @@ go through it.
 **The check kit**: :func:`check_capture` renders a three-call conversation with a tool turn call by
 call and says which calls extend the previous prompt + reply and which would branch, and where.
 
-Streaming: a ``stream=true`` request gets the same answer as ``chat.completion.chunk`` events once the
-engine's reply is complete (the ``InferenceClient`` returns whole replies).
-
-Not yet (issue 28): token-by-token streaming (the reply is streamed once whole); see docs/agents.md.
+Streaming: a ``stream: true`` request of any API gets the same answer as that API's events
+(``chat.completion.chunk``, the Responses event sequence, ``text_completion`` chunks, Anthropic's
+``message_start`` ... ``message_stop``) once the engine's reply is complete: the ``InferenceClient``
+returns whole replies, so a reply is streamed once whole, not token by token (see docs/agents.md).
 """
 
 from ..errors import AgentError
-from ._capture import APIError, Branch, CallRecord, Capture, parse_tool_calls
+from ._apierrors import APIError
+from ._capture import Branch, CallRecord, Capture
 from ._check import CallCheck, CaptureCheck, check_capture
 from ._command import command_agent
+from ._conversation import parse_tool_calls
 from ._default import default_agent
 from ._generator import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentFn
 from ._select import AGENT_VALUES, check_agent_choice, resolve_agent

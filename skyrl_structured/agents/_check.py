@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._anthropic import message_body, messages_request
-from ._capture import CallRecord, Capture, encode
-from ._chat import chat_completion_body
-from ._responses import chat_request
+from ._capture import Capture
+from ._conversation import encode, render
+from ._wire import REGISTRY, CheckScript, Exchange, WireAPI
 
 __all__ = ["CallCheck", "CaptureCheck", "check_capture"]
 
@@ -41,108 +39,8 @@ _REPLIES = (
 _FOLLOW_UPS = (("tool", "5"), ("user", "And 5 + 5?"))
 
 
-class _ChatTurns:
-    """The conversation as a Chat Completions agent writes it: the reply's message re-sent, a ``tool`` message."""
-
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = [
-            {"role": "system", "content": _SYSTEM},
-            {"role": "user", "content": _FIRST_USER},
-        ]
-        self.call_id: str | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {"messages": self.messages, "tools": _TOOLS}
-
-    def answer(self, call: CallRecord, k: int) -> None:
-        completion = chat_completion_body(call, completion_id=f"chatcmpl-{k}", model="m", created=0, parse_tools=True)
-        message = completion["choices"][0]["message"]
-        self.call_id = message["tool_calls"][0]["id"] if message.get("tool_calls") else None
-        self.messages.append(json.loads(json.dumps(message)))
-
-    def follow(self, role: str, text: str) -> None:
-        if role == "tool":
-            self.messages.append({"role": "tool", "tool_call_id": self.call_id, "content": text})
-        else:
-            self.messages.append({"role": role, "content": text})
-
-
-class _MessagesTurns:
-    """The conversation as an Anthropic Messages agent writes it: ``tool_use`` blocks re-sent, a ``tool_result``."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.messages: list[dict[str, Any]] = [{"role": "user", "content": _FIRST_USER}]
-        self.call_id: str | None = None
-        function: dict[str, Any] = dict(_TOOLS[0]["function"])
-        self.tools = [
-            {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
-        ]
-
-    def body(self) -> dict[str, Any]:
-        return messages_request({"system": _SYSTEM, "messages": self.messages, "tools": self.tools}).chat
-
-    def answer(self, call: CallRecord, k: int) -> None:
-        request = messages_request({"messages": self.messages, "tools": self.tools})
-        message = message_body(call, request, message_id=f"msg_{k}", model="m", tokenizer=self.tokenizer)
-        uses = [block["id"] for block in message["content"] if block["type"] == "tool_use"]
-        self.call_id = uses[0] if uses else None
-        self.messages.append({"role": "assistant", "content": json.loads(json.dumps(message["content"]))})
-
-    def follow(self, role: str, text: str) -> None:
-        if role == "tool":
-            result = {"type": "tool_result", "tool_use_id": self.call_id, "content": text}
-            self.messages.append({"role": "user", "content": [result]})
-        else:
-            self.messages.append({"role": role, "content": text})
-
-
-class _ResponsesTurns(_ChatTurns):
-    """The conversation as a Responses API agent (the Agents SDK) writes it: ``instructions``, ``strict``
-    tools, the reply re-sent as output items with ``id``/``status``/``annotations``, a ``function_call_output``."""
-
-    def body(self) -> dict[str, Any]:
-        items: list[dict[str, Any]] = []
-        for k, message in enumerate(self.messages[1:]):  # the system message is the instructions
-            if message["role"] == "user":
-                part = {"type": "input_text", "text": message["content"]}
-                items.append({"type": "message", "role": "user", "content": [part]})
-            elif message["role"] == "tool":
-                items.append(
-                    {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
-                )
-            else:
-                if message["content"] is not None:
-                    part = {"type": "output_text", "text": message["content"], "annotations": []}
-                    items.append(
-                        {
-                            "id": f"msg_{k}",
-                            "type": "message",
-                            "role": "assistant",
-                            "status": "completed",
-                            "content": [part],
-                        }
-                    )
-                for call in message.get("tool_calls") or []:
-                    function = call["function"]
-                    items.append(
-                        {
-                            "id": f"fc_{call['id']}",
-                            "type": "function_call",
-                            "call_id": call["id"],
-                            "name": function["name"],
-                            "arguments": function["arguments"],
-                            "status": "completed",
-                        }
-                    )
-        tools = [{"type": "function", **tool["function"], "strict": True} for tool in _TOOLS]
-        request = {"instructions": self.messages[0]["content"], "input": items, "tools": tools, "include": []}
-        return chat_request(request, {}).chat
-
-
-#: The request shapes check_capture writes the conversation in: the name its ``api`` argument takes,
-#: the name :attr:`CaptureCheck.api` reports.
-_APIS = {"chat": "chat.completions", "responses": "responses", "messages": "messages"}
+#: The request shapes check_capture writes the conversation in: every chat-shaped API of the registry.
+_APIS = {api.name: api for api in REGISTRY if api.check is not None}
 
 
 @dataclass(frozen=True)
@@ -232,25 +130,26 @@ def check_capture(
     """
     if api not in _APIS:
         raise ValueError(f"`api` must be one of {', '.join(map(repr, _APIS))}, got {api!r}")
-    check = _check(tokenizer, chat_template_kwargs, api)
+    check = _check(tokenizer, chat_template_kwargs, _APIS[api])
     if api != "chat":
         return check
-    others = tuple(_check(tokenizer, chat_template_kwargs, other) for other in _APIS if other != "chat")
+    others = tuple(_check(tokenizer, chat_template_kwargs, other) for other in _APIS.values() if other.name != "chat")
     return CaptureCheck(check.calls, check.branches, check.api, others, check.renders)
 
 
-def _check(tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, api: str) -> CaptureCheck:
-    """The check conversation, each call written in ``api``'s shape."""
-    turns: _ChatTurns | _MessagesTurns = (
-        _MessagesTurns(tokenizer) if api == "messages" else _ResponsesTurns() if api == "responses" else _ChatTurns()
-    )
+def _check(tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, api: WireAPI) -> CaptureCheck:
+    """The check conversation, each call written in ``api``'s shape and answered with its reply."""
+    assert api.check is not None  # _APIS holds the APIs with a writer
+    turns = api.check(CheckScript(_SYSTEM, _FIRST_USER, _TOOLS))
     capture = Capture(tokenizer, chat_template_kwargs)
+    exchange = Exchange("check", 0, "m", 0, tokenizer, None)
     checks: list[CallCheck] = []
     renders: list[str] = []
     eos = tokenizer.eos_token_id
     for k, reply in enumerate(_REPLIES):
         previous = capture.branches[-1].text if capture.branches else ""
-        prepared = capture.prepare(turns.body())
+        turn = api.parse(turns.body(), exchange)
+        prepared = capture.prepare(render(tokenizer, turn.conversation, capture.chat_template_kwargs))
         renders.append(prepared.rendered)
         if k == 0 or prepared.extended:
             checks.append(CallCheck(k, prepared.extended))
@@ -258,10 +157,11 @@ def _check(tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, api: str
             at = _common_prefix(previous, prepared.rendered)
             checks.append(CallCheck(k, False, at, previous[at : at + 40], prepared.rendered[at : at + 40]))
         sampled = encode(tokenizer, reply) + ([eos] if eos is not None else [])
-        turns.answer(capture.record(prepared, sampled, None, "stop", reply), k)
+        exchange.index = k
+        turns.answer(api.reply(capture.record(prepared, sampled, None, "stop", reply), turn, exchange))
         if k < len(_FOLLOW_UPS):
             turns.follow(*_FOLLOW_UPS[k])
-    return CaptureCheck(checks, len(capture.branches), _APIS[api], renders=tuple(renders))
+    return CaptureCheck(checks, len(capture.branches), api.title, renders=tuple(renders))
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import AgentError
 from ..types import StepWiseOutput, TrajectoryOutput
-from ._capture import APIError, Branch, CallTag, Capture
+from ._apierrors import APIError
+from ._capture import Branch, CallTag, Capture
 
 if TYPE_CHECKING:
-    from ._server import CaptureSession
+    from ._session import CaptureSession
 
 __all__ = ["BRANCH_HEADER", "call_tag", "main_branch", "step_wise", "trajectory"]
 

@@ -1,10 +1,12 @@
 """The capture endpoint: an OpenAI-compatible HTTP server (127.0.0.1 by default), in the caller's event loop.
 
 Routes, under a session's base URL ``http://HOST:PORT/sessions/<key>/v1`` (or under ``/v1`` with
-``Authorization: Bearer <key>`` or ``x-api-key: <key>``): ``POST /chat/completions``, ``POST /responses``
-(the OpenAI Responses API, translated by :mod:`._responses`), ``GET /models``, and Anthropic's
-``POST /messages`` and ``/messages/count_tokens`` (:mod:`._anthropic`: the ``anthropic`` client's
-``base_url`` is the session's root, without ``/v1``). A session has a
+``Authorization: Bearer <key>`` or ``x-api-key: <key>``), come from the registry of wire APIs
+(:mod:`._wire`): ``POST /chat/completions`` and ``GET /models``, ``POST /responses``, ``POST /completions``,
+and Anthropic's ``POST /messages`` and ``/messages/count_tokens`` (the ``anthropic`` client's
+``base_url`` is the session's root, without ``/v1``). One handler answers them all: the request in its
+API's shape -> the typed conversation (or a raw prompt) -> the capture's branches -> the engine -> the
+reply, stream or error in its API's shape. A session has a
 public id (the engine's session id, in traces and logs) and a secret key (its only credential, in
 its base URL): each is 128+ bits from :mod:`secrets`, neither derived from the other or from another
 session's. Sessions are opened and closed by :meth:`CaptureServer.session`; a closed session keeps
@@ -24,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,7 +36,6 @@ from anyio.abc import SocketAttribute
 
 from .._episode.calls import engine_call
 from .._runtime.cleanup import run_cleanups
-from .._runtime.completion import Completion
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
@@ -42,20 +43,21 @@ from ..config import AgentEndpointSettings, ResilienceSettings
 from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
-from . import _anthropic, _responses
-from ._capture import (
-    SURROGATE_ESCAPE,
-    APIError,
-    CallRecord,
-    CallTag,
-    Capture,
-    Prepared,
-    check_encodable,
-    engine_sampling_params,
-)
-from ._chat import chat_completion_body, chat_completion_stream
+from ._capture import CallRecord, CallTag, Capture, Prepared
+from ._conversation import render
+from ._routes import ROUTE_LIST, error_shape, json_body, misplaced, request_parts, rollout_ended, split_path
 from ._rows import call_tag
+from ._session import CaptureSession
 from ._tombstone import Afterlife
+from ._wire import (
+    ROUTES,
+    APIError,
+    ContextLengthError,
+    Exchange,
+    Route,
+    WireAPI,
+    context_refusal,
+)
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -71,95 +73,6 @@ _LOOPBACK = ("127.", "::1", "localhost")
 #: ``finish_session`` (each shielded): a hung engine cannot keep a rollout from ending. The generator
 #: passes its ``env_cleanup_timeout_s``; this is that knob's default.
 _CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
-
-
-@dataclass(eq=False)
-class CaptureSession:
-    """One rollout's view of the endpoint: its base URL, API key, and the calls captured so far.
-
-    ``id`` is public (the engine's session id, in traces and observers); ``api_key`` is the secret that
-    reaches the session, in its ``base_url`` or as ``Authorization: Bearer <api_key>``.
-
-    ``closed`` is set once, by the scope that opened it; ``close_reason`` says why (``"ended"``,
-    ``"cancelled"``, ``"failed"``). ``context`` is the rollout attempt the session belongs to: its
-    requests run in the server's tasks, not the rollout's, so they reach the attempt's observers
-    (``engine_call_*``), time splits, sampling seed, pause clock and engine client through it.
-    """
-
-    id: str
-    api_key: str
-    rollout: str
-    base_url: str
-    capture: Capture
-    sampling_params: dict[str, Any] | None
-    context: RolloutContext
-    closed: bool = False
-    close_reason: str | None = None
-    #: How many times the session was closed: 1 after its scope exits, whatever the path.
-    closes: int = 0
-    #: Engine requests sent for this session (answered or not): the engine session is finished if any.
-    engine_requests: int = 0
-    #: The session's Responses API responses, for a later ``previous_response_id``; dropped when it closes.
-    responses: dict[str, _responses.Remembered] = field(default_factory=dict)
-    #: The endpoint's abandoned agent calls (its server's): set by :meth:`CaptureServer.session`.
-    _afterlife: Afterlife = field(default_factory=Afterlife, repr=False)
-    _inflight: set[anyio.CancelScope] = field(default_factory=set)
-    #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
-    _drained: anyio.Event | None = None
-
-    @property
-    def calls(self) -> list[CallRecord]:
-        return self.capture.calls
-
-    @property
-    def anthropic_base_url(self) -> str:
-        """The official ``anthropic`` client's ``base_url`` for this session: its root, without ``/v1``.
-
-        That client appends ``/v1/messages`` itself (``ANTHROPIC_BASE_URL`` for a command agent).
-        """
-        return self.base_url.removesuffix("/v1")
-
-    def close(self, reason: str) -> None:
-        """End the session now (idempotent): in-flight requests are cancelled and answer 499."""
-        if self.closed:
-            return
-        self.closed = True
-        self.close_reason = reason
-        self.closes += 1
-        self.responses.clear()
-        for scope in list(self._inflight):
-            scope.cancel()
-
-    def outlived_by(self, call: Completion[Any]) -> None:
-        """An agent call abandoned by this session's rollout still runs: the endpoint's port keeps answering
-        (once the endpoint has closed, with the ended session's 404) until ``call`` has returned."""
-        self._afterlife.hold(call)
-
-    def _request_ended(self, scope: anyio.CancelScope) -> None:
-        self._inflight.discard(scope)
-        if not self._inflight and self._drained is not None:
-            self._drained.set()
-
-    async def _drain(self, limit_s: float) -> bool:
-        """Wait (shielded, at most ``limit_s``) until the requests the close cancelled have ended; whether they did.
-
-        So nothing of the session outlives its scope: each request's ``engine_call_finished`` is
-        told, and its engine task cancelled, before the rollout's attempt ends.
-        """
-        if not self._inflight:
-            return True
-        self._drained = anyio.Event()
-        with anyio.move_on_after(limit_s, shield=True) as bound:
-            await self._drained.wait()
-        if bound.cancelled_caught:
-            logger.warning(
-                "%d request(s) of rollout %s's capture session did not end within %g s of its close; left running",
-                len(self._inflight),
-                self.rollout,
-                limit_s,
-            )
-            return False
-        return True
 
 
 @dataclass
@@ -194,11 +107,14 @@ class CaptureServer:
         *,
         model: str,
         chat_template_kwargs: dict[str, Any] | None = None,
+        context_length: int | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        #: The engine's context length when known: a longer prompt is refused before any engine call.
+        self.context_length = context_length
         self.url = ""
         self.port = 0
         #: Open sessions by key, and ended ones' (id, rollout) by key.
@@ -278,52 +194,34 @@ class CaptureServer:
             if session.engine_requests:
                 await run_cleanups([SessionEnd(context, session_id)], limit_s=cleanup_timeout_s, error=error)
 
-    # ------------------------------------------------------------------ routes
+    # ------------------------------------------------------------------ the one handler
 
     async def _route(self, request: Any, raw_body: bytes) -> _Response:
         """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
         session: CaptureSession | None = None
         shape: Callable[[APIError], Any] = APIError.body
         try:
-            method = request.method.decode("latin-1")
-            path = request.target.decode("latin-1").split("?", 1)[0]
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-            path_key, bearer, route = _split_path(path, headers)
-            anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
-            shape = _error_shape(route)
-            if _misplaced(route):
+            method, path, headers = request_parts(request)
+            path_key, bearer, route_path = split_path(path, headers)
+            shape = error_shape(route_path)
+            if misplaced(route_path):
                 raise APIError(
                     404,
                     f"no route `{path}`: an anthropic client's base_url is the session's root, without /v1 "
                     "(the chat base URL minus its /v1)",
                 )
-            if route == "/models":
-                if method != "GET":
-                    raise APIError(405, f"`{method} {path}`: use GET")
+            found = ROUTES.get(route_path)
+            if found is None:
+                raise APIError(404, f"no route `{path}`; the endpoint serves {ROUTE_LIST} under a session's base URL")
+            api, route = found
+            if method != route.method:
+                raise APIError(405, f"`{method} {path}`: use {route.method}")
+            if route.action == "models":
                 return _Response.json(200, self._models())
-            if route not in ("/chat/completions", "/responses") and not anthropic:
-                raise APIError(
-                    404,
-                    f"no route `{path}`; the endpoint serves <base_url>/chat/completions, /responses and /models, "
-                    "and Anthropic's /v1/messages under the session's root",
-                )
-            if method != "POST":
-                raise APIError(405, f"`{method} {path}`: use POST")
             session = self._lookup(path_key, bearer)
-            try:
-                body = json.loads(raw_body)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the request body must be a JSON object")
-            if SURROGATE_ESCAPE.search(raw_body):
-                check_encodable(body)
+            body = json_body(raw_body)
             tag = call_tag(headers, body.get("model"), self.model)  # which conversation: for the row (issue 45)
-            if route == "/responses":
-                return await self._responses(session, body, tag)
-            if anthropic:
-                return await self._messages(session, body, tag, count_only=route == _anthropic.COUNT_TOKENS)
-            return await self._chat(session, body, tag)
+            return await self._answer(session, api, route, body, tag)
         except APIError as error:
             return _Response.error(error, shape)
         except Exception as exc:
@@ -333,6 +231,41 @@ class CaptureServer:
                 APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}"),
                 shape,
             )
+
+    async def _answer(
+        self, session: CaptureSession, api: WireAPI, route: Route, body: dict[str, Any], tag: CallTag
+    ) -> _Response:
+        """Parse the request in its API's shape, prepare it on the session's branches, sample, answer in its shape."""
+        exchange = Exchange(
+            session_id=session.id,
+            index=len(session.calls),
+            model=str(body.get("model") or self.model),
+            created=int(time.time()),
+            tokenizer=self.tokenizer,
+            base_sampling=session.sampling_params,
+            store=session.stores.setdefault(api.name, {}),
+        )
+        turn = api.parse(body, exchange)
+        capture = session.capture
+        turns = 1 + sum(message.role == "assistant" for message in turn.conversation.messages)
+        if isinstance(turn.prompt, tuple):  # token ids (legacy completions): never re-tokenized
+            prepared = capture.prepare_ids(turn.prompt, turns=turns, tag=tag)
+        elif turn.prompt is not None:  # a raw text prompt: tokenized as it is, no template
+            prepared = capture.prepare(turn.prompt, turns=turns, tag=tag)
+        else:
+            rendered = render(self.tokenizer, turn.conversation, capture.chat_template_kwargs)
+            prepared = capture.prepare(rendered, turns=turns, tag=tag)
+        if route.action == "count":
+            assert api.count is not None  # a count route's API counts
+            return _Response.json(200, api.count(len(prepared.prompt_ids)))
+        if self.context_length is not None and len(prepared.prompt_ids) > self.context_length:
+            raise ContextLengthError(len(prepared.prompt_ids), self.context_length, turn.prompt_param)
+        call = await self._sample(session, prepared, dict(turn.conversation.sampling), turn.prompt_param)
+        exchange.index = len(session.calls) - 1  # recorded just now, with no await since: this call's number
+        reply = api.reply(call, turn, exchange)
+        if turn.stream:
+            return _Response(200, api.stream(reply, turn), "text/event-stream")
+        return _Response.json(200, reply)
 
     def _models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "skyrl-structured"}
@@ -362,7 +295,7 @@ class CaptureServer:
             return session
         ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
         if ended is not None:
-            raise _rollout_ended(ended)
+            raise rollout_ended(ended)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
     def _closed_answer(self, request: Any) -> _Response:
@@ -372,72 +305,24 @@ class CaptureServer:
         the request names a session this endpoint served, in the error shape of the request's API.
         """
         if request is None:
-            return _Response.error(_rollout_ended(None))
-        path = request.target.decode("latin-1").split("?", 1)[0]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-        path_key, bearer, route = _split_path(path, headers)
+            return _Response.error(rollout_ended(None))
+        _, path, headers = request_parts(request)
+        path_key, bearer, route = split_path(path, headers)
         key = path_key if path_key is not None else bearer
         ended = self._ended.get(key) if key is not None else None
-        return _Response.error(_rollout_ended(ended, endpoint_closed=True), _error_shape(route))
+        return _Response.error(rollout_ended(ended, endpoint_closed=True), error_shape(route))
 
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
 
-    async def _chat(self, session: CaptureSession, body: dict[str, Any], tag: CallTag) -> _Response:
-        params = engine_sampling_params(body, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(body, tag), params)
-        completion = chat_completion_body(
-            call,
-            completion_id=f"chatcmpl-{session.id}-{len(session.calls) - 1}",
-            model=str(body.get("model") or self.model),
-            created=int(time.time()),
-            parse_tools=bool(body.get("tools")),
-        )
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
-        return _Response.json(200, completion)
-
-    async def _responses(self, session: CaptureSession, body: dict[str, Any], tag: CallTag) -> _Response:
-        """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
-        request = _responses.chat_request(body, session.responses)
-        params = _responses.sampling_params(request, session.sampling_params)
-        call = await self._sample(session, session.capture.prepare(request.chat, tag), params)
-        response_id = f"resp_{session.id}_{len(session.calls) - 1}"
-        response = _responses.response_body(
-            call, request, response_id=response_id, model=str(body.get("model") or self.model), created=int(time.time())
-        )
-        session.responses[response_id] = _responses.remembered(request, response)
-        if request.stream:
-            return _Response(200, _responses.response_stream(response), "text/event-stream")
-        return _Response.json(200, response)
-
-    async def _messages(
-        self, session: CaptureSession, body: dict[str, Any], tag: CallTag, *, count_only: bool
-    ) -> _Response:
-        """Anthropic's ``/messages`` (or ``/messages/count_tokens``: the prompt's length, nothing sampled)."""
-        request = _anthropic.messages_request(body)
-        params = engine_sampling_params(request.chat, session.sampling_params)
-        prepared = session.capture.prepare(request.chat, tag)
-        if count_only:
-            return _Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
-        call = await self._sample(session, prepared, params)
-        message = _anthropic.message_body(
-            call,
-            request,
-            message_id=f"msg_{session.id}_{len(session.calls) - 1}",
-            model=str(body.get("model") or self.model),
-            tokenizer=self.tokenizer,
-        )
-        if request.stream:
-            return _Response(200, _anthropic.message_stream(message), "text/event-stream")
-        return _Response.json(200, message)
-
-    async def _sample(self, session: CaptureSession, prepared: Prepared, params: dict[str, Any]) -> CallRecord:
+    async def _sample(
+        self, session: CaptureSession, prepared: Prepared, params: dict[str, Any], prompt_param: str
+    ) -> CallRecord:
         """Send a prepared call to the engine and record it: what every API's route answers from.
 
         Raises:
-            APIError: 500 when the engine fails; 499 when the session closed while the call was in flight.
+            ContextLengthError: the engine refused the prompt as longer than its context (400).
+            APIError: 500 when the engine fails otherwise; 499 when the session closed while the call was in flight.
         """
         context = session.context
         turn = session.engine_requests
@@ -456,6 +341,9 @@ class CaptureServer:
                         context, turn, len(prepared.prompt_ids), lambda: context.client.generate(request)
                     )
             except Exception as exc:
+                refusal = context_refusal(exc, len(prepared.prompt_ids), prompt_param)
+                if refusal is not None:
+                    raise refusal from None
                 logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
                 raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", final=True) from None
             finally:
@@ -469,52 +357,6 @@ class CaptureServer:
         )
 
 
-def _rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = False) -> APIError:
-    """The answer of an ended session (its ``(id, rollout)``; None: any of a closed endpoint's), which no client
-    retries: 404, type ``rollout_ended``, ``x-should-retry: false`` (design rule 22)."""
-    if ended is None:
-        message = (
-            "this capture endpoint has closed: the generate() call (or generator.serving() block) that served it "
-            "has ended, and every rollout with it; stop the agent"
-        )
-    elif endpoint_closed:
-        message = (
-            f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended, and so has the generate() "
-            "call (or generator.serving() block) that served it; stop the agent"
-        )
-    else:
-        message = f"capture session {ended[0]} is closed: its rollout {ended[1]} has ended; stop the agent"
-    return APIError(404, message, kind="rollout_ended")
-
-
-def _misplaced(route: str) -> bool:
-    """An ``anthropic`` client given the chat base URL (it calls ``.../v1/v1/messages``)."""
-    return route.startswith("/v1" + _anthropic.MESSAGES)
-
-
-def _error_shape(route: str) -> Callable[[APIError], Any]:
-    """The error shape of a route's API: Anthropic's on the Messages routes (a misplaced one too), else OpenAI's."""
-    if route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS) or _misplaced(route):
-        return _anthropic.error_body
-    return APIError.body
-
-
-def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
-    """``(key in the path, header key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``.
-
-    The header key is ``Authorization: Bearer <key>``'s, else ``x-api-key``'s (Claude-Code-style clients).
-    """
-    auth = headers.get("authorization", "")
-    bearer = auth[len("bearer ") :].strip() or None if auth.lower().startswith("bearer ") else None
-    bearer = bearer or headers.get("x-api-key", "").strip() or None
-    parts = path.rstrip("/").split("/")
-    if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
-        return parts[2], bearer, "/" + "/".join(parts[4:])
-    if len(parts) >= 2 and parts[1] == "v1":
-        return None, bearer, "/" + "/".join(parts[2:])
-    return None, bearer, path
-
-
 @asynccontextmanager
 async def serve_capture(
     client: InferenceClient,
@@ -526,6 +368,7 @@ async def serve_capture(
     port: int = 0,
     url: str | None = None,
     close_timeout_s: float = _CLEANUP_BOUND_S,
+    context_length: int | None = None,
 ) -> AsyncIterator[CaptureServer]:
     """Serve a capture endpoint in front of ``client`` until the block exits.
 
@@ -536,6 +379,11 @@ async def serve_capture(
     block ends (a caller's cancellation included), the requests being answered are answered (a closed
     session's 499) before their connections close, waiting at most ``close_timeout_s``.
 
+    ``context_length`` is the served model's context (vLLM's ``max_model_len``) when the caller knows it:
+    a prompt longer than it is answered in its API's own error (OpenAI's 400 ``context_length_exceeded``,
+    Anthropic's 400 "prompt is too long: N tokens > M maximum") before any engine call. Without it the
+    engine's own refusal of a too-long prompt is answered the same way.
+
     Raises:
         ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
         ValueError: a bad setting (see :class:`~skyrl_structured.config.AgentEndpointSettings`).
@@ -544,7 +392,11 @@ async def serve_capture(
 
     import_optional("h11", "http", needed_by="serve_capture")
     settings = AgentEndpointSettings(agent_endpoint_host=host, agent_endpoint_port=port, agent_endpoint_url=url)
-    server = CaptureServer(client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs)
+    if context_length is not None and (type(context_length) is not int or context_length < 1):
+        raise ValueError(f"`context_length` must be a positive integer or None, got {context_length!r}")
+    server = CaptureServer(
+        client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs, context_length=context_length
+    )
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     server.port = int(listener.extra(SocketAttribute.local_port))
     server.url = _advertised_url(settings, server.port)

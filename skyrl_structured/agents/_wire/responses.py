@@ -1,32 +1,29 @@
-"""The OpenAI Responses API on the capture endpoint (issue 35; design rule 23): a translation layer.
+"""OpenAI's Responses API: ``POST /responses`` (issue 35; design rules 23 and 27).
 
-A ``POST <base_url>/responses`` body becomes the common chat conversation (:func:`chat_request`: the
-messages, tools and sampling fields that :meth:`~._capture.Capture.prepare` and
-:func:`~._capture.engine_sampling_params` take, so the one extend-or-branch rule and the one sampling
-rule apply); the captured call becomes a ``response`` object (:func:`response_body`) and, for
-``stream: true``, the event sequence the official ``openai`` client and the OpenAI Agents SDK read
-(:func:`response_stream`). ``previous_response_id`` is resolved from the session's own responses
-(:func:`remembered`), kept by the session and dropped when it closes.
+A request becomes the typed conversation (:func:`responses_turn`: ``input`` items and ``instructions``
+as messages, function ``tools``, the sampling fields under the one sampling rule); the captured call
+becomes a ``response`` object (:func:`response_body`) and, for ``stream: true``, the event sequence the
+official ``openai`` client and the OpenAI Agents SDK read (:func:`response_stream`).
+``previous_response_id`` is resolved from the session's own stored responses (a ``store: false``
+response is not stored, and naming it is answered as OpenAI does: not found); the session drops them
+when it closes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._capture import APIError, CallRecord, _bad, engine_sampling_params, parse_tool_calls
+from .._apierrors import APIError, bad
+from .._capture import CallRecord
+from .._conversation import Conversation, Message, content_text, function_tool, parse_tool_calls, tool_call
+from ._api import CheckScript, Exchange, Route, Turn, WireAPI
+from ._sampling import engine_sampling_params
 
-__all__ = [
-    "Remembered",
-    "ResponsesRequest",
-    "chat_request",
-    "remembered",
-    "response_body",
-    "response_stream",
-    "sampling_params",
-]
+__all__ = ["API", "Remembered", "ResponsesRequest", "response_body", "response_stream", "responses_turn"]
 
 #: Fields handed to the chat conversation as they are, so the chat route's one rule maps, ignores or refuses
 #: them: sampling (with vLLM's extensions an ``extra_body`` may carry) and the fields that cannot change the answer.
@@ -76,26 +73,26 @@ _SETTINGS: dict[str, dict[str, tuple[Any, ...]]] = {
 #: The keys a function tool may carry; ``strict`` is accepted and never reaches the template.
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 
-#: What the session keeps per response id: the id it continued (or None) and the messages it added.
-Remembered = tuple[str | None, list[dict[str, Any]]]
+#: What the session keeps per stored response id: the id it continued (or None) and the messages it added.
+Remembered = tuple[str | None, tuple[Message, ...]]
 
 
 @dataclass(frozen=True)
 class ResponsesRequest:
-    """A Responses request as the common conversation, and what its reply echoes."""
+    """What a Responses request's reply needs besides the conversation."""
 
-    #: The chat body: ``messages``, ``tools`` (chat shape), and the sampling fields.
-    chat: dict[str, Any]
     #: The messages this request adds to its conversation (its ``input``; ``instructions`` are not carried over).
-    turn: list[dict[str, Any]]
+    turn: tuple[Message, ...]
     previous_response_id: str | None
-    stream: bool
+    #: Whether the response is kept for a later ``previous_response_id`` (OpenAI's default: yes).
+    store: bool
+    tools: bool
     #: The request's own fields that the response object echoes (``instructions``, ``tools``, ...).
     echo: dict[str, Any]
 
 
-def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> ResponsesRequest:
-    """The common chat conversation of one Responses request.
+def responses_turn(body: dict[str, Any], exchange: Exchange) -> Turn:
+    """The typed conversation of one Responses request.
 
     ``input`` (a string: one user message; or items: ``message`` with text content, ``function_call``,
     ``function_call_output``) becomes chat messages, a message item and the function calls right after
@@ -105,8 +102,8 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
     become chat tools (``strict`` dropped); ``max_output_tokens`` is ``max_tokens``.
 
     Raises:
-        APIError: 400 naming the first field that cannot be honoured (an unknown
-            ``previous_response_id``, a non-function tool, a non-text content part, a non-empty
+        APIError: 404 for a ``previous_response_id`` this session did not store (OpenAI's not found); 400
+            naming the first field that cannot be honoured (a non-function tool, a non-text content part, a non-empty
             ``include``, a ``reasoning.effort`` other than "none", a non-text ``text.format``,
             ``text.verbosity`` "high", ``background``, automatic ``truncation``, an unknown field) or
             has a bad value.
@@ -117,33 +114,33 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
             chat[key] = value
         elif key in _NEUTRAL:
             if (tuple(value) if isinstance(value, list) else value) not in _NEUTRAL[key]:
-                raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+                raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
         elif key in _SETTINGS:
             _check_settings(key, value)
         elif key == "max_output_tokens":
             chat["max_tokens"] = value
         elif key == "stream_options":
             if value is not None and (not body.get("stream") or not isinstance(value, dict)):
-                raise _bad(key, "is only allowed as an object with `stream=true`")
+                raise bad(key, "is only allowed as an object with `stream=true`")
             if value and set(value) - {"include_obfuscation"}:
-                raise _bad(key, f"= {value!r}: only `include_obfuscation` is accepted (and ignored)")
+                raise bad(key, f"= {value!r}: only `include_obfuscation` is accepted (and ignored)")
         elif key not in ("input", "instructions", "tools", "previous_response_id") and value is not None:
-            raise _bad(key, "is not supported by this capture endpoint's Responses route; remove it from the request")
+            raise bad(key, "is not supported by this capture endpoint's Responses route; remove it from the request")
+    sampling = _sampling_params(chat, exchange.base_sampling)
     previous = body.get("previous_response_id")
-    history = _history(previous, remembered)
+    history = _history(previous, exchange.store)
     turn = _input_messages(body.get("input"))
     if not turn:
-        raise _bad("input", "must hold at least one item")
+        raise bad("input", "must hold at least one item")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _bad("instructions", f"must be a string, got {type(instructions).__name__}")
-    system = [{"role": "system", "content": instructions}] if instructions else []
-    chat["messages"] = [*system, *history, *turn]
+        raise bad("instructions", f"must be a string, got {type(instructions).__name__}")
+    system = (Message("system", instructions),) if instructions else ()
     tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "must be a list of function tools")
-        chat["tools"] = [_chat_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools)] or None
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", "must be a list of function tools")
+    typed_tools = tuple(_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools or []))
+    conversation = Conversation((*system, *history, *turn), typed_tools, sampling)
     echo = {
         "instructions": instructions,
         "tools": tools or [],
@@ -154,16 +151,17 @@ def chat_request(body: dict[str, Any], remembered: Mapping[str, Remembered]) -> 
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
     }
-    return ResponsesRequest(chat, turn, previous, bool(body.get("stream")), echo)
+    request = ResponsesRequest(turn, previous, body.get("store") is not False, bool(typed_tools), echo)
+    return Turn(conversation, bool(body.get("stream")), request=request, prompt_param="input")
 
 
-def sampling_params(request: ResponsesRequest, base: dict[str, Any] | None) -> dict[str, Any]:
+def _sampling_params(chat: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
     """The engine's sampling parameters for the request: the chat rule's, a refusal naming the Responses field."""
     try:
-        return engine_sampling_params(request.chat, base)
+        return engine_sampling_params(chat, base)
     except APIError as error:
         if error.param == "max_tokens":
-            raise _bad("max_output_tokens", error.message.split("` ", 1)[1]) from None
+            raise bad("max_output_tokens", error.message.split("` ", 1)[1]) from None
         raise
 
 
@@ -176,31 +174,41 @@ def _check_settings(field: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise _bad(field, f"must be an object, got {type(value).__name__}")
+        raise bad(field, f"must be an object, got {type(value).__name__}")
     accepted = _SETTINGS[field]
     for key, item in value.items():
         if key not in accepted:
-            raise _bad(f"{field}.{key}", "is not supported by this capture endpoint; remove it from the request")
+            raise bad(f"{field}.{key}", "is not supported by this capture endpoint; remove it from the request")
         if item not in accepted[key]:
             allowed = " or ".join(repr(v) for v in accepted[key] if v is not None)
-            raise _bad(
+            raise bad(
                 f"{field}.{key}",
                 f"= {item!r} cannot be honoured by this capture endpoint (the engine samples the served model as "
                 f"its chat template renders the conversation); leave it unset{' or at ' + allowed if allowed else ''}",
             )
 
 
-def _history(previous: Any, remembered: Mapping[str, Remembered]) -> list[dict[str, Any]]:
-    """The messages of the conversation ``previous`` ended, oldest first (each response keeps only its own)."""
+def _history(previous: Any, remembered: Mapping[str, Remembered]) -> list[Message]:
+    """The messages of the conversation ``previous`` ended, oldest first (each response keeps only its own).
+
+    Raises:
+        APIError: 404 as OpenAI answers an id it does not hold: a response of another session, one made
+            with ``store: false`` (issue 45), or none at all.
+    """
     if previous is None:
         return []
-    if not isinstance(previous, str) or previous not in remembered:
-        raise _bad(
-            "previous_response_id",
-            f"= {previous!r} is not a response of this capture session (responses are kept only by the session "
-            "that made them); send the whole conversation in `input` instead",
+    if not isinstance(previous, str):
+        raise bad("previous_response_id", f"must be a string, got {type(previous).__name__}")
+    if previous not in remembered:
+        raise APIError(
+            404,
+            f"Previous response with id '{previous}' not found. (A capture session keeps only its own responses, "
+            "and none made with `store: false`; send the whole conversation in `input` instead.)",
+            param="previous_response_id",
+            kind="invalid_request_error",
+            code="previous_response_not_found",
         )
-    chunks: list[list[dict[str, Any]]] = []
+    chunks: list[tuple[Message, ...]] = []
     at: str | None = previous
     while at is not None:
         at, added = remembered[at]
@@ -208,77 +216,73 @@ def _history(previous: Any, remembered: Mapping[str, Remembered]) -> list[dict[s
     return [message for chunk in reversed(chunks) for message in chunk]
 
 
-def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
-    """A Responses function tool as the chat tool the template renders (the same keys, in chat's order)."""
+def _tool(tool: Any, where: str) -> Any:
+    """A Responses function tool as the typed tool (``strict`` accepted, never rendered)."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-        raise _bad(f"{where}.type", f"= {kind!r}: only function tools can be captured")
-    if not isinstance(tool.get("name"), str):
-        raise _bad(f"{where}.name", "must be a string")
+        raise bad(f"{where}.type", f"= {kind!r}: only function tools can be captured")
     unknown = sorted(set(tool) - _TOOL_KEYS)
     if unknown:
-        raise _bad(f"{where}.{unknown[0]}", "is not supported by this capture endpoint; remove it from the tool")
-    function = {"name": tool["name"]}
-    function |= {key: tool[key] for key in ("description", "parameters") if tool.get(key) is not None}
-    return {"type": "function", "function": function}
+        raise bad(f"{where}.{unknown[0]}", "is not supported by this capture endpoint; remove it from the tool")
+    return function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
 
 
-def _input_messages(value: Any, where: str = "input") -> list[dict[str, Any]]:
-    """Responses input (a string, or items) as chat messages; output items read back the same way."""
+def _input_messages(value: Any, where: str = "input") -> tuple[Message, ...]:
+    """Responses input (a string, or items) as messages; output items read back the same way."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return (Message("user", value),)
     if not isinstance(value, list):
-        raise _bad(where, f"must be a string or a list of input items, got {type(value).__name__}")
-    messages: list[dict[str, Any]] = []
+        raise bad(where, f"must be a string or a list of input items, got {type(value).__name__}")
+    messages: list[Message] = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
         if not isinstance(item, dict):
-            raise _bad(at, f"must be an input item object, got {type(item).__name__}")
+            raise bad(at, f"must be an input item object, got {type(item).__name__}")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"{at}.role", f"= {role!r}: must be user, assistant, system or developer")
-            content = _text(item.get("content"), f"{at}.content")
-            messages.append({"role": "system" if role == "developer" else role, "content": content})
+                raise bad(f"{at}.role", f"= {role!r}: must be user, assistant, system or developer")
+            if not isinstance(item.get("content"), str | list):
+                raise bad(f"{at}.content", "must be a string or a list of text parts")
+            content = content_text(item.get("content"), f"{at}.content", _TEXT_PARTS)
+            messages.append(Message("system" if role == "developer" else role, content))
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
-                    raise _bad(f"{at}.{key}", "must be a string")
-            call = {"id": item["call_id"], "type": "function"}
-            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
-            if messages and messages[-1]["role"] == "assistant":  # the message before it: one assistant turn
-                messages[-1].setdefault("tool_calls", []).append(call)
+                    raise bad(f"{at}.{key}", "must be a string")
+            call = tool_call(item["call_id"], item["name"], item["arguments"], at)
+            if messages and messages[-1].role == "assistant":  # the message before it: one assistant turn
+                messages[-1] = dataclasses.replace(messages[-1], tool_calls=(*messages[-1].tool_calls, call))
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise _bad(f"{at}.call_id", "must be a string")
-            output = _text(item.get("output"), f"{at}.output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+                raise bad(f"{at}.call_id", "must be a string")
+            if not isinstance(item.get("output"), str | list):
+                raise bad(f"{at}.output", "must be a string or a list of text parts")
+            output = content_text(item.get("output"), f"{at}.output", _TEXT_PARTS)
+            messages.append(Message("tool", output, tool_call_id=item["call_id"]))
         else:
-            raise _bad(f"{at}.type", f"= {kind!r}: only message, function_call and function_call_output items")
-    return messages
+            raise bad(f"{at}.type", f"= {kind!r}: only message, function_call and function_call_output items")
+    return tuple(messages)
 
 
-def _text(content: Any, where: str) -> str:
-    """Item content as text: a string or text parts (``input_text``, ``output_text``; annotations ignored)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"must be a string or a list of text parts, got {type(content).__name__}")
-    texts: list[str] = []
-    for k, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}[{k}]", f"is a {kind!r} part; only text parts can be captured")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{k}].text", "must be a string")
-        texts.append(part["text"])
-    return "".join(texts)
+#: The text parts of Responses items (annotations ignored).
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 # ----------------------------------------------------------------------------- the reply
+
+
+def _reply(call: CallRecord, turn: Turn, exchange: Exchange) -> dict[str, Any]:
+    """The ``response`` of a call, stored for a later ``previous_response_id`` unless ``store: false``."""
+    request: ResponsesRequest = turn.request
+    response_id = f"resp_{exchange.session_id}_{exchange.index}"
+    response = response_body(call, request, response_id=response_id, model=exchange.model, created=exchange.created)
+    if request.store:
+        exchange.store[response_id] = remembered(request, response)
+    return response
 
 
 def response_body(
@@ -292,20 +296,20 @@ def response_body(
     """
     content: str | None = call.text
     calls: list[dict[str, Any]] = []
-    if request.chat.get("tools"):
+    if request.tools:
         content, calls = parse_tool_calls(call.text, id_prefix=f"call_{response_id}")
     output: list[dict[str, Any]] = []
     if content is not None:
         part = {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
         item = {"id": f"msg_{response_id}", "type": "message", "role": "assistant", "status": "completed"}
         output.append(item | {"content": [part]})
-    for k, tool_call in enumerate(calls):
-        function = tool_call["function"]
+    for k, made in enumerate(calls):
+        function = made["function"]
         output.append(
             {
                 "id": f"fc_{response_id}_{k}",
                 "type": "function_call",
-                "call_id": tool_call["id"],
+                "call_id": made["id"],
                 "name": function["name"],
                 "arguments": function["arguments"],
                 "status": "completed",
@@ -325,7 +329,7 @@ def response_body(
         **request.echo,
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
-        "store": False,
+        "store": request.store,
         "background": False,
         "reasoning": None,
         "usage": {
@@ -340,10 +344,10 @@ def response_body(
 
 def remembered(request: ResponsesRequest, response: dict[str, Any]) -> Remembered:
     """What the session keeps of a response for a later ``previous_response_id``: its input and output."""
-    return request.previous_response_id, [*request.turn, *_input_messages(response["output"], "output")]
+    return request.previous_response_id, (*request.turn, *_input_messages(response["output"], "output"))
 
 
-def response_stream(response: dict[str, Any]) -> bytes:
+def response_stream(response: dict[str, Any], turn: Turn | None = None) -> bytes:
     """The SSE body of ``stream=true`` for a finished ``response``: OpenAI's event sequence, each with an
     ``event:`` line and a rising ``sequence_number``.
 
@@ -380,3 +384,44 @@ def response_stream(response: dict[str, Any]) -> bytes:
         emit("response.output_item.done", output_index=index, item=item)
     emit("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
     return b"".join(events)
+
+
+class ResponsesTurns:
+    """``check_capture``'s conversation as a Responses agent (the Agents SDK) writes it: ``instructions``,
+    ``strict`` tools, the reply's output items re-sent as they came, a ``function_call_output``."""
+
+    def __init__(self, script: CheckScript) -> None:
+        self.instructions = script.system
+        self.tools = [{"type": "function", **tool["function"], "strict": True} for tool in script.tools]
+        self.items: list[dict[str, Any]] = [_user_item(script.user)]
+        self.call_id: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"instructions": self.instructions, "input": self.items, "tools": self.tools, "include": []}
+
+    def answer(self, reply: dict[str, Any]) -> None:
+        output = json.loads(json.dumps(reply["output"]))
+        calls = [item["call_id"] for item in output if item["type"] == "function_call"]
+        self.call_id = calls[0] if calls else None
+        self.items += output
+
+    def follow(self, role: str, text: str) -> None:
+        if role == "tool":
+            self.items.append({"type": "function_call_output", "call_id": self.call_id, "output": text})
+        else:
+            self.items.append(_user_item(text))
+
+
+def _user_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+API = WireAPI(
+    name="responses",
+    title="responses",
+    routes=(Route("POST", "/responses"),),
+    parse=responses_turn,
+    reply=_reply,
+    stream=response_stream,
+    check=ResponsesTurns,
+)

@@ -1,11 +1,9 @@
-"""The Anthropic Messages API on the capture endpoint: a translation layer over the chat conversation (issue 35).
+"""Anthropic's Messages API: ``POST /messages`` and ``/messages/count_tokens`` (issue 35; design rules 23 and 27).
 
-A Messages request (``system``, ``messages`` of text / ``tool_use`` / ``tool_result`` blocks, ``tools``
-with ``input_schema``) becomes the chat body :meth:`~._capture.Capture.prepare` takes (messages + tools,
-tools in the chat completions shape so they render exactly as the same tools given there) and the
-sampling fields :func:`~._capture.engine_sampling_params` maps; the captured call becomes a ``message``
-(``text`` and ``tool_use`` blocks, ``stop_reason``, ``usage``) or its SSE events. The extend-or-branch
-rule stays in :mod:`._capture`; nothing here does I/O.
+A request (``system``, ``messages`` of text / ``tool_use`` / ``tool_result`` blocks, ``tools`` with
+``input_schema``) becomes the typed conversation (tools render exactly as the same tools given to chat
+completions); the captured call becomes a ``message`` (``text`` and ``tool_use`` blocks,
+``stop_reason``, ``usage``) or its SSE events; errors take Anthropic's shape.
 
 The official ``anthropic`` client calls ``POST {base_url}/v1/messages``: its ``base_url`` is a session's
 root, ``http://HOST:PORT/sessions/<key>`` (the chat base URL without ``/v1``), or the endpoint's root
@@ -18,22 +16,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._capture import APIError, CallRecord, decode, parse_tool_calls
+from .._apierrors import APIError, ContextLengthError, bad
+from .._capture import CallRecord
+from .._conversation import Conversation, Message, Tool, ToolCall, content_text, decode, function_tool, parse_tool_calls
+from ._api import CheckScript, Exchange, Route, Turn, WireAPI
+from ._sampling import engine_sampling_params
 
-__all__ = [
-    "COUNT_TOKENS",
-    "MESSAGES",
-    "MessagesRequest",
-    "error_body",
-    "message_body",
-    "message_stream",
-    "messages_request",
-]
-
-#: The routes, after ``/v1``: the ``anthropic`` client's ``messages.create`` / ``.stream`` and ``count_tokens``.
-MESSAGES = "/messages"
-COUNT_TOKENS = "/messages/count_tokens"
-
+__all__ = ["API", "MessagesRequest", "error_body", "message_body", "message_stream", "messages_turn"]
 
 #: Anthropic's error type of a status (the ``anthropic`` SDK's ``ErrorType``); any other 4xx is an invalid request.
 _ERROR_TYPES = {
@@ -57,11 +46,11 @@ def error_body(error: APIError) -> dict[str, Any]:
     """
     status = error.status
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 499 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
-def _bad(param: str, problem: str) -> APIError:
-    return APIError(400, f"`{param}` {problem}", param=param)
+    message = error.message
+    if isinstance(error, ContextLengthError):  # the wording Claude Code compacts its history on (issue 45)
+        limit = f" > {error.maximum} maximum" if error.maximum is not None else f" ({error.message})"
+        message = f"prompt is too long: {error.tokens} tokens{limit}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # ----------------------------------------------------------------------------- request
@@ -87,17 +76,15 @@ _TOOL_IGNORED = frozenset(
 
 @dataclass(frozen=True)
 class MessagesRequest:
-    """A Messages request as the capture takes it: ``chat`` for ``Capture.prepare`` and ``engine_sampling_params``."""
+    """What a Messages request's reply needs besides the conversation."""
 
-    chat: dict[str, Any]
-    stream: bool
     stop_sequences: tuple[str, ...]
     #: Whether tools were offered: the reply's tool-call blocks are then parsed into ``tool_use`` blocks.
     tools: bool
 
 
-def messages_request(body: dict[str, Any]) -> MessagesRequest:
-    """Translate a Messages (or ``count_tokens``) request body into the chat conversation.
+def messages_turn(body: dict[str, Any], exchange: Exchange) -> Turn:
+    """Translate a Messages (or ``count_tokens``) request body into the typed conversation.
 
     Raises:
         APIError: 400 naming the first field that is malformed or cannot be honoured (an image or
@@ -114,137 +101,131 @@ def messages_request(body: dict[str, Any]) -> MessagesRequest:
         elif key == "stop_sequences":
             if value is not None:
                 if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-                    raise _bad(key, f"must be a list of non-empty strings, got {value!r}")
+                    raise bad(key, f"must be a list of non-empty strings, got {value!r}")
                 chat["stop"] = list(value)
         elif key == "stream":
             if value not in (None, True, False):
-                raise _bad(key, f"must be a boolean, got {value!r}")
+                raise bad(key, f"must be a boolean, got {value!r}")
         elif key == "tool_choice":
             _check_tool_choice(value)
         elif key in _NEUTRAL:
             if value not in _NEUTRAL[key]:
-                raise _bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
+                raise bad(key, f"= {value!r} cannot be honoured by this capture endpoint; leave it unset")
         else:
-            raise _bad(key, "is not supported by this capture endpoint; remove it from the request")
+            raise bad(key, "is not supported by this capture endpoint; remove it from the request")
     messages = _system_messages(body.get("system"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise _bad("messages", "must be a non-empty list of messages")
+        raise bad("messages", "must be a non-empty list of messages")
     for i, message in enumerate(raw):
-        messages += _chat_messages(message, f"messages[{i}]")
+        messages += _messages(message, f"messages[{i}]")
     if raw[-1].get("role") == "assistant":
-        raise _bad(
+        raise bad(
             f"messages[{len(raw) - 1}]",
             "is an assistant turn to continue (prefill), which this capture endpoint cannot do; end with a user turn",
         )
-    chat["messages"] = messages
     tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "must be a list of tool definitions")
-        chat["tools"] = [_chat_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools)]
-    return MessagesRequest(chat, bool(body.get("stream")), tuple(chat.get("stop", ())), bool(tools))
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", "must be a list of tool definitions")
+    typed_tools = tuple(_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools or []))
+    sampling = engine_sampling_params(chat, exchange.base_sampling)
+    conversation = Conversation(tuple(messages), typed_tools, sampling)
+    request = MessagesRequest(tuple(chat.get("stop", ())), bool(tools))
+    return Turn(conversation, bool(body.get("stream")), request=request)
 
 
 def _check_tool_choice(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, dict) or value.get("type") != "auto":
-        raise _bad("tool_choice", f'= {value!r} cannot be honoured by this capture endpoint; send {{"type": "auto"}}')
+        raise bad("tool_choice", f'= {value!r} cannot be honoured by this capture endpoint; send {{"type": "auto"}}')
     if value.get("disable_parallel_tool_use"):
-        raise _bad("tool_choice.disable_parallel_tool_use", "cannot be honoured by this capture endpoint; omit it")
+        raise bad("tool_choice.disable_parallel_tool_use", "cannot be honoured by this capture endpoint; omit it")
 
 
-def _text(blocks: Any, where: str) -> list[dict[str, Any]]:
-    """A string or a list of text blocks as chat text parts (joined as chat completions joins them)."""
-    if isinstance(blocks, str):
-        return [{"type": "text", "text": blocks}]
-    if not isinstance(blocks, list):
-        raise _bad(where, f"must be a string or a list of text blocks, got {type(blocks).__name__}")
-    for k, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise _bad(f"{where}[{k}]", "must be a text block; only text can be captured here")
-    return [{"type": "text", "text": block["text"]} for block in blocks]
+def _text(blocks: Any, where: str) -> str:
+    """A string or a list of text blocks as text (joined as chat completions joins text parts)."""
+    if not isinstance(blocks, str | list):
+        raise bad(where, f"must be a string or a list of text blocks, got {type(blocks).__name__}")
+    return content_text(blocks, where)
 
 
-def _system_messages(system: Any) -> list[dict[str, Any]]:
+def _system_messages(system: Any) -> list[Message]:
     if system is None or system == "" or system == []:
         return []
-    return [{"role": "system", "content": _text(system, "system")}]
+    return [Message("system", _text(system, "system"))]
 
 
-def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
-    """One Messages turn as chat messages: a user turn's ``tool_result`` blocks become ``tool`` messages (in
-    order, text between them a user message); an assistant turn's ``tool_use`` blocks become ``tool_calls``."""
+def _messages(message: Any, where: str) -> list[Message]:
+    """One Messages turn as messages: a user turn's ``tool_result`` blocks become ``tool`` messages (in order,
+    text between them a user message); an assistant turn's ``tool_use`` blocks become its tool calls."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise _bad(where, 'must be an object with `role` "user" or "assistant"')
+        raise bad(where, 'must be an object with `role` "user" or "assistant"')
     role = message["role"]
     content = message.get("content")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return [Message(role, content)]
     if not isinstance(content, list):
-        raise _bad(f"{where}.content", f"must be a string or a list of content blocks, got {type(content).__name__}")
-    out: list[dict[str, Any]] = []
-    texts: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
+        raise bad(f"{where}.content", f"must be a string or a list of content blocks, got {type(content).__name__}")
+    out: list[Message] = []
+    texts: list[str] = []
+    calls: list[ToolCall] = []
     for k, block in enumerate(content):
         at = f"{where}.content[{k}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             if not isinstance(block.get("text"), str):
-                raise _bad(f"{at}.text", "must be a string")
-            texts.append({"type": "text", "text": block["text"]})
+                raise bad(f"{at}.text", "must be a string")
+            texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             if texts:
-                out.append({"role": "user", "content": texts})
+                out.append(Message("user", "".join(texts)))
                 texts = []
             if not isinstance(block.get("tool_use_id"), str):
-                raise _bad(f"{at}.tool_use_id", "must be the id of the tool_use block it answers")
+                raise bad(f"{at}.tool_use_id", "must be the id of the tool_use block it answers")
             result = block.get("content")
-            parts = [] if result is None else _text(result, f"{at}.content")
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts})
+            text = "" if result is None else _text(result, f"{at}.content")
+            out.append(Message("tool", text, tool_call_id=block["tool_use_id"]))
         else:
             allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
-            raise _bad(f"{at}.type", f"= {kind!r}: only {allowed} blocks can be captured in a {role} turn")
+            raise bad(f"{at}.type", f"= {kind!r}: only {allowed} blocks can be captured in a {role} turn")
     if role == "assistant":
-        assistant: dict[str, Any] = {"role": "assistant", "content": texts or None}
-        if calls:
-            assistant["tool_calls"] = calls
-        return [assistant]
+        return [Message("assistant", "".join(texts), tuple(calls))]
     if texts or not out:
-        out.append({"role": "user", "content": texts})
+        out.append(Message("user", "".join(texts)))
     return out
 
 
-def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+def _tool_call(block: dict[str, Any], where: str) -> ToolCall:
     if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-        raise _bad(where, "must be a tool_use block with a string `id` and `name`")
+        raise bad(where, "must be a tool_use block with a string `id` and `name`")
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
-        raise _bad(f"{where}.input", f"must be an object, got {type(arguments).__name__}")
-    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+        raise bad(f"{where}.input", f"must be an object, got {type(arguments).__name__}")
+    return ToolCall(block["id"], block["name"], arguments)
 
 
-def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
-    """A custom tool in the chat completions shape, ``strict`` and Anthropic-side keys left out of the template."""
+def _tool(tool: Any, where: str) -> Tool:
+    """A custom tool, rendered as the same tool given to chat completions (Anthropic-side keys left out)."""
     if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise _bad(f"{where}.type", f"= {kind!r}: only custom tools (name, description, input_schema) can be captured")
+        raise bad(f"{where}.type", f"= {kind!r}: only custom tools (name, description, input_schema) can be captured")
     if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
-        raise _bad(where, "must have a string `name` and an object `input_schema`")
+        raise bad(where, "must have a string `name` and an object `input_schema`")
     unknown = sorted(set(tool) - _TOOL_IGNORED - {"name", "description", "input_schema"})
     if unknown:
-        raise _bad(f"{where}.{unknown[0]}", "is not supported by this capture endpoint; remove it from the tool")
-    function: dict[str, Any] = {"name": tool["name"]}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    function["parameters"] = tool["input_schema"]
-    return {"type": "function", "function": function}
+        raise bad(f"{where}.{unknown[0]}", "is not supported by this capture endpoint; remove it from the tool")
+    return function_tool(tool["name"], tool.get("description"), tool["input_schema"], where)
 
 
 # ----------------------------------------------------------------------------- reply
+
+
+def _reply(call: CallRecord, turn: Turn, exchange: Exchange) -> dict[str, Any]:
+    message_id = f"msg_{exchange.session_id}_{exchange.index}"
+    return message_body(call, turn.request, message_id=message_id, model=exchange.model, tokenizer=exchange.tokenizer)
 
 
 def message_body(
@@ -316,7 +297,7 @@ def _stop_sequence(call: CallRecord, stops: tuple[str, ...], tokenizer: Any) -> 
     return stops[min(found)[1]] if found else None
 
 
-def message_stream(message: dict[str, Any]) -> bytes:
+def message_stream(message: dict[str, Any], turn: Turn | None = None) -> bytes:
     """The SSE body of ``stream: true`` for a finished ``message``: every event with its ``event:`` line.
 
     ``message_start`` (no content, the input token count), per block ``content_block_start`` / one
@@ -342,3 +323,45 @@ def message_stream(message: dict[str, Any]) -> bytes:
     stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
     events += [{"type": "message_delta", "delta": stop, "usage": usage}, {"type": "message_stop"}]
     return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+
+
+class MessagesTurns:
+    """``check_capture``'s conversation as an Anthropic Messages agent writes it: the reply's content blocks
+    re-sent (``tool_use``), a ``tool_result``."""
+
+    def __init__(self, script: CheckScript) -> None:
+        self.system = script.system
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": script.user}]
+        self.tools = [
+            {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+            for f in (tool["function"] for tool in script.tools)
+        ]
+        self.call_id: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"system": self.system, "messages": self.messages, "tools": self.tools}
+
+    def answer(self, reply: dict[str, Any]) -> None:
+        uses = [block["id"] for block in reply["content"] if block["type"] == "tool_use"]
+        self.call_id = uses[0] if uses else None
+        self.messages.append({"role": "assistant", "content": json.loads(json.dumps(reply["content"]))})
+
+    def follow(self, role: str, text: str) -> None:
+        if role == "tool":
+            result = {"type": "tool_result", "tool_use_id": self.call_id, "content": text}
+            self.messages.append({"role": "user", "content": [result]})
+        else:
+            self.messages.append({"role": role, "content": text})
+
+
+API = WireAPI(
+    name="messages",
+    title="messages",
+    routes=(Route("POST", "/messages"), Route("POST", "/messages/count_tokens", "count")),
+    parse=messages_turn,
+    reply=_reply,
+    stream=message_stream,
+    error=error_body,
+    count=lambda tokens: {"input_tokens": tokens},
+    check=MessagesTurns,
+)
