@@ -25,21 +25,18 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import anyio
-import anyio.abc
-from anyio.abc import SocketAttribute
 
 from .._episode.calls import engine_call
+from .._http import Request, Response, serve
 from .._runtime.cleanup import run_cleanups
 from .._runtime.completion import Completion
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
 from ..config import AgentEndpointSettings, ResilienceSettings
-from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
 from . import _anthropic, _responses
@@ -160,26 +157,14 @@ class CaptureSession:
         return True
 
 
-@dataclass
-class _Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def json(cls, status: int, payload: Any) -> _Response:
-        return cls(status, json.dumps(payload).encode())
-
-    @classmethod
-    def error(cls, error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> _Response:
-        """``error`` answered in an API's error shape (OpenAI's unless ``shape`` says otherwise)."""
-        return cls(error.status, json.dumps(shape(error)).encode(), headers=error.headers)
+def _error_response(error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> Response:
+    """``error`` answered in an API's error shape (OpenAI's unless ``shape`` says otherwise)."""
+    return Response(error.status, json.dumps(shape(error)).encode(), headers=error.headers)
 
 
-def _error_answer(status: int, message: str) -> _Response:
+def _error_answer(status: int, message: str) -> Response:
     """The HTTP layer's own answers (a malformed request, a body over the limit), in OpenAI's error shape."""
-    return _Response.error(APIError(status, message))
+    return _error_response(APIError(status, message))
 
 
 class CaptureServer:
@@ -278,15 +263,13 @@ class CaptureServer:
 
     # ------------------------------------------------------------------ routes
 
-    async def _route(self, request: Any, raw_body: bytes) -> _Response:
+    async def _route(self, request: Request) -> Response:
         """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
         session: CaptureSession | None = None
         shape: Callable[[APIError], Any] = APIError.body
         try:
-            method = request.method.decode("latin-1")
-            path = request.target.decode("latin-1").split("?", 1)[0]
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-            path_key, bearer, route = _split_path(path, headers)
+            method, path, raw_body = request.method, request.path, request.body
+            path_key, bearer, route = _split_path(path, request)
             anthropic = route in (_anthropic.MESSAGES, _anthropic.COUNT_TOKENS)
             shape = _error_shape(route)
             if _misplaced(route):
@@ -298,7 +281,7 @@ class CaptureServer:
             if route == "/models":
                 if method != "GET":
                     raise APIError(405, f"`{method} {path}`: use GET")
-                return _Response.json(200, self._models())
+                return Response.json(200, self._models())
             if route not in ("/chat/completions", "/responses") and not anthropic:
                 raise APIError(
                     404,
@@ -322,11 +305,11 @@ class CaptureServer:
                 return await self._messages(session, body, count_only=route == _anthropic.COUNT_TOKENS)
             return await self._chat(session, body)
         except APIError as error:
-            return _Response.error(error, shape)
+            return _error_response(error, shape)
         except Exception as exc:
             whose = f"rollout {session.rollout}" if session is not None else "no session"
             logger.exception("capture endpoint: answering a request of %s failed", whose)
-            return _Response.error(
+            return _error_response(
                 APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}"),
                 shape,
             )
@@ -362,25 +345,23 @@ class CaptureServer:
             raise _rollout_ended(ended)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
-    def _closed_answer(self, request: Any) -> _Response:
+    def _closed_answer(self, request: Request | None) -> Response:
         """What the closed endpoint's port answers every request (None: a malformed one) from its tombstone's thread.
 
         The ended session's 404 (``rollout_ended``, ``x-should-retry: false``), naming the rollout when
         the request names a session this endpoint served, in the error shape of the request's API.
         """
         if request is None:
-            return _Response.error(_rollout_ended(None))
-        path = request.target.decode("latin-1").split("?", 1)[0]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-        path_key, bearer, route = _split_path(path, headers)
+            return _error_response(_rollout_ended(None))
+        path_key, bearer, route = _split_path(request.path, request)
         key = path_key if path_key is not None else bearer
         ended = self._ended.get(key) if key is not None else None
-        return _Response.error(_rollout_ended(ended, endpoint_closed=True), _error_shape(route))
+        return _error_response(_rollout_ended(ended, endpoint_closed=True), _error_shape(route))
 
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
 
-    async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+    async def _chat(self, session: CaptureSession, body: dict[str, Any]) -> Response:
         params = engine_sampling_params(body, session.sampling_params)
         call = await self._sample(session, session.capture.prepare(body), params)
         completion = chat_completion_body(
@@ -392,10 +373,10 @@ class CaptureServer:
         )
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _Response(200, chat_completion_stream(completion, include_usage=usage), "text/event-stream")
-        return _Response.json(200, completion)
+            return Response.events((chat_completion_stream(completion, include_usage=usage),))
+        return Response.json(200, completion)
 
-    async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> _Response:
+    async def _responses(self, session: CaptureSession, body: dict[str, Any]) -> Response:
         """``POST /responses``: the request as the common conversation, the captured call as a ``response``."""
         request = _responses.chat_request(body, session.responses)
         params = _responses.sampling_params(request, session.sampling_params)
@@ -406,16 +387,16 @@ class CaptureServer:
         )
         session.responses[response_id] = _responses.remembered(request, response)
         if request.stream:
-            return _Response(200, _responses.response_stream(response), "text/event-stream")
-        return _Response.json(200, response)
+            return Response.events((_responses.response_stream(response),))
+        return Response.json(200, response)
 
-    async def _messages(self, session: CaptureSession, body: dict[str, Any], *, count_only: bool) -> _Response:
+    async def _messages(self, session: CaptureSession, body: dict[str, Any], *, count_only: bool) -> Response:
         """Anthropic's ``/messages`` (or ``/messages/count_tokens``: the prompt's length, nothing sampled)."""
         request = _anthropic.messages_request(body)
         params = engine_sampling_params(request.chat, session.sampling_params)
         prepared = session.capture.prepare(request.chat)
         if count_only:
-            return _Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
+            return Response.json(200, {"input_tokens": len(prepared.prompt_ids)})
         call = await self._sample(session, prepared, params)
         message = _anthropic.message_body(
             call,
@@ -425,8 +406,8 @@ class CaptureServer:
             tokenizer=self.tokenizer,
         )
         if request.stream:
-            return _Response(200, _anthropic.message_stream(message), "text/event-stream")
-        return _Response.json(200, message)
+            return Response.events((_anthropic.message_stream(message),))
+        return Response.json(200, message)
 
     async def _sample(self, session: CaptureSession, prepared: Prepared, params: dict[str, Any]) -> CallRecord:
         """Send a prepared call to the engine and record it: what every API's route answers from.
@@ -494,14 +475,14 @@ def _error_shape(route: str) -> Callable[[APIError], Any]:
     return APIError.body
 
 
-def _split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | None, str]:
+def _split_path(path: str, request: Request) -> tuple[str | None, str | None, str]:
     """``(key in the path, header key, route after /v1)`` of ``/sessions/<key>/v1/...`` or ``/v1/...``.
 
     The header key is ``Authorization: Bearer <key>``'s, else ``x-api-key``'s (Claude-Code-style clients).
     """
-    auth = headers.get("authorization", "")
+    auth = request.header("authorization") or ""
     bearer = auth[len("bearer ") :].strip() or None if auth.lower().startswith("bearer ") else None
-    bearer = bearer or headers.get("x-api-key", "").strip() or None
+    bearer = bearer or (request.header("x-api-key") or "").strip() or None
     parts = path.rstrip("/").split("/")
     if len(parts) >= 4 and parts[1] == "sessions" and parts[3] == "v1":
         return parts[2], bearer, "/" + "/".join(parts[4:])
@@ -540,41 +521,32 @@ async def serve_capture(
     import_optional("h11", "http", needed_by="serve_capture")
     settings = AgentEndpointSettings(agent_endpoint_host=host, agent_endpoint_port=port, agent_endpoint_url=url)
     server = CaptureServer(client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    server.port = int(listener.extra(SocketAttribute.local_port))
-    server.url = _advertised_url(settings, server.port)
-    if not host.startswith(_LOOPBACK):
-        logger.info(
-            "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
-            "is its only credential, sent in plain HTTP",
-            host,
-            server.port,
-            server.url,
-        )
-    connections = Connections(server._route, _error_answer, max_body=_MAX_BODY, what="capture endpoint")
-    failure: Exception | None = None
-    try:
-        async with anyio.create_task_group() as group:
-            for one in listener.listeners:  # one per address the host resolves to
-                assert isinstance(one, anyio.abc.SocketListener)  # create_tcp_listener's
-                group.start_soon(partial(accept_forever, one, connections.handle, group, what="capture endpoint"))
-            try:
-                yield server
-            except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
-                failure = exc
-            finally:
-                # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
-                sockets = [one.extra(SocketAttribute.raw_socket) for one in listener.listeners]
-                server.afterlife.bury(sockets, server._closed_answer, what="capture endpoint")
-                with anyio.CancelScope(shield=True):
-                    await listener.aclose()
-                    await connections.close(close_timeout_s)
-                group.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-    finally:
-        with anyio.CancelScope(shield=True):
-            await listener.aclose()
+    what = "capture endpoint"
+    async with serve(
+        server._route,
+        _error_answer,
+        what=what,
+        max_body=_MAX_BODY,
+        host=host,
+        port=port,
+        close_timeout_s=close_timeout_s,
+    ) as http:
+        server.port = http.port
+        server.url = _advertised_url(settings, server.port)
+        if not host.startswith(_LOOPBACK):
+            logger.info(
+                "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
+                "is its only credential, sent in plain HTTP",
+                host,
+                server.port,
+                server.url,
+            )
+        try:
+            yield server
+        finally:
+            # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
+            # The tombstone duplicates the listening sockets before the server closes them.
+            server.afterlife.bury(http.sockets, server._closed_answer, what=what)
 
 
 def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:

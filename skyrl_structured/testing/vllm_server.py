@@ -7,7 +7,7 @@ a :class:`~skyrl_structured.testing.ScriptedEngine`, ...)::
     async with serve_vllm(TransformersEngine.tiny(), model="tiny") as server:
         engine = HTTPEngine(server.url, model="tiny")
 
-It runs in the caller's event loop (asyncio or trio) on anyio and h11, answers
+It runs in the caller's event loop (asyncio or trio) on the package's HTTP core (anyio and h11), answers
 ``POST /v1/completions`` (token-id or text prompts, ``return_token_ids``, ``logprobs``, the
 sampling fields), ``GET /health`` and ``GET /v1/models``, and, for vision-language rollouts,
 ``POST /v1/chat/completions/render`` (an engine with ``render_chat_completion``, such as
@@ -34,10 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.abc
-from anyio.abc import SocketAttribute
 
-from ..engines._h11_server import serve_connection
+from .._http import Request, Response, serve
 from ._vllm_shapes import (
     completion_payload,
     generate_payload,
@@ -120,19 +118,12 @@ class VLLMServer:
         """The ``POST /v1/completions`` requests received so far."""
         return [r for r in self.requests if r.path == "/v1/completions"]
 
-    # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
+    # ------------------------------------------------------------------ HTTP (skyrl_structured._http)
 
-    async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
-        await serve_connection(stream, self._respond, max_body=_MAX_BODY, what="test vLLM server")
-
-    async def _respond(self, request: Any, raw_body: bytes) -> RawResponse | None:
+    async def _respond(self, request: Request) -> Response | None:
         """Record the request and answer it; a client that disconnects first cancels the work (as vLLM does)."""
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         record = ServedRequest(
-            method=request.method.decode(),
-            path=request.target.decode().split("?", 1)[0],
-            headers=headers,
-            body=json_or_raw(raw_body),
+            method=request.method, path=request.path, headers=request.header_map(), body=json_or_raw(request.body)
         )
         self.requests.append(record)
         answer: RawResponse | None = None
@@ -141,7 +132,7 @@ class VLLMServer:
         finally:
             if answer is None:  # cancelled by the client's disconnect (a dropped answer is decided already)
                 record._decide("client_disconnected")
-        return answer
+        return Response(answer.status, answer.body, answer.content_type) if answer is not None else None
 
     # ------------------------------------------------------------------ routes
 
@@ -298,16 +289,8 @@ async def serve_vllm(
 
     import_optional("h11", "http", needed_by="serve_vllm")
     server = VLLMServer(engine, model=model, tokenizer=tokenizer, intercept=intercept)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    server.port = int(listener.extra(SocketAttribute.local_port))
-    server.url = f"http://{host}:{server.port}"
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(listener.serve, server._handle_connection, group)
-            try:
-                yield server
-            finally:
-                group.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await listener.aclose()
+    # Closing cancels what is in flight at once (close_timeout_s=0): a test's hung intercept never holds it up.
+    async with serve(server._respond, what="test vLLM server", max_body=_MAX_BODY, host=host, port=port) as http:
+        server.port = http.port
+        server.url = f"http://{host}:{server.port}"
+        yield server
