@@ -365,8 +365,7 @@ class HTTPEngine(AsyncResource):
         A new session is placed by the router first (``prompt_ids`` group it when its id names no
         group); ``group_least_loaded`` renews a stale reading of the servers' load for that.
 
-        With ``stream_into``, the answer is a streamed completion read into it as it arrives (the body
-        returned is then empty).
+        With ``stream_into``, the answer is a streamed completion read into it as it arrives (body: b"").
 
         Returns:
             The server's base URL and the 2xx answer's body.
