@@ -27,8 +27,9 @@ LAYERS: dict[str, int] = {
     "progress": 0,
     "stream": 0,
     "tiny": 0,
-    # how rollouts live and die
+    # how rollouts live and die; the HTTP server core (it imports nothing of the package)
     "_runtime": 1,
+    "_http": 1,
     # what a rollout talks to, and its turns
     "envs": 2,
     "engines": 2,

@@ -318,3 +318,46 @@ async def test_finish_session_releases_the_sessions_server(anyio_backend, vllm_s
             await client.finish_session("b")
             await client.finish_session("b")  # idempotent
             assert client.router.active_sessions == 0
+
+
+async def test_a_cut_streamed_request_hands_back_what_vllm_sampled_and_greedy_continues_it(
+    anyio_backend, vllm_server, prompts, tokenizer
+):
+    """carry_over_cut_rollouts with HTTPEngine: with a partial sink open it streams, and a cut hands back the tokens
+    vLLM had sent; greedy decoding continued from them is the uncut reply (issue 43)."""
+    from skyrl_structured.engines.partial import collecting_partial
+
+    prompt = prompts[1]
+    greedy = {"temperature": 0.0, "max_tokens": LONG_DECODE_TOKENS, "min_tokens": LONG_DECODE_TOKENS, "logprobs": 1}
+
+    def exactly(n: int) -> dict[str, float | int]:
+        return {"temperature": 0.0, "max_tokens": n, "min_tokens": n, "logprobs": 1}
+
+    with anyio.fail_after(120):  # only a hang reaches this
+        async with HTTPEngine(vllm_server.url, vllm_server.model, tokenizer=tokenizer) as client:
+            with collecting_partial() as sink, anyio.CancelScope() as cut:
+
+                async def cut_once_some_arrived() -> None:
+                    while sink.reply is None or len(sink.reply.token_ids) < 8:  # noqa: ASYNC110 - the sink has no event
+                        await anyio.sleep(0.01)
+                    cut.cancel()
+
+                async with anyio.create_task_group() as group:
+                    group.start_soon(cut_once_some_arrived)
+                    await client.generate(
+                        {"prompt_token_ids": [prompt], "sampling_params": greedy, "session_ids": ["s"]}
+                    )
+            partial = sink.reply
+            assert partial is not None
+            sampled = len(partial.token_ids)
+            whole = await client.generate({"prompt_token_ids": [prompt], "sampling_params": exactly(sampled + 16)})
+            rest = await client.generate(
+                {"prompt_token_ids": [prompt + partial.token_ids], "sampling_params": exactly(16)}
+            )
+    assert cut.cancelled_caught
+    assert 8 <= sampled < LONG_DECODE_TOKENS
+    assert partial.token_ids == whole["response_ids"][0][:sampled]
+    assert partial.logprobs is not None
+    assert max_logprob_gap([partial.logprobs], [whole["response_logprobs"][0][:sampled]]) < LOGPROB_TOLERANCE
+    assert partial.text == tokenizer.decode(partial.token_ids, skip_special_tokens=True)
+    assert rest["response_ids"][0] == whole["response_ids"][0][sampled:]

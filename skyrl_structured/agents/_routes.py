@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from .._http import Request
 from ._wire import ROUTES, SURROGATE_ESCAPE, APIError, check_encodable, messages
 
 __all__ = ["ROUTE_LIST", "error_shape", "json_body", "misplaced", "request_parts", "rollout_ended", "split_path"]
@@ -33,13 +34,10 @@ def rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = Fals
     return APIError(404, message, kind="rollout_ended")
 
 
-def request_parts(request: Any) -> tuple[str, str, dict[str, str]]:
-    """``(method, path without its query, headers with lower-case names)`` of a transport's request: the one
-    place this module reads the transport's request object."""
-    method = request.method.decode("latin-1")
-    path = request.target.decode("latin-1").split("?", 1)[0]
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
-    return method, path, headers
+def request_parts(request: Request) -> tuple[str, str, dict[str, str]]:
+    """``(method, path without its query, headers with lower-case names)`` of a request: the one place this
+    module reads the HTTP core's request."""
+    return request.method, request.path, request.header_map()
 
 
 def json_body(raw_body: bytes) -> dict[str, Any]:

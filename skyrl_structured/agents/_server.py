@@ -26,21 +26,17 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import anyio
-import anyio.abc
-from anyio.abc import SocketAttribute
 
 from .._episode.calls import engine_call
+from .._http import Request, Response, serve
 from .._runtime.cleanup import run_cleanups
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
 from ..config import AgentEndpointSettings, ResilienceSettings
-from ..engines._h11_server import Connections, accept_forever
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
 from ._capture import CallRecord, CallTag, Capture, Prepared
@@ -75,26 +71,14 @@ _LOOPBACK = ("127.", "::1", "localhost")
 _CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
 
 
-@dataclass
-class _Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def json(cls, status: int, payload: Any) -> _Response:
-        return cls(status, json.dumps(payload).encode())
-
-    @classmethod
-    def error(cls, error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> _Response:
-        """``error`` answered in an API's error shape (OpenAI's unless ``shape`` says otherwise)."""
-        return cls(error.status, json.dumps(shape(error)).encode(), headers=error.headers)
+def _error_response(error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> Response:
+    """``error`` answered in an API's error shape (OpenAI's unless ``shape`` says otherwise)."""
+    return Response(error.status, json.dumps(shape(error)).encode(), headers=error.headers)
 
 
-def _error_answer(status: int, message: str) -> _Response:
+def _error_answer(status: int, message: str) -> Response:
     """The HTTP layer's own answers (a malformed request, a body over the limit), in OpenAI's error shape."""
-    return _Response.error(APIError(status, message))
+    return _error_response(APIError(status, message))
 
 
 class CaptureServer:
@@ -196,7 +180,7 @@ class CaptureServer:
 
     # ------------------------------------------------------------------ the one handler
 
-    async def _route(self, request: Any, raw_body: bytes) -> _Response:
+    async def _route(self, request: Request) -> Response:
         """Answer one request, whatever happens: an exception of this endpoint is a 500 naming the rollout."""
         session: CaptureSession | None = None
         shape: Callable[[APIError], Any] = APIError.body
@@ -217,24 +201,24 @@ class CaptureServer:
             if method != route.method:
                 raise APIError(405, f"`{method} {path}`: use {route.method}")
             if route.action == "models":
-                return _Response.json(200, self._models())
+                return Response.json(200, self._models())
             session = self._lookup(path_key, bearer)
-            body = json_body(raw_body)
+            body = json_body(request.body)
             tag = call_tag(headers, body.get("model"), self.model)  # which conversation: for the row (issue 45)
             return await self._answer(session, api, route, body, tag)
         except APIError as error:
-            return _Response.error(error, shape)
+            return _error_response(error, shape)
         except Exception as exc:
             whose = f"rollout {session.rollout}" if session is not None else "no session"
             logger.exception("capture endpoint: answering a request of %s failed", whose)
-            return _Response.error(
+            return _error_response(
                 APIError(500, f"the capture endpoint failed on a request of {whose}: {type(exc).__name__}: {exc}"),
                 shape,
             )
 
     async def _answer(
         self, session: CaptureSession, api: WireAPI, route: Route, body: dict[str, Any], tag: CallTag
-    ) -> _Response:
+    ) -> Response:
         """Parse the request in its API's shape, prepare it on the session's branches, sample, answer in its shape."""
         exchange = Exchange(
             session_id=session.id,
@@ -257,15 +241,15 @@ class CaptureServer:
             prepared = capture.prepare(rendered, turns=turns, tag=tag)
         if route.action == "count":
             assert api.count is not None  # a count route's API counts
-            return _Response.json(200, api.count(len(prepared.prompt_ids)))
+            return Response.json(200, api.count(len(prepared.prompt_ids)))
         if self.context_length is not None and len(prepared.prompt_ids) > self.context_length:
             raise ContextLengthError(len(prepared.prompt_ids), self.context_length, turn.prompt_param)
         call = await self._sample(session, prepared, dict(turn.conversation.sampling), turn.prompt_param)
         exchange.index = len(session.calls) - 1  # recorded just now, with no await since: this call's number
         reply = api.reply(call, turn, exchange)
         if turn.stream:
-            return _Response(200, api.stream(reply, turn), "text/event-stream")
-        return _Response.json(200, reply)
+            return Response.events((api.stream(reply, turn),))
+        return Response.json(200, reply)
 
     def _models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "skyrl-structured"}
@@ -298,19 +282,19 @@ class CaptureServer:
             raise rollout_ended(ended)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
-    def _closed_answer(self, request: Any) -> _Response:
+    def _closed_answer(self, request: Request | None) -> Response:
         """What the closed endpoint's port answers every request (None: a malformed one) from its tombstone's thread.
 
         The ended session's 404 (``rollout_ended``, ``x-should-retry: false``), naming the rollout when
         the request names a session this endpoint served, in the error shape of the request's API.
         """
         if request is None:
-            return _Response.error(rollout_ended(None))
+            return _error_response(rollout_ended(None))
         _, path, headers = request_parts(request)
         path_key, bearer, route = split_path(path, headers)
         key = path_key if path_key is not None else bearer
         ended = self._ended.get(key) if key is not None else None
-        return _Response.error(rollout_ended(ended, endpoint_closed=True), error_shape(route))
+        return _error_response(rollout_ended(ended, endpoint_closed=True), error_shape(route))
 
     def _known(self, key: str) -> bool:
         return key in self._sessions or key in self._ended
@@ -397,41 +381,32 @@ async def serve_capture(
     server = CaptureServer(
         client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs, context_length=context_length
     )
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    server.port = int(listener.extra(SocketAttribute.local_port))
-    server.url = _advertised_url(settings, server.port)
-    if not host.startswith(_LOOPBACK):
-        logger.info(
-            "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
-            "is its only credential, sent in plain HTTP",
-            host,
-            server.port,
-            server.url,
-        )
-    connections = Connections(server._route, _error_answer, max_body=_MAX_BODY, what="capture endpoint")
-    failure: Exception | None = None
-    try:
-        async with anyio.create_task_group() as group:
-            for one in listener.listeners:  # one per address the host resolves to
-                assert isinstance(one, anyio.abc.SocketListener)  # create_tcp_listener's
-                group.start_soon(partial(accept_forever, one, connections.handle, group, what="capture endpoint"))
-            try:
-                yield server
-            except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
-                failure = exc
-            finally:
-                # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
-                sockets = [one.extra(SocketAttribute.raw_socket) for one in listener.listeners]
-                server.afterlife.bury(sockets, server._closed_answer, what="capture endpoint")
-                with anyio.CancelScope(shield=True):
-                    await listener.aclose()
-                    await connections.close(close_timeout_s)
-                group.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-    finally:
-        with anyio.CancelScope(shield=True):
-            await listener.aclose()
+    what = "capture endpoint"
+    async with serve(
+        server._route,
+        _error_answer,
+        what=what,
+        max_body=_MAX_BODY,
+        host=host,
+        port=port,
+        close_timeout_s=close_timeout_s,
+    ) as http:
+        server.port = http.port
+        server.url = _advertised_url(settings, server.port)
+        if not host.startswith(_LOOPBACK):
+            logger.info(
+                "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
+                "is its only credential, sent in plain HTTP",
+                host,
+                server.port,
+                server.url,
+            )
+        try:
+            yield server
+        finally:
+            # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
+            # The tombstone duplicates the listening sockets before the server closes them.
+            server.afterlife.bury(http.sockets, server._closed_answer, what=what)
 
 
 def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:

@@ -36,11 +36,9 @@ takes the servers in turn. :meth:`HTTPEngine.routes` tells each server's session
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -52,9 +50,12 @@ from ._load_reader import LoadReader
 from ._optional import import_optional
 from ._prompts import request_prompt_ids
 from ._resource import AsyncResource
+from ._status import ServerStatus, normalise_url, status_at
+from ._streamed import StreamedCompletion, complete_streamed, read_stream
 from .completions import Completion, completion_request, error_message, parse_completion, session_header
 from .errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 from .load import EngineLoad
+from .partial import partial_wanted
 from .render import (
     DETOKENIZE_PATH,
     GENERATE_PATH,
@@ -76,51 +77,6 @@ _PLACEMENT_READ_S = 0.5
 
 #: Idle connections are closed after this long: under the servers' keep-alive (vLLM: 5 s).
 _KEEPALIVE_EXPIRY_S = 3.0
-
-
-def _normalise_url(url: str) -> str:
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"base_urls must be http:// or https:// URLs, got {url!r}")
-    url = url.rstrip("/")
-    # Accept the OpenAI-client style ".../v1" too: the engine adds the path itself.
-    return url.removesuffix("/v1")
-
-
-@dataclass(frozen=True)
-class ServerStatus:
-    """What :meth:`HTTPEngine.server_status` found at one base URL.
-
-    ``problem`` is None when the server is up and serves the model; otherwise ``"unreachable"`` (no
-    answer: not started, wrong host or port), ``"unhealthy"`` (it answered ``/health`` or
-    ``/v1/models`` with an error or an unusable body) or ``"model_not_served"`` (``models`` lists
-    what it serves instead). ``detail`` says what was seen.
-    """
-
-    url: str
-    problem: Literal["unreachable", "unhealthy", "model_not_served"] | None
-    detail: str = ""
-    models: tuple[str, ...] = ()
-
-    @property
-    def ready(self) -> bool:
-        return self.problem is None
-
-    def describe(self, model: str) -> str:
-        """One line naming the URL, what is wrong and the fix (empty when ready)."""
-        if self.problem == "unreachable":
-            return (
-                f"no vLLM server answers at {self.url} ({self.detail}): start it (vllm serve <model> --port ...) "
-                "or fix the URL"
-            )
-        if self.problem == "unhealthy":
-            return f"the server at {self.url} is not ready ({self.detail}): wait until it has loaded, or see its log"
-        if self.problem == "model_not_served":
-            served = ", ".join(map(repr, self.models)) or "nothing"
-            return (
-                f"the server at {self.url} does not serve model {model!r}; it serves {served} "
-                "(the model name must be one of them: vllm serve --served-model-name sets it)"
-            )
-        return ""
 
 
 class HTTPEngine(AsyncResource):
@@ -186,7 +142,7 @@ class HTTPEngine(AsyncResource):
             )
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.base_urls: tuple[str, ...] = tuple(_normalise_url(u) for u in urls)
+        self.base_urls: tuple[str, ...] = tuple(normalise_url(u) for u in urls)
         self.model = model
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
@@ -252,7 +208,12 @@ class HTTPEngine(AsyncResource):
         ``connect_timeout_s``. Server problems are reported in the statuses, never raised.
         """
         client = self._get_client()
-        return await gather_in_order([functools.partial(self._status, client, url) for url in self.base_urls])
+        return await gather_in_order(
+            [
+                functools.partial(status_at, self._httpx, client, url, self.model, self.connect_timeout_s)
+                for url in self.base_urls
+            ]
+        )
 
     async def check_ready(self) -> None:
         """Fail fast when a server is down or does not serve ``model``, before any request is sent.
@@ -264,30 +225,6 @@ class HTTPEngine(AsyncResource):
         failures = {s.url: s.describe(self.model) for s in await self.server_status() if not s.ready}
         if failures:
             raise EngineConnectionError("; ".join(failures.values()), failures=failures)
-
-    async def _get(self, client: Any, url: str) -> tuple[int, bytes]:
-        response = await client.get(url, timeout=self.connect_timeout_s)
-        return int(response.status_code), bytes(response.content)
-
-    async def _status(self, client: Any, url: str) -> ServerStatus:
-        httpx = self._httpx
-        try:
-            health, body = await self._get(client, f"{url}/health")
-            if not 200 <= health < 300 and health != 404:
-                return ServerStatus(url, "unhealthy", f"GET /health answered HTTP {health}: {error_message(body)}")
-            status, body = await self._get(client, f"{url}/v1/models")
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            return ServerStatus(url, "unreachable", f"{type(exc).__name__}: {exc}")
-        except httpx.HTTPError as exc:  # a read timeout, a bad URL, a proxy error, ...
-            return ServerStatus(url, "unhealthy", f"{type(exc).__name__}: {exc}")
-        if not 200 <= status < 300:
-            return ServerStatus(url, "unhealthy", f"GET /v1/models answered HTTP {status}: {error_message(body)}")
-        models = _served_models(body)
-        if models is None:
-            return ServerStatus(url, "unhealthy", "GET /v1/models answered something other than a model list")
-        if self.model not in models:
-            return ServerStatus(url, "model_not_served", f"it serves {list(models)}", models)
-        return ServerStatus(url, None, "", models)
 
     # ------------------------------------------------------------------ load
 
@@ -381,8 +318,10 @@ class HTTPEngine(AsyncResource):
                 return lambda: self._generate_with_features(
                     prompts[i], features[i], spec, session_ids[i], served, cache_salt
                 )
-            return lambda: self._complete(prompts[i], spec, session_ids[i], served, cache_salt)
+            return lambda: self._complete(prompts[i], spec, session_ids[i], served, cache_salt, streamed)
 
+        # A caller that keeps partial replies (one prompt: engines/partial.py) gets a streamed request.
+        streamed = len(prompts) == 1 and partial_wanted()
         results = await gather_in_order([call(i) for i in range(len(prompts))])
         return {
             "responses": [r.text for r in results],
@@ -398,18 +337,35 @@ class HTTPEngine(AsyncResource):
         session_id: Hashable | None,
         model: str,
         cache_salt: str | None,
+        streamed: bool = False,
     ) -> Completion:
         body = completion_request(prompt_ids, spec, model=model, cache_salt=cache_salt)
+        tokenizer = self.tokenizer
+        decode = None if tokenizer is None else functools.partial(_decode, tokenizer, spec.skip_special_tokens)
+        if streamed:  # read as it arrives, so that a cut hands back the tokens so far (engines/partial.py)
+
+            async def post(stream_body: dict[str, Any], reply: StreamedCompletion) -> None:
+                await self._post("/v1/completions", stream_body, session_id, prompt_ids, stream_into=reply)
+
+            return await complete_streamed(post, body, want_logprobs=spec.logprobs is not None, decode=decode)
         url, raw = await self._post("/v1/completions", body, session_id, prompt_ids)
         return parse_completion(raw, url=url, want_logprobs=spec.logprobs is not None)
 
     async def _post(
-        self, path: str, body: Any, session_id: Hashable | None, prompt_ids: Sequence[int] | None = None
+        self,
+        path: str,
+        body: Any,
+        session_id: Hashable | None,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        stream_into: StreamedCompletion | None = None,
     ) -> tuple[str, bytes]:
         """POST ``body`` to ``path`` on the session's server, failing over past unreachable ones.
 
         A new session is placed by the router first (``prompt_ids`` group it when its id names no
         group); ``group_least_loaded`` renews a stale reading of the servers' load for that.
+
+        With ``stream_into``, the answer is a streamed completion read into it as it arrives (body: b"").
 
         Returns:
             The server's base URL and the 2xx answer's body.
@@ -435,7 +391,11 @@ class HTTPEngine(AsyncResource):
             try:
                 # timeout_s stops while the generator running this rollout is paused (a weight sync).
                 with PausableDeadline(current_clock(), self.timeout_s) as deadline:
-                    response = await self._post_once_more_if_dropped(client, f"{url}{path}", body, headers)
+                    if stream_into is None:
+                        response = await self._post_once_more_if_dropped(client, f"{url}{path}", body, headers)
+                    else:
+                        stream_into.restart(url)
+                        response = await read_stream(client, f"{url}{path}", body, headers, stream_into)
                 if deadline.cancelled_caught:
                     raise EngineTimeoutError(
                         f"{url}{path} did not answer within timeout_s={self.timeout_s:g}s; raise "
@@ -466,7 +426,7 @@ class HTTPEngine(AsyncResource):
             self.router.succeeded(session_id, url, group)
             if not 200 <= response.status_code < 300:
                 raise EngineHTTPError(url, response.status_code, error_message(response.content))
-            return url, bytes(response.content)
+            return url, bytes(response.content) if stream_into is None else b""
         raise EngineConnectionError(
             "no vLLM server could be reached: " + "; ".join(f"{u}: {why}" for u, why in unreachable.items()),
             failures=unreachable,
@@ -531,13 +491,5 @@ class HTTPEngine(AsyncResource):
         return Completion(text=text, token_ids=ids, stop_reason=reason, logprobs=logprobs)
 
 
-def _served_models(raw: bytes) -> tuple[str, ...] | None:
-    """The ids in an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``); None if it is not one."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    cards = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(cards, list):
-        return None
-    return tuple(str(card["id"]) for card in cards if isinstance(card, dict) and "id" in card)
+def _decode(tokenizer: Tokenizer, skip_special_tokens: bool, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))

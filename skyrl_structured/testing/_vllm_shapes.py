@@ -22,6 +22,7 @@ __all__ = [
     "prompt_ids",
     "render_payload",
     "sampling_params",
+    "stream_chunks",
 ]
 
 
@@ -133,6 +134,39 @@ def completion_payload(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def stream_chunks(payload: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]:
+    """A whole ``/v1/completions`` answer as vLLM streams it: ``(token ids in the chunk, chunk)``, one token a chunk.
+
+    Each chunk holds ``choices[0]`` of one prompt: the chunk's ``token_ids`` (with ``return_token_ids``),
+    its ``logprobs`` slice, ``finish_reason`` null but on the prompt's last chunk, ``prompt_token_ids`` on
+    its first. The text is held back to the last chunk (vLLM holds back text that may begin a stop
+    string, so a streamed text may lag its tokens).
+    """
+    chunks = []
+    for choice in payload["choices"]:
+        ids = list(choice["token_ids"] or [])
+        count = max(len(choice["token_ids"] or []), 1)
+        for k in range(count):
+            last = k == count - 1
+            piece = ids[k : k + 1]
+            logprobs = None
+            if choice["logprobs"] is not None:
+                logprobs = {key: list(values[k : k + 1]) for key, values in choice["logprobs"].items()}
+            delta = {
+                "index": choice["index"],
+                "text": choice["text"] if last else "",
+                "logprobs": logprobs,
+                "finish_reason": choice["finish_reason"] if last else None,
+                "stop_reason": None,
+                "token_ids": piece if choice["token_ids"] is not None else None,
+            }
+            if k == 0 and choice["prompt_token_ids"] is not None:
+                delta["prompt_token_ids"] = choice["prompt_token_ids"]
+            chunk = {k2: payload[k2] for k2 in ("id", "object", "created", "model")}
+            chunks.append((piece, {**chunk, "choices": [delta]}))
+    return chunks
 
 
 def generate_payload(output: Any, params: dict[str, Any]) -> dict[str, Any]:

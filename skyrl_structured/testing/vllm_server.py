@@ -7,9 +7,10 @@ a :class:`~skyrl_structured.testing.ScriptedEngine`, ...)::
     async with serve_vllm(TransformersEngine.tiny(), model="tiny") as server:
         engine = HTTPEngine(server.url, model="tiny")
 
-It runs in the caller's event loop (asyncio or trio) on anyio and h11, answers
+It runs in the caller's event loop (asyncio or trio) on the package's HTTP core (anyio and h11), answers
 ``POST /v1/completions`` (token-id or text prompts, ``return_token_ids``, ``logprobs``, the
-sampling fields), ``GET /health`` and ``GET /v1/models``, and, for vision-language rollouts,
+sampling fields, ``stream``: server-sent events one token a chunk, as vLLM streams),
+``GET /health`` and ``GET /v1/models``, and, for vision-language rollouts,
 ``POST /v1/chat/completions/render`` (an engine with ``render_chat_completion``, such as
 :class:`~skyrl_structured.testing.ScriptedVLMEngine`), ``POST /inference/v1/generate`` (token ids
 and image ``features`` in, token ids out) and ``POST /detokenize``; errors as vLLM shapes them
@@ -28,16 +29,14 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.abc
-from anyio.abc import SocketAttribute
 
-from ..engines._h11_server import serve_connection
+from .._http import Request, Response, serve
 from ._vllm_shapes import (
     completion_payload,
     generate_payload,
@@ -46,6 +45,7 @@ from ._vllm_shapes import (
     prompt_ids,
     render_payload,
     sampling_params,
+    stream_chunks,
 )
 
 __all__ = ["RawResponse", "ServedRequest", "VLLMServer", "serve_vllm"]
@@ -60,7 +60,8 @@ class RawResponse:
     """An answer given verbatim (from an ``intercept`` hook)."""
 
     status: int
-    body: bytes = b""
+    #: Bytes, or (a streamed answer, sent chunked as produced) an async iterable of them.
+    body: bytes | AsyncIterable[bytes] = b""
     content_type: str = "application/json"
 
     @classmethod
@@ -93,6 +94,8 @@ class ServedRequest:
     outcome: str = "pending"
     status: int | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)
+    #: For a streamed completion (``"stream": true``): the token ids of the chunks sent so far.
+    streamed_token_ids: list[int] = field(default_factory=list)
 
     def _decide(self, outcome: str, status: int | None = None) -> None:
         if self.outcome == "pending":
@@ -102,13 +105,19 @@ class ServedRequest:
 
 
 Intercept = Callable[[ServedRequest], "RawResponse | Awaitable[RawResponse | None] | None"]
+#: ``on_chunk(request, sent)``: called before each chunk of a streamed completion after the first, with the
+#: number of tokens sent so far; it may wait (a slow generation) or block (a request cut mid-stream).
+OnChunk = Callable[[ServedRequest, int], Awaitable[None]]
 
 
 class VLLMServer:
     """The server's state: its URL, the requests it saw. Create it with :func:`serve_vllm`."""
 
-    def __init__(self, engine: Any, *, model: str, tokenizer: Any, intercept: Intercept | None) -> None:
+    def __init__(
+        self, engine: Any, *, model: str, tokenizer: Any, intercept: Intercept | None, on_chunk: OnChunk | None = None
+    ) -> None:
         self.engine = engine
+        self.on_chunk = on_chunk
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
         self.intercept = intercept
@@ -120,19 +129,12 @@ class VLLMServer:
         """The ``POST /v1/completions`` requests received so far."""
         return [r for r in self.requests if r.path == "/v1/completions"]
 
-    # ------------------------------------------------------------------ HTTP (engines/_h11_server.py)
+    # ------------------------------------------------------------------ HTTP (skyrl_structured._http)
 
-    async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
-        await serve_connection(stream, self._respond, max_body=_MAX_BODY, what="test vLLM server")
-
-    async def _respond(self, request: Any, raw_body: bytes) -> RawResponse | None:
+    async def _respond(self, request: Request) -> Response | None:
         """Record the request and answer it; a client that disconnects first cancels the work (as vLLM does)."""
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         record = ServedRequest(
-            method=request.method.decode(),
-            path=request.target.decode().split("?", 1)[0],
-            headers=headers,
-            body=json_or_raw(raw_body),
+            method=request.method, path=request.path, headers=request.header_map(), body=json_or_raw(request.body)
         )
         self.requests.append(record)
         answer: RawResponse | None = None
@@ -141,7 +143,7 @@ class VLLMServer:
         finally:
             if answer is None:  # cancelled by the client's disconnect (a dropped answer is decided already)
                 record._decide("client_disconnected")
-        return answer
+        return Response(answer.status, answer.body, answer.content_type) if answer is not None else None
 
     # ------------------------------------------------------------------ routes
 
@@ -160,7 +162,8 @@ class VLLMServer:
                 record._decide("intercepted", hooked.status)
                 return hooked
         answer = await self._route(record)
-        record._decide("completed" if answer.status < 400 else "error", answer.status)
+        if isinstance(answer.body, bytes):  # a stream decides its outcome once it has ended
+            record._decide("completed" if answer.status < 400 else "error", answer.status)
         return answer
 
     async def _route(self, record: ServedRequest) -> RawResponse:
@@ -241,8 +244,6 @@ class VLLMServer:
     async def _completions(self, record: ServedRequest) -> RawResponse:
         body = record.body
         requested_model = body.get("model")
-        if body.get("stream"):
-            return RawResponse.vllm_error(400, "this test server does not stream", "BadRequestError")
         try:
             prompts = prompt_ids(body, self.tokenizer)
             params = sampling_params(body)
@@ -266,7 +267,23 @@ class VLLMServer:
             payload = completion_payload(body, prompts, output, model=self.model, tokenizer=self.tokenizer)
         except Exception as exc:  # an engine answer of the wrong shape (lengths, keys): the engine's bug
             return RawResponse.vllm_error(500, f"the engine's output could not be served: {exc!r}")
+        if body.get("stream"):
+            return RawResponse(200, self._stream(record, payload), "text/event-stream")
         return RawResponse(200, json.dumps(payload).encode())
+
+    async def _stream(self, record: ServedRequest, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The answer as vLLM streams it, one token a chunk; a client that leaves cancels it (vLLM's abort)."""
+        ended = False
+        try:
+            for k, (ids, chunk) in enumerate(stream_chunks(payload)):
+                if k and self.on_chunk is not None:
+                    await self.on_chunk(record, len(record.streamed_token_ids))
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                record.streamed_token_ids += ids  # written: the core asks for the next chunk once it is out
+            yield b"data: [DONE]\n\n"
+            ended = True
+        finally:  # ended whole, or cut by the client's disconnect (the core cancels and closes this producer)
+            record._decide("completed" if ended else "client_disconnected", 200 if ended else None)
 
 
 @asynccontextmanager
@@ -276,6 +293,7 @@ async def serve_vllm(
     model: str = "test-model",
     tokenizer: Any = None,
     intercept: Intercept | None = None,
+    on_chunk: OnChunk | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> AsyncIterator[VLLMServer]:
@@ -289,6 +307,9 @@ async def serve_vllm(
         intercept: called with each request first; a :class:`RawResponse` it returns (or awaits)
             is sent instead of the normal answer (:meth:`RawResponse.drop` closes the connection
             unanswered). It may also block (a hung server).
+        on_chunk: awaited before each chunk of a streamed completion (``"stream": true``) after the
+            first, with the request and the tokens sent so far (``request.streamed_token_ids``): to
+            pace a stream or hold it mid-way.
         host, port: where to listen; port 0 picks a free one (see ``server.port``/``server.url``).
 
     Raises:
@@ -297,17 +318,9 @@ async def serve_vllm(
     from ..engines._optional import import_optional
 
     import_optional("h11", "http", needed_by="serve_vllm")
-    server = VLLMServer(engine, model=model, tokenizer=tokenizer, intercept=intercept)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    server.port = int(listener.extra(SocketAttribute.local_port))
-    server.url = f"http://{host}:{server.port}"
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(listener.serve, server._handle_connection, group)
-            try:
-                yield server
-            finally:
-                group.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await listener.aclose()
+    server = VLLMServer(engine, model=model, tokenizer=tokenizer, intercept=intercept, on_chunk=on_chunk)
+    # Closing cancels what is in flight at once (close_timeout_s=0): a test's hung intercept never holds it up.
+    async with serve(server._respond, what="test vLLM server", max_body=_MAX_BODY, host=host, port=port) as http:
+        server.port = http.port
+        server.url = f"http://{host}:{server.port}"
+        yield server

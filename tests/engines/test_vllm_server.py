@@ -67,7 +67,6 @@ async def test_health_models_and_unknown_paths(anyio_backend, tokenizer):
         (b'{"prompt": []}', 400, "Either prompt or prompt_embeds must be provided and non-empty."),
         (b'{"prompt": [1], "model": "x"}', 404, "The model `x` does not exist."),
         (b'{"prompt": [1], "n": 2}', 400, "n=1 only"),
-        (b'{"prompt": [1], "stream": true}', 400, "does not stream"),
     ],
 )
 async def test_bad_requests_get_vllm_shaped_errors(anyio_backend, tokenizer, request_body, status, message):
