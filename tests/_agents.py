@@ -1,6 +1,8 @@
 """Shared pieces of the agent tests: Hermes-style chat templates for the offline tokenizer, an OpenAI client
-run in a worker thread (an agent in its own thread, as on trio the async client cannot run), and what
-tells whether a closed endpoint's port is still answered (its tombstone thread) or closed."""
+run in a worker thread (an agent in its own thread, as on trio the async client cannot run), what tells
+whether a closed endpoint's port is still answered (its tombstone thread) or closed, the "What is i + 3?"
+batch with its tool agent and command script, an engine handler that blocks chosen rows, and a row read
+field by field (a failed rollout's placeholder among them)."""
 
 from __future__ import annotations
 
@@ -227,6 +229,7 @@ def port_of(url: str) -> int:
 
 
 def batch(n: int) -> GeneratorInput:
+    """``n`` agent rollouts, row ``i`` asking "What is i + 3?" (its answer in the extras)."""
     return {
         "prompts": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
         "env_classes": ["agent"] * n,
