@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write docs/configuration.md from the config dataclasses' ``help`` texts (``--check``: fail if stale).
 
-Run it after changing a field, a default or a help text in ``skyrl_structured/config.py`` or the
+Run it after changing a field, a default or a help text in ``skyrl_structured/config/`` or the
 command's sections (``skyrl_structured/_cli/schema.py``); tests/test_cli_docs.py fails until you do.
 """
 

@@ -1,11 +1,14 @@
 """Shared pieces of the agent tests: Hermes-style chat templates for the offline tokenizer, an OpenAI client
-run in a worker thread (an agent in its own thread, as on trio the async client cannot run), and what
-tells whether a closed endpoint's port is still answered (its tombstone thread) or closed."""
+run in a worker thread (an agent in its own thread, as on trio the async client cannot run), what tells
+whether a closed endpoint's port is still answered (its tombstone thread) or closed, the "What is i + 3?"
+batch with its tool agent and command script, an engine handler that blocks chosen rows, and a row read
+field by field (a failed rollout's placeholder among them)."""
 
 from __future__ import annotations
 
 import copy
 import socket
+import textwrap
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -14,6 +17,11 @@ from urllib.parse import urlparse
 import anyio
 import anyio.to_thread
 import openai
+
+from skyrl_structured import TrajectoryID
+from skyrl_structured.agents import AgentContext, StructuredAgentGenerator
+from skyrl_structured.testing import EngineCall
+from skyrl_structured.types import GeneratorInput, GeneratorOutput
 
 
 def hermes_template(*, strip_think: bool) -> str:
@@ -184,7 +192,7 @@ def close_litellm_clients() -> None:
 
 
 #: A bound only a hang reaches.
-_HANG_S = 60.0
+HANG_S = 60.0
 
 
 def tombstones(port: int) -> list[threading.Thread]:
@@ -195,7 +203,7 @@ def tombstones(port: int) -> list[threading.Thread]:
 def refused(port: int) -> bool:
     """Whether a connection to ``port`` is refused (nothing listens there)."""
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=_HANG_S).close()
+        socket.create_connection(("127.0.0.1", port), timeout=HANG_S).close()
     except ConnectionRefusedError:
         return True
     return False
@@ -206,7 +214,7 @@ async def assert_closed(port: int) -> None:
 
     def join() -> None:
         for thread in tombstones(port):
-            thread.join(_HANG_S)
+            thread.join(HANG_S)
 
     await anyio.to_thread.run_sync(join)
     assert tombstones(port) == []
@@ -226,3 +234,158 @@ def noncanonical_ids(tokenizer: Any, text: str) -> list[int]:
     ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
     assert ids != tokenizer.encode(text, add_special_tokens=False), f"{text!r} has no merged tokens"
     return [*ids, tokenizer.eos_token_id]
+
+
+def batch(n: int) -> GeneratorInput:
+    """``n`` agent rollouts, row ``i`` asking "What is i + 3?" (its answer in the extras)."""
+    return {
+        "prompts": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
+        "env_classes": ["agent"] * n,
+        "env_extras": [{"answer": i + 3} for i in range(n)],
+        "trajectory_ids": [TrajectoryID(f"q{i}", 0) for i in range(n)],
+    }
+
+
+async def tool_agent(ctx: AgentContext) -> dict[str, Any]:
+    """A hand-written tool loop: call the model, run its tool calls, answer them, until it stops calling tools."""
+
+    def loop() -> str:
+        messages: list[Any] = list(ctx.prompt)
+        with client(ctx.base_url, ctx.api_key) as c:
+            for _ in range(4):
+                reply = c.chat.completions.create(model=ctx.model, messages=messages, tools=ADD_TOOL)  # type: ignore[arg-type]
+                message = reply.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    return message.content or ""
+                for call in message.tool_calls:
+                    args = call.model_dump_json()  # the call as the client parsed it
+                    assert '"add"' in args
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "6"})
+        return ""
+
+    answer = await anyio.to_thread.run_sync(loop)
+    return {"reward": 1.0 if answer.strip() == str(ctx.env_extras["answer"]) else 0.0}
+
+
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call>'
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys
+    import openai
+
+    if os.environ.get("EXECUTABLE_FILE"):
+        with open(os.environ["EXECUTABLE_FILE"], "w") as f:
+            f.write(sys.executable)
+    pidfile = os.environ.get("PIDFILE")
+    if pidfile:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(pidfile + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        os.rename(pidfile + ".tmp", pidfile)
+    client = openai.OpenAI(max_retries=0, timeout=120.0)  # base URL and key from the environment
+    messages = json.loads(os.environ["SKYRL_AGENT_PROMPT"])
+    extras = json.loads(os.environ["SKYRL_AGENT_EXTRAS"])
+    reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages)
+    print("a log line the reward does not come from")
+    print(json.dumps({"reward": 1.0 if reply.choices[0].message.content == str(extras["answer"]) else 0.5}))
+    """
+)
+
+
+#: A deadline that fires only once its rollout's request is in the engine (the clock is paused before).
+DEADLINE = 0.5
+
+
+def sampled(tokenizer: Any, text: str) -> list[int]:
+    """What the scripted engine samples for ``text``: its ids and the eos token."""
+    return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+
+
+def question(tokenizer: Any, call: EngineCall) -> int:
+    """Which row of :func:`batch` an engine call is for (its prompt asks "What is i + 3?")."""
+    text = tokenizer.decode(call.prompt_token_ids)
+    (row,) = [i for i in range(16) if f"What is {i} + 3?" in text]
+    return row
+
+
+class Blocker:
+    """An engine handler: rows in ``blocked`` never get an answer (``entered``/``cancelled`` tell where they are),
+    the others get ``"3"``."""
+
+    def __init__(self, tokenizer: Any, blocked: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.entered = {row: anyio.Event() for row in blocked}
+        self.cancelled = {row: anyio.Event() for row in blocked}
+
+    async def __call__(self, call: EngineCall) -> str:
+        row = question(self.tokenizer, call)
+        if row not in self.entered:
+            return "3"
+        self.entered[row].set()
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled[row].set()
+            raise
+        raise AssertionError("unreachable")
+
+    async def all_entered(self) -> None:
+        for event in self.entered.values():
+            await event.wait()
+
+
+def placeholder(pad: int) -> dict[str, Any]:
+    """The row of a failed rollout, field by field."""
+    return {"prompt": [pad], "response": [pad], "mask": [0], "reward": [0.0], "stop": "rollout_error", "lp": [0.0]}
+
+
+def row(out: GeneratorOutput, r: int) -> dict[str, Any]:
+    logprobs = out["rollout_logprobs"]
+    return {
+        "prompt": out["prompt_token_ids"][r],
+        "response": out["response_ids"][r],
+        "mask": out["loss_masks"][r],
+        "reward": out["rewards"][r],
+        "stop": (out["stop_reasons"] or [])[r],
+        "lp": logprobs[r] if logprobs is not None else None,
+    }
+
+
+#: How long a sync agent gets to return once its session closed; the stubborn one never does in time.
+CLEANUP_S = 0.2
+
+
+async def generate_paused_until(
+    generator: StructuredAgentGenerator, entered: Any, row1_returned: threading.Event, release: threading.Event
+) -> Any:
+    """``generator.generate(batch(2))`` with the clock paused until row 0's request is in the engine and row 1's
+    agent has returned.
+
+    Returns ``(output, released_first)``: ``released_first`` is True when the watchdog had to release the
+    agent (``generate()`` was waiting on its thread), so a regression fails instead of hanging the suite.
+    """
+    result: dict[str, GeneratorOutput] = {}
+    released_first = False
+
+    async def watchdog() -> None:
+        nonlocal released_first
+        await anyio.sleep(HANG_S)
+        released_first = True
+        release.set()
+
+    async def run() -> None:
+        result["out"] = await generator.generate(batch(2))
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(watchdog)
+        async with anyio.create_task_group() as group:
+            generator.pause()
+            group.start_soon(run)
+            await entered()
+            assert await anyio.to_thread.run_sync(row1_returned.wait, HANG_S)
+            generator.resume()
+        outer.cancel_scope.cancel()
+    return result["out"], released_first

@@ -67,3 +67,10 @@ def started_local_ray(num_cpus: int = 2) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    """A local Ray started once for the test module that imports this fixture, shut down after its last test."""
+    with started_local_ray():
+        yield

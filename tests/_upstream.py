@@ -57,6 +57,21 @@ def load_upstream_validator() -> Any:
     return namespace["validate_generator_output"]
 
 
+def skyrl_validate_generator_output(*args: Any, **kwargs: Any) -> Any:
+    """SkyRL trainer's ``validate_generator_output`` (see :func:`load_upstream_validator`), loaded at first call.
+
+    Loaded when called, not when a test module is imported, so a module whose other tests do not need SkyRL's
+    source is still collected without it.
+    """
+    global _validator
+    if _validator is None:
+        _validator = load_upstream_validator()
+    return _validator(*args, **kwargs)
+
+
+_validator: Any = None
+
+
 def _compiled_functions(relative_path: str, names: set[str], namespace: dict[str, Any]) -> dict[str, Any]:
     """Functions ``names`` of an installed SkyRL module, compiled from its source into ``namespace``."""
     import ast

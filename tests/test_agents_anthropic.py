@@ -23,9 +23,8 @@ from anthropic.types.shared.error_type import ErrorType
 
 from skyrl_structured.agents import StructuredAgentGenerator, check_capture, command_agent, serve_capture
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
-from tests._agents import ADD_TOOL, Blocked, chat, hermes_template, with_template
+from tests._agents import ADD_TOOL, Blocked, batch, chat, hermes_template, with_template
 from tests._agents import in_thread as agents_in_thread
-from tests.test_agents_generator import batch
 
 pytestmark = pytest.mark.anyio
 

@@ -23,32 +23,10 @@ from skyrl_structured.agents import AgentError, StructuredAgentGenerator, comman
 from skyrl_structured.testing import EngineCall, ScriptedEngine, detached
 from skyrl_structured.types import GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests.test_agents_generator import batch
+from tests._agents import SCRIPT, batch
+from tests._pids import dead, gone_within_bound, pids_in
 
 pytestmark = pytest.mark.anyio
-
-SCRIPT = textwrap.dedent(
-    """
-    import json, os, subprocess, sys
-    import openai
-
-    if os.environ.get("EXECUTABLE_FILE"):
-        with open(os.environ["EXECUTABLE_FILE"], "w") as f:
-            f.write(sys.executable)
-    pidfile = os.environ.get("PIDFILE")
-    if pidfile:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-        with open(pidfile + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}")
-        os.rename(pidfile + ".tmp", pidfile)
-    client = openai.OpenAI(max_retries=0, timeout=120.0)  # base URL and key from the environment
-    messages = json.loads(os.environ["SKYRL_AGENT_PROMPT"])
-    extras = json.loads(os.environ["SKYRL_AGENT_EXTRAS"])
-    reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages)
-    print("a log line the reward does not come from")
-    print(json.dumps({"reward": 1.0 if reply.choices[0].message.content == str(extras["answer"]) else 0.5}))
-    """
-)
 
 
 @pytest.fixture
@@ -78,15 +56,6 @@ async def test_a_failing_or_silent_command_fails_its_rollout_by_name(tokenizer, 
         await StructuredAgentGenerator(engine, tokenizer, silent).generate(batch(1))
 
 
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie (killed, waiting to be reaped by whoever inherited it)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between the open and the read
-        return True
-
-
 async def test_cancelling_a_command_rollout_kills_its_process_group(tokenizer, anyio_backend, script, tmp_path):
     entered, cancelled = anyio.Event(), anyio.Event()
 
@@ -108,10 +77,10 @@ async def test_cancelling_a_command_rollout_kills_its_process_group(tokenizer, a
         group.cancel_scope.cancel()
     assert cancelled.is_set()
     agent_pid, child_pid = map(int, pidfile.read_text(encoding="utf-8").split())
-    assert _dead(agent_pid)  # reaped by the generator before generate() returned
+    assert dead(agent_pid)  # reaped by the generator before generate() returned
     # The child was SIGKILLed with the group; wait (under a bound only a hang reaches) for the kernel to show it.
     with anyio.fail_after(60):
-        while not _dead(child_pid):  # noqa: ASYNC110 - not our child: no event tells when the kernel is done
+        while not dead(child_pid):  # noqa: ASYNC110 - not our child: no event tells when the kernel is done
             await anyio.sleep(0.01)
     assert os.getpgid(os.getpid()) != agent_pid  # the agent had a group of its own: ours was not killed
 
@@ -120,19 +89,6 @@ async def test_cancelling_a_command_rollout_kills_its_process_group(tokenizer, a
 
 #: The helper that starts three ``sleep 1000`` outside the command's process group and session.
 DETACHED = detached.__file__
-
-
-def pids_in(path: Path) -> list[int]:
-    return [int(line) for line in path.read_text(encoding="utf-8").split()]
-
-
-async def gone_within_bound(pids: list[int]) -> float:
-    """Wait, under a bound only a leak reaches, for every one of ``pids`` to be gone; the seconds it took."""
-    start = time.monotonic()
-    with anyio.fail_after(30):
-        while not all(_dead(pid) for pid in pids):  # noqa: ASYNC110 - not our children: no event tells
-            await anyio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def test_a_deadline_kills_every_process_the_command_started(tokenizer, anyio_backend, tmp_path):
@@ -182,7 +138,7 @@ def test_a_sigkilled_generator_takes_its_command_agents_whole_tree(tokenizer, tm
         from skyrl_structured.agents import StructuredAgentGenerator, command_agent
         from skyrl_structured.testing import ScriptedEngine
         from skyrl_structured.tiny import build_chatml_tokenizer
-        from tests.test_agents_generator import batch
+        from tests._agents import batch
         tokenizer = build_chatml_tokenizer()
         agent = command_agent([sys.executable, {DETACHED!r}, {str(pidfile)!r}, "hang"])
         generator = StructuredAgentGenerator(ScriptedEngine.from_replies(tokenizer, "3"), tokenizer, agent)

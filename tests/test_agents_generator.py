@@ -16,59 +16,24 @@ from skyrl_structured import TrajectoryID
 from skyrl_structured.agents import AgentContext, AgentError, CaptureSession, StructuredAgentGenerator
 from skyrl_structured.engines.routing import session_group
 from skyrl_structured.testing import EngineCall, LeakTracker, ScriptedEngine
-from skyrl_structured.types import GeneratorInput
 from skyrl_structured.validate import validate_generator_output
 from tests._agents import (
-    ADD_TOOL,
+    CALL_TEXT,
     assert_rollout_ended,
+    batch,
     chat,
     client,
     error_of,
     hermes_template,
     one_call_agent,
     timeout_once_in_the_engine,
+    tool_agent,
     with_template,
 )
-from tests._upstream import load_upstream_validator
+from tests._upstream import skyrl_validate_generator_output
 from tests.helpers import token_rewards
 
 pytestmark = pytest.mark.anyio
-
-skyrl_validate_generator_output = load_upstream_validator()
-
-
-def batch(n: int) -> GeneratorInput:
-    return {
-        "prompts": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
-        "env_classes": ["agent"] * n,
-        "env_extras": [{"answer": i + 3} for i in range(n)],
-        "trajectory_ids": [TrajectoryID(f"q{i}", 0) for i in range(n)],
-    }
-
-
-async def tool_agent(ctx: AgentContext) -> dict[str, Any]:
-    """A hand-written tool loop: call the model, run its tool calls, answer them, until it stops calling tools."""
-
-    def loop() -> str:
-        messages: list[Any] = list(ctx.prompt)
-        with client(ctx.base_url, ctx.api_key) as c:
-            for _ in range(4):
-                reply = c.chat.completions.create(model=ctx.model, messages=messages, tools=ADD_TOOL)  # type: ignore[arg-type]
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    return message.content or ""
-                for call in message.tool_calls:
-                    args = call.model_dump_json()  # the call as the client parsed it
-                    assert '"add"' in args
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "6"})
-        return ""
-
-    answer = await anyio.to_thread.run_sync(loop)
-    return {"reward": 1.0 if answer.strip() == str(ctx.env_extras["answer"]) else 0.0}
-
-
-CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call>'
 
 
 def tool_engine(tokenizer: Any) -> ScriptedEngine:

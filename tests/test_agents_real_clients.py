@@ -36,11 +36,19 @@ from skyrl_structured.envs._threads import wait_env_thread_calls
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.types import GeneratorInput, GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import assert_closed, close_litellm_clients, hermes_template, port_of, with_template
-from tests._upstream import load_upstream_validator
+from tests._agents import (
+    assert_closed,
+    close_litellm_clients,
+    hermes_template,
+    placeholder,
+    port_of,
+    question,
+    row,
+    with_template,
+)
+from tests._pids import dead, gone_within_bound, pids_in
+from tests._upstream import skyrl_validate_generator_output
 from tests.helpers import run_asyncio
-from tests.test_agents_command import _dead, gone_within_bound, pids_in
-from tests.test_agents_runtime import placeholder, question, row
 
 pytest.importorskip(
     "minisweagent", reason="mini-swe-agent is in the agent-clients extra: pip install -e '.[agent-clients]'"
@@ -58,7 +66,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-skyrl_validate_generator_output = load_upstream_validator()
 
 #: A deadline that only runs once the agent's shell command is running (the clock is paused before).
 DEADLINE = 0.5
@@ -337,7 +344,7 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
             out = await generate_paused_until(generator, pidfile, batch(1))
             (pid,) = pids_in(pidfile)
             assert not released_first, "generate() waited on the agent's thread until the watchdog released it"
-            assert not _dead(pid)  # returned while the shell command still hangs in the agent's thread
+            assert not dead(pid)  # returned while the shell command still hangs in the agent's thread
             assert not agent.ended.is_set()
             agent.release()
             with anyio.fail_after(HANG_S):

@@ -27,64 +27,30 @@ from skyrl_structured.types import GeneratorInput, GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
 from tests._agents import (
     ADD_TOOL,
+    CALL_TEXT,
+    DEADLINE,
+    SCRIPT,
+    Blocker,
     assert_rollout_ended,
+    batch,
     chat,
     client,
     error_of,
     hermes_template,
     one_call_agent,
+    placeholder,
+    question,
+    row,
+    sampled,
     timeout_once_in_the_engine,
+    tool_agent,
     with_template,
 )
+from tests._pids import dead
 from tests._scripted_load import AdmissionWatch, ScriptedLoad, admission_of
-from tests._upstream import load_upstream_validator
-from tests.test_agents_command import SCRIPT, _dead
-from tests.test_agents_generator import CALL_TEXT, batch, tool_agent
+from tests._upstream import skyrl_validate_generator_output
 
 pytestmark = pytest.mark.anyio
-
-skyrl_validate_generator_output = load_upstream_validator()
-
-#: A deadline that fires only once its rollout's request is in the engine (the clock is paused before).
-DEADLINE = 0.5
-
-
-def sampled(tokenizer: Any, text: str) -> list[int]:
-    """What the scripted engine samples for ``text``: its ids and the eos token."""
-    return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-
-
-def question(tokenizer: Any, call: EngineCall) -> int:
-    """Which row of :func:`batch` an engine call is for (its prompt asks "What is i + 3?")."""
-    text = tokenizer.decode(call.prompt_token_ids)
-    (row,) = [i for i in range(16) if f"What is {i} + 3?" in text]
-    return row
-
-
-class Blocker:
-    """An engine handler: rows in ``blocked`` never get an answer (``entered``/``cancelled`` tell where they are),
-    the others get ``"3"``."""
-
-    def __init__(self, tokenizer: Any, blocked: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.entered = {row: anyio.Event() for row in blocked}
-        self.cancelled = {row: anyio.Event() for row in blocked}
-
-    async def __call__(self, call: EngineCall) -> str:
-        row = question(self.tokenizer, call)
-        if row not in self.entered:
-            return "3"
-        self.entered[row].set()
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled[row].set()
-            raise
-        raise AssertionError("unreachable")
-
-    async def all_entered(self) -> None:
-        for event in self.entered.values():
-            await event.wait()
 
 
 class Recorder(RolloutObserver):
@@ -133,23 +99,6 @@ class Recorder(RolloutObserver):
     def of(self, index: int) -> list[tuple[Any, ...]]:
         """Rollout ``index``'s events as ``(name, attempt, details)``."""
         return [(name, attempt, details) for name, i, attempt, _, details in self.events if i == index]
-
-
-def placeholder(pad: int) -> dict[str, Any]:
-    """The row of a failed rollout, field by field."""
-    return {"prompt": [pad], "response": [pad], "mask": [0], "reward": [0.0], "stop": "rollout_error", "lp": [0.0]}
-
-
-def row(out: GeneratorOutput, r: int) -> dict[str, Any]:
-    logprobs = out["rollout_logprobs"]
-    return {
-        "prompt": out["prompt_token_ids"][r],
-        "response": out["response_ids"][r],
-        "mask": out["loss_masks"][r],
-        "reward": out["rewards"][r],
-        "stop": (out["stop_reasons"] or [])[r],
-        "lp": logprobs[r] if logprobs is not None else None,
-    }
 
 
 def assert_ended(session: CaptureSession, reason: str) -> None:
@@ -347,9 +296,9 @@ def pid_script(tmp_path: Path) -> list[str]:
 async def assert_group_gone(pidfile: Path) -> None:
     """The command agent and the child it started are gone (waited for under a bound only a hang reaches)."""
     agent_pid, child_pid = map(int, (await anyio.Path(pidfile).read_text(encoding="utf-8")).split())
-    assert _dead(agent_pid)  # reaped before generate() returned
+    assert dead(agent_pid)  # reaped before generate() returned
     with anyio.fail_after(60):
-        while not _dead(child_pid):  # noqa: ASYNC110 - not our child: no event tells when the kernel is done
+        while not dead(child_pid):  # noqa: ASYNC110 - not our child: no event tells when the kernel is done
             await anyio.sleep(0.01)
 
 

@@ -29,10 +29,8 @@ from skyrl_structured.agents._default import FINAL_ANSWER_PROMPT, calculate
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.types import GeneratorInput
 from tests._agents import hermes_template, with_template
-from tests._upstream import load_upstream_validator
+from tests._upstream import skyrl_validate_generator_output
 from tests.helpers import token_rewards
-
-skyrl_validate_generator_output = load_upstream_validator()
 
 AGENT_MODULE = """
 import anyio

@@ -22,16 +22,24 @@ import pytest
 from skyrl_structured.agents import AgentContext, StructuredAgentGenerator
 from skyrl_structured.envs._threads import wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
-from skyrl_structured.types import GeneratorOutput
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import assert_closed, client, port_of
-from tests.test_agents_generator import batch
-from tests.test_agents_runtime import DEADLINE, Blocker, placeholder, question, row, sampled
+from tests._agents import (
+    CLEANUP_S,
+    DEADLINE,
+    HANG_S,
+    Blocker,
+    assert_closed,
+    batch,
+    client,
+    generate_paused_until,
+    placeholder,
+    port_of,
+    question,
+    row,
+    sampled,
+)
 
-#: How long a sync agent gets to return once its session closed; the stubborn one never does in time.
-CLEANUP_S = 0.2
 #: A watchdog's bound around ``generate()``: only a rollout waiting on its stuck thread reaches it.
-HANG_S = 60.0
 
 
 class Stubborn:
@@ -71,39 +79,6 @@ class Stubborn:
             return 1.0
         finally:
             self.ended.set()
-
-
-async def generate_paused_until(
-    generator: StructuredAgentGenerator, entered: Any, row1_returned: threading.Event, release: threading.Event
-) -> Any:
-    """``generator.generate(batch(2))`` with the clock paused until row 0's request is in the engine and row 1's
-    agent has returned.
-
-    Returns ``(output, released_first)``: ``released_first`` is True when the watchdog had to release the
-    agent (``generate()`` was waiting on its thread), so a regression fails instead of hanging the suite.
-    """
-    result: dict[str, GeneratorOutput] = {}
-    released_first = False
-
-    async def watchdog() -> None:
-        nonlocal released_first
-        await anyio.sleep(HANG_S)
-        released_first = True
-        release.set()
-
-    async def run() -> None:
-        result["out"] = await generator.generate(batch(2))
-
-    async with anyio.create_task_group() as outer:
-        outer.start_soon(watchdog)
-        async with anyio.create_task_group() as group:
-            generator.pause()
-            group.start_soon(run)
-            await entered()
-            assert await anyio.to_thread.run_sync(row1_returned.wait, HANG_S)
-            generator.resume()
-        outer.cancel_scope.cancel()
-    return result["out"], released_first
 
 
 @pytest.mark.anyio

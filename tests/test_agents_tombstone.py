@@ -27,18 +27,23 @@ from skyrl_structured.agents import AgentContext, CaptureServer, CaptureSession,
 from skyrl_structured.envs._threads import wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
 from tests._agents import (
+    CLEANUP_S,
+    DEADLINE,
+    HANG_S,
+    Blocker,
     assert_closed,
     assert_rollout_ended,
     chat,
     client,
     close_litellm_clients,
     error_of,
+    generate_paused_until,
+    placeholder,
     port_of,
     refused,
+    row,
     tombstones,
 )
-from tests.test_agents_runtime import DEADLINE, Blocker, placeholder, row
-from tests.test_agents_threads import CLEANUP_S, HANG_S, generate_paused_until
 
 pytestmark = pytest.mark.anyio
 

@@ -33,7 +33,7 @@ from skyrl_structured.progress import Progress
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 
-from . import test_parity_upstream as parity
+from . import _parity as parity
 from .helpers import make_batch, make_generator, not_none, other_tasks, turn_replies
 from .trace_check import children, spans_by_track
 

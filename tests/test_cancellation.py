@@ -13,45 +13,13 @@ from typing import Any
 
 import anyio
 import pytest
-import skyrl_gym
 
-from skyrl_structured import GeneratorInput
 from skyrl_structured.envs import active_env_thread_calls, wait_env_thread_calls
 from skyrl_structured.testing import ScriptedEngine
-from skyrl_structured.testing.envs import EnvLedger, ScriptedEnv
+from skyrl_structured.testing.envs import EnvLedger
+from tests._hooked_env import hooked_batch
 
 from .helpers import make_batch, make_generator, other_tasks, turn_replies
-
-HOOKED_ENV = "tests_hooked_env"
-
-
-class HookedEnv(ScriptedEnv):
-    """ScriptedEnv with callables run inside init and close (in whatever thread runs them)."""
-
-    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
-        super().__init__(env_config, extras)
-        self.on_init = (extras or {}).get("on_init")
-        self.on_close = (extras or {}).get("on_close")
-
-    def init(self, prompt):
-        if self.on_init is not None:
-            self.on_init()
-        return super().init(prompt)
-
-    def close(self):
-        if self.on_close is not None:
-            self.on_close()
-        super().close()
-
-
-if HOOKED_ENV not in skyrl_gym.registry:
-    skyrl_gym.register(id=HOOKED_ENV, entry_point=HookedEnv)
-
-
-def hooked_batch(n: int, ledger: EnvLedger, **hooks: Any) -> GeneratorInput:
-    batch = make_batch(n, ledger, extras={i: dict(hooks) for i in range(n)})
-    batch["env_classes"] = [HOOKED_ENV] * n
-    return batch
 
 
 async def wait_thread_calls_drained() -> None:

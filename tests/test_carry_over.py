@@ -17,72 +17,15 @@ import anyio
 import pytest
 
 from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, StructuredGymGenerator
-from skyrl_structured.engines.partial import offer_partial
-from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
+from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
+from tests._carry import CARRY, HEAD, Script, process_generator, trouble_batch
+from tests._env_workers import worker_pids
+from tests._pids import alive
 
 from .helpers import make_batch, make_generator, other_tasks
 
 pytestmark = pytest.mark.anyio
-
-FIRST = "first #### 7"
-SECOND = "second #### 8"
-#: How many of the first reply's tokens the hung request had sampled when it was cut.
-HEAD = 3
-CARRY: dict[str, Any] = {
-    "skip_failed_rollouts": True,
-    "failure_budget_action": "warn",
-    "straggler_cutoff": 0.75,
-    "carry_over_cut_rollouts": True,
-}
-
-
-class Script:
-    """The engine: a deterministic reply per turn, whose first reply a hung session starts and never ends.
-
-    A hung session's first request offers the first ``HEAD`` tokens of its reply as a partial reply,
-    then waits to be cancelled; every other session's requests wait until the hung ones are in the
-    engine, so the cut always finds them there. A request whose prompt ends with those ``HEAD``
-    tokens is the parked request continued: it gets the rest of the reply.
-    """
-
-    def __init__(self, tokenizer: Any, hung: set[str] | None = None, *, offer: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.hung = set(hung or ())
-        self.offer = offer
-        self.entered: set[Any] = set()
-        self.hung_in = anyio.Event()
-        if not self.hung:
-            self.hung_in.set()
-        self.continued: list[EngineCall] = []
-        self.first_ids = [*tokenizer.encode(FIRST, add_special_tokens=False), tokenizer.eos_token_id]
-        self.first_logprobs = [-0.1 * (k + 1) for k in range(len(self.first_ids))]
-
-    def _answered_once(self, prompt: list[int]) -> bool:
-        """Whether the prompt already holds the whole first reply (so this is a later turn)."""
-        ids, n = self.first_ids, len(self.first_ids)
-        return any(prompt[k : k + n] == ids for k in range(len(prompt) - n + 1))
-
-    async def __call__(self, call: EngineCall) -> Reply | str:
-        session = call.session_id
-        self.entered.add(session)
-        if self.hung <= self.entered:
-            self.hung_in.set()
-        if self._answered_once(call.prompt_token_ids):
-            await self.hung_in.wait()
-            return SECOND
-        head, rest = self.first_ids[:HEAD], self.first_ids[HEAD:]
-        if call.prompt_token_ids[-HEAD:] == head:
-            self.continued.append(call)
-            text = self.tokenizer.decode(rest, skip_special_tokens=True)
-            return Reply(text, token_ids=rest, logprobs=self.first_logprobs[HEAD:])
-        if session in self.hung:
-            self.hung.discard(call.session_id)  # hung once: the next call of this session answers
-            if self.offer:
-                offer_partial(head, self.first_logprobs[:HEAD], self.tokenizer.decode(head, skip_special_tokens=True))
-            await anyio.sleep_forever()
-        await self.hung_in.wait()
-        return Reply(FIRST, token_ids=list(self.first_ids), logprobs=list(self.first_logprobs))
 
 
 def carrying(tokenizer: Any, script: Script, **cfg: Any) -> StructuredGymGenerator:
@@ -335,7 +278,7 @@ _EXIT_SCRIPT = """
 import sys
 import anyio
 from tests.helpers import make_batch, make_generator
-from tests.test_carry_over import CARRY, Script
+from tests._carry import CARRY, Script
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger, register_scripted_env
 from skyrl_structured.tiny import build_chatml_tokenizer
@@ -388,45 +331,19 @@ async def test_interpreter_exit_closes_a_parked_environment_once(tmp_path: Any, 
     assert len(set(closes)) == 4, closes
 
 
-def _process_generator(tokenizer: Any, script: Script, **cfg: Any) -> StructuredGymGenerator:
-    from skyrl_structured import GeneratorConfig, SkyRLGymConfig
-    from skyrl_structured.testing.worker_envs import register_trouble_env
-
-    register_trouble_env()
-    knobs = {"max_turns": 3, "max_input_length": 4096, **CARRY, **cfg}
-    return StructuredGymGenerator(
-        GeneratorConfig(**knobs),
-        SkyRLGymConfig(max_env_workers=2, env_executor="process"),
-        ScriptedEngine(tokenizer, script),
-        tokenizer,
-    )
-
-
-def _trouble_batch(n: int, ledger: Any) -> GeneratorInput:
-    from skyrl_structured import TrajectoryID
-    from skyrl_structured.testing.worker_envs import TROUBLE_ENV
-
-    return {
-        "prompts": [[{"role": "user", "content": f"question {i}"}] for i in range(n)],
-        "env_classes": [TROUBLE_ENV] * n,
-        "env_extras": [{"ledger_dir": str(ledger), "turns": 2} for _ in range(n)],
-        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
-    }
-
-
 async def test_a_parked_environment_in_a_worker_process_is_resumed_there_and_closed_once(
     tokenizer: Any, tmp_path: Any
 ) -> None:
     from skyrl_structured.testing.worker_envs import closes_by_env
 
     script = Script(tokenizer, hung={"q1_0"})
-    gen = _process_generator(tokenizer, script)
+    gen = process_generator(tokenizer, script)
     try:
-        first = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)
+        first = await gen.generate(trouble_batch(4, tmp_path), disable_tqdm=True)
         assert first["stop_reasons"] == ["stop", "stop", ROLLOUT_ERROR_STOP_REASON, "stop"]
         assert sorted(closes_by_env(tmp_path).values()) == [0, 1, 1, 1]  # the parked one is open in its worker
         no_more_cuts(gen)
-        second = await gen.generate(_trouble_batch(4, tmp_path), disable_tqdm=True)
+        second = await gen.generate(trouble_batch(4, tmp_path), disable_tqdm=True)
     finally:
         await gen.aclose()
     assert second["stop_reasons"] == ["stop"] * 4
@@ -440,14 +357,14 @@ _KILLED_SCRIPT = """
 import sys, time
 import anyio
 from pathlib import Path
-from tests.test_carry_over import Script, _process_generator, _trouble_batch
+from tests._carry import Script, process_generator, trouble_batch
 from skyrl_structured.tiny import build_chatml_tokenizer
 
 tokenizer = build_chatml_tokenizer()
-gen = _process_generator(tokenizer, Script(tokenizer, hung={"q1_0"}))
+gen = process_generator(tokenizer, Script(tokenizer, hung={"q1_0"}))
 
 async def main():
-    await gen.generate(_trouble_batch(4, Path(sys.argv[1])), disable_tqdm=True)
+    await gen.generate(trouble_batch(4, Path(sys.argv[1])), disable_tqdm=True)
     print("parked", gen.parked_rollouts, flush=True)
     await anyio.sleep_forever()
 
@@ -463,8 +380,6 @@ def test_no_env_worker_outlives_a_sigkilled_trainer_with_a_parked_rollout(tmp_pa
     import sys
     import time
     from pathlib import Path
-
-    from tests.test_env_process import alive, worker_pids
 
     root = Path(__file__).parent.parent
     child = subprocess.Popen(

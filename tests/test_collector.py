@@ -21,11 +21,10 @@ from skyrl_structured import (
     TrajectoryOutput,
     validate_generator_output,
 )
-from skyrl_structured._output.collector import (
-    OutputSpec,
+from skyrl_structured._output.collector import OutputSpec, build_generator_output
+from skyrl_structured._output.placeholders import (
     RowLayout,
     apply_group_policy,
-    build_generator_output,
     check_failure_budget,
     infer_token_level_rewards,
     make_placeholder,
@@ -141,7 +140,7 @@ def test_raise_names_the_knob_that_would_keep_the_step():
 
 
 def _budget_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "skyrl_structured._output.collector"]
+    return [r for r in caplog.records if r.name == "skyrl_structured._output.placeholders"]
 
 
 def test_warn_logs_one_warning_and_reports_an_over_budget_step(caplog):

@@ -18,10 +18,10 @@ import pytest
 
 from skyrl_structured import GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
+from tests._parity import REPLIES, assert_same_output, batch, copy_batch, engine_inputs, turn_handler
 from tests.helpers import run_asyncio
 
 from ._upstream import load_upstream_generator
-from .test_parity_upstream import REPLIES, assert_same_output, batch, copy_batch, engine_inputs, turn_handler
 
 SkyRLGymGenerator = load_upstream_generator()
 

@@ -28,8 +28,9 @@ from skyrl_structured.testing.worker_envs import (
     closes_by_env,
     register_trouble_env,
 )
+from tests._env_workers import ROOT, batch, make_gen, metrics, worker_pids
+from tests._pids import alive
 from tests.helpers import token_rewards, without_rollout_deadline
-from tests.test_env_process import ROOT, alive, batch, make_gen, metrics, worker_pids
 
 pytestmark = pytest.mark.anyio
 

@@ -26,35 +26,11 @@ from skyrl_structured.testing.boundary_envs import (
     register_boundary_env,
 )
 from skyrl_structured.testing.worker_envs import closes_by_env
-from tests.helpers import not_none, token_rewards
-from tests.test_env_deadlines import HANG_S, boundary_batch, make_gen
+from tests._env_boundary import HANG_S, boundary_batch, check_only_its_call_fails, make_gen
 
 pytestmark = pytest.mark.anyio
 
 register_boundary_env()
-
-
-async def check_only_its_call_fails(gen: Any, tmp_path: Any, kind: str, caplog: Any, where: str) -> None:
-    """One worker, two rollouts: the first returns an uncrossable value at its first step."""
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    with anyio.fail_after(HANG_S):  # a bound only a hang reaches
-        clean = await gen.generate(boundary_batch(2, alone), disable_tqdm=True)
-        out = await gen.generate(boundary_batch(2, tmp_path, {0: {"on_step": {1: f"reply:{kind}"}}}), disable_tqdm=True)
-    assert out["stop_reasons"] == ["rollout_error", "stop"]
-    # The bystander is exactly what it is when its neighbour behaves.
-    assert out["response_ids"][1] == clean["response_ids"][1]
-    assert token_rewards(out)[1] == token_rewards(clean)[1]
-    counts = not_none(out["rollout_metrics"])
-    assert counts["generate/failures/EnvBoundaryError"] == 1
-    assert (counts["generate/env_workers_killed"], counts["generate/env_worker_crashes"]) == (0, 0)
-    assert counts["generate/envs_lost_with_worker"] == 0
-    assert sorted(closes_by_env(tmp_path).values()) == [1, 1]  # the worker lived on and closed both
-    errors = [r.getMessage() for r in caplog.records if "failed on attempt 1" in r.getMessage()]
-    assert len(errors) == 1
-    assert f"the reply to `step` of env '{BOUNDARY_ENV}' could not cross to the generator" in errors[0]
-    assert UNCROSSABLE[kind] in errors[0]
-    assert where in errors[0]
 
 
 @pytest.mark.parametrize("kind", sorted(UNCROSSABLE))

@@ -14,7 +14,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 from typing import Any, cast
 
 import anyio
@@ -24,59 +23,19 @@ import skyrl_gym
 from skyrl_structured import (
     EnvWorkerError,
     GeneratorConfig,
-    GeneratorInput,
-    GeneratorOutput,
     SkyRLGymConfig,
     StructuredGymGenerator,
 )
-from skyrl_structured.config import EnvExecutorKind
 from skyrl_structured.envs import EnvCallRunner
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
-from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
+from tests._env_workers import ROOT, batch, make_gen, metrics, worker_pids
+from tests._pids import alive
+from tests.helpers import token_rewards, turn_replies, without_rollout_deadline
 
 pytestmark = pytest.mark.anyio
 
 register_trouble_env()
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_gen(
-    tokenizer: Any, *, executor: EnvExecutorKind = "process", workers: int = 2, **cfg: Any
-) -> StructuredGymGenerator:
-    cfg.setdefault("max_turns", 3)
-    cfg.setdefault("max_input_length", 4096)
-    engine = ScriptedEngine(tokenizer, turn_replies("one", "two", "three"))
-    return StructuredGymGenerator(
-        GeneratorConfig(**cfg), SkyRLGymConfig(max_env_workers=workers, env_executor=executor), engine, tokenizer
-    )
-
-
-def batch(n: int, ledger: Path, special: dict[int, dict[str, Any]] | None = None) -> GeneratorInput:
-    extras = [{"ledger_dir": str(ledger), "turns": 2, **(special or {}).get(i, {})} for i in range(n)]
-    return {
-        "prompts": [[{"role": "user", "content": f"question {i}"}] for i in range(n)],
-        "env_classes": [TROUBLE_ENV] * n,
-        "env_extras": extras,
-    }
-
-
-def metrics(out: GeneratorOutput) -> dict[str, Any]:
-    return not_none(out["rollout_metrics"])
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):  # gone; or reaped while its stat was being read
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def worker_pids(ledger: Path) -> set[int]:
-    return {int(p.read_text()) for p in ledger.glob("*.made")}
 
 
 def no_env_threads() -> bool:
@@ -218,7 +177,7 @@ def test_a_class_in_main_of_python_c_is_refused_with_one_line(tmp_path):
         """
         import anyio, skyrl_gym
         from skyrl_gym.envs.base_text_env import BaseTextEnv
-        from tests.test_env_process import batch, make_gen
+        from tests._env_workers import batch, make_gen
         from skyrl_structured.tiny import build_chatml_tokenizer
         class MainEnv(BaseTextEnv):
             pass
@@ -248,7 +207,7 @@ def test_no_worker_outlives_a_sigkilled_generator(tmp_path, backend):
         f"""
         import anyio, sys
         from pathlib import Path
-        from tests.test_env_process import batch, make_gen
+        from tests._env_workers import batch, make_gen
         from skyrl_structured.tiny import build_chatml_tokenizer
         gen = make_gen(build_chatml_tokenizer(), workers=3)
         hangs = {{i: {{"on_step": {{1: "hang"}}}} for i in range(6)}}
@@ -308,7 +267,7 @@ def test_workers_stop_at_interpreter_exit_without_aclose_and_dev_mode_warns_of_n
         f"""
         import anyio
         from pathlib import Path
-        from tests.test_env_process import batch, make_gen
+        from tests._env_workers import batch, make_gen
         from skyrl_structured.tiny import build_chatml_tokenizer
         if __name__ == "__main__":
             gen = make_gen(build_chatml_tokenizer())

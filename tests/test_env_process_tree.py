@@ -22,9 +22,10 @@ import pytest
 
 from skyrl_structured.testing.boundary_envs import children_of, register_boundary_env
 from skyrl_structured.types import GeneratorOutput
+from tests._env_boundary import boundary_batch, make_gen
+from tests._env_workers import ROOT, worker_pids
+from tests._pids import alive
 from tests.helpers import not_none
-from tests.test_env_deadlines import boundary_batch, make_gen
-from tests.test_env_process import ROOT, alive, worker_pids
 
 pytestmark = pytest.mark.anyio
 
@@ -124,7 +125,7 @@ def test_a_sigkilled_generator_takes_its_workers_and_their_children(tmp_path, ba
         import anyio
         from pathlib import Path
         from skyrl_structured.tiny import build_chatml_tokenizer
-        from tests.test_env_deadlines import boundary_batch, make_gen
+        from tests._env_boundary import boundary_batch, make_gen
         gen = make_gen(build_chatml_tokenizer(), workers=2)
         spawn = {{i: {{"on_step": {{1: "{how}+hang"}}}} for i in range(2)}}
         anyio.run(gen.generate, boundary_batch(2, Path({str(tmp_path)!r}), spawn), backend={backend!r})

@@ -12,8 +12,8 @@ import pytest
 from skyrl_structured import GeneratorConfig, GeneratorOutput, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import ASYNC_TROUBLE_ENV, closes_by_env, register_trouble_env
+from tests._env_workers import batch, worker_pids
 from tests.helpers import not_none, token_rewards, turn_replies, without_rollout_deadline
-from tests.test_env_process import batch, worker_pids
 
 from ._ray import ACTOR_START_BOUND_S, RAY_TEST_TIMEOUT_S, started_local_ray
 

@@ -12,9 +12,8 @@ import pytest
 
 from skyrl_structured.testing.boundary_envs import register_boundary_env
 from skyrl_structured.testing.worker_envs import closes_by_env
-from tests.test_env_boundary import check_only_its_call_fails
-from tests.test_env_deadlines import boundary_batch, make_gen, run_cancelled_by_the_caller
-from tests.test_env_process import worker_pids
+from tests._env_boundary import boundary_batch, check_only_its_call_fails, make_gen, run_cancelled_by_the_caller
+from tests._env_workers import worker_pids
 
 from ._ray import RAY_TEST_TIMEOUT_S, started_local_ray
 

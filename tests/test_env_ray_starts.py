@@ -14,11 +14,13 @@ import pytest
 from skyrl_structured import EnvWorkerError, GeneratorConfig, SkyRLGymConfig, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import register_trouble_env
+from tests._env_workers import batch, worker_pids
 from tests.helpers import turn_replies
-from tests.test_env_process import batch, worker_pids
-from tests.test_env_ray import local_ray  # noqa: F401 - the module's Ray, started once
 
-from ._ray import RAY_TEST_TIMEOUT_S
+from ._ray import (
+    RAY_TEST_TIMEOUT_S,
+    local_ray,  # noqa: F401 - the module's Ray, started once (autouse)
+)
 
 ray = pytest.importorskip("ray")
 

@@ -22,13 +22,13 @@ import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
-from skyrl_structured import EnvWorkerError, GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator
+from skyrl_structured import EnvWorkerError, GeneratorInput, StructuredGymGenerator
 from skyrl_structured.envs._process import ProcessWorker
 from skyrl_structured.envs._remote_executor import RemoteEnvExecutor
-from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.worker_envs import TroubleEnv, register_trouble_env
-from tests.helpers import not_none, turn_replies, without_rollout_deadline
-from tests.test_env_process import alive, batch, metrics, worker_pids
+from tests._env_workers import batch, make_gen, metrics, worker_pids
+from tests._pids import alive
+from tests.helpers import not_none, without_rollout_deadline
 
 pytestmark = pytest.mark.anyio
 
@@ -37,16 +37,6 @@ register_trouble_env()
 ROOT = Path(__file__).resolve().parent.parent
 #: Generous: only a hang reaches it.
 HANG_S = 120.0
-
-
-def make_gen(
-    tokenizer: Any, *, workers: int = 2, gym: dict[str, Any] | None = None, **cfg: Any
-) -> StructuredGymGenerator:
-    cfg.setdefault("max_turns", 3)
-    cfg.setdefault("max_input_length", 4096)
-    engine = ScriptedEngine(tokenizer, turn_replies("one", "two", "three"))
-    skyrl_gym_cfg = SkyRLGymConfig(max_env_workers=workers, env_executor="process", **(gym or {}))
-    return StructuredGymGenerator(GeneratorConfig(**cfg), skyrl_gym_cfg, engine, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------- slow starts
@@ -381,8 +371,7 @@ COUNT_MAIN_RUNS = """
         runs.write(f"{os.getpid()}\\n")
     import anyio
     from pathlib import Path
-    from tests.test_env_starts import make_gen
-    from tests.test_env_process import batch
+    from tests._env_workers import batch, make_gen
     from skyrl_structured.tiny import build_chatml_tokenizer
 """
 

@@ -16,6 +16,7 @@ from skyrl_structured import SkyRLGymConfig, open_env
 from skyrl_structured._runtime.cleanup import Cleanup, run_cleanups
 from skyrl_structured.envs import CleanupStats, EnvCallRunner, EnvSettings, EnvThreadPool, is_async_env
 from skyrl_structured.testing.envs import SCRIPTED_ENV, EnvLedger
+from tests._hooked_env import hooked_batch
 
 from .helpers import make_batch, make_generator
 
@@ -190,10 +191,7 @@ async def test_a_call_still_queued_for_a_worker_never_starts_after_cancellation(
         else:
             inits.append(1)
 
-    from .test_cancellation import HOOKED_ENV
-
-    batch = make_batch(2, ledger, extras={0: {"on_init": on_init}, 1: {"on_init": on_init}})
-    batch["env_classes"] = [HOOKED_ENV] * 2
+    batch = hooked_batch(2, ledger, on_init=on_init)
     gen = make_generator(tokenizer, workers=1, env_cleanup_timeout_s=10)
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:

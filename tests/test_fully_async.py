@@ -84,7 +84,7 @@ def scripted_faults(
 
 
 def budget_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._output.collector"]
+    return [r.getMessage() for r in caplog.records if r.name == "skyrl_structured._output.placeholders"]
 
 
 async def test_merged_group_metrics_equal_the_whole_batch(tokenizer, anyio_backend, concatenate):

@@ -35,9 +35,9 @@ from skyrl_structured import (
     validate_generator_output,
 )
 from skyrl_structured.config import ENV_KNOBS, AgentEndpointSettings
-from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine, image_part, png_image
-from skyrl_structured.testing.envs import SCRIPTED_ENV
+from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, closes_by_env, register_trouble_env
+from tests._vlm import vlm_picture_batch
 
 from ._upstream import load_upstream_validator
 from .helpers import token_rewards
@@ -664,22 +664,6 @@ async def test_skyrls_weight_sync_pauses_the_rollout_deadlines(anyio_backend, to
         assert metrics["generate/num_timed_out_rollouts"] == 0
     else:  # what the trainer did before: the 3 s sync timed every rollout out
         assert metrics["generate/num_timed_out_rollouts"] == 4
-
-
-def vlm_picture_batch(n: int) -> GeneratorInput:
-    script = [
-        {"observation": [{"type": "text", "text": "Now?"}, image_part(png_image(8, 8, seed=3))], "reward": 0.0},
-        {"observation": None, "reward": 1.0, "done": True},
-    ]
-    return {
-        "prompts": [
-            [{"role": "user", "content": [{"type": "text", "text": f"Picture {i}"}, image_part(png_image(8, 8, i))]}]
-            for i in range(n)
-        ],
-        "env_classes": [SCRIPTED_ENV] * n,
-        "env_extras": [{"script": list(script)} for _ in range(n)],
-        "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
-    }
 
 
 @pytest.mark.anyio

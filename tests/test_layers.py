@@ -210,3 +210,105 @@ def test_the_circle_check_sees_a_circle_inside_one_layer(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._a import A\n", encoding="utf-8"
     )
     assert _circles(root) == [["skyrl_structured.envs._a", "skyrl_structured.envs._b"]]
+
+
+# ------------------------------------------------------------------ only the bridges import a backend
+
+_BACKENDS = {"asyncio", "trio", "trio_asyncio"}
+
+#: Where importing asyncio or trio is the point, each with its reason in docs/architecture.md ("Backends").
+#: A path ending in "/" is a whole package.
+BACKEND_IMPORTS = {
+    "engines/bridge.py",  # asyncio-only clients under trio
+    "_runtime/native.py",  # the runtime's bridge: the loops' cheapest waits; a worker's asyncio loop for an async env
+    "engines/vllm.py",  # vLLM's engine is asyncio code
+    "testing/",  # the test kit plays users' asyncio envs and clients and counts both runtimes' tasks
+}
+
+
+def _backend_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, backend) for each import of asyncio, trio or trio_asyncio in ``path``, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in _BACKENDS]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in _BACKENDS:
+            found.append((node.lineno, str(node.module)))
+    return found
+
+
+def _allowed_backend_import(relative: str) -> bool:
+    return any(relative == entry or (entry.endswith("/") and relative.startswith(entry)) for entry in BACKEND_IMPORTS)
+
+
+def test_only_the_bridges_import_asyncio_or_trio():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if not _allowed_backend_import(relative):
+            offenders += [f"{relative}:{line} imports {name}" for line, name in _backend_imports(path)]
+    assert offenders == [], "go through anyio, or through a bridge (docs/architecture.md, 'Backends')"
+
+
+def test_every_backend_exception_is_still_needed():
+    """A listed module that no longer imports a backend leaves the list (the list stays the truth)."""
+    for entry in BACKEND_IMPORTS:
+        paths = sorted((PACKAGE / entry).rglob("*.py")) if entry.endswith("/") else [PACKAGE / entry]
+        assert any(_backend_imports(p) for p in paths), f"{entry} imports no backend now: drop it from the list"
+
+
+def test_the_backend_checker_sees_every_form_of_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import asyncio.events\nfrom trio import Event\ndef f():\n    import trio_asyncio\nfrom .asyncio import x\n",
+        encoding="utf-8",
+    )
+    assert _backend_imports(probe) == [(1, "asyncio.events"), (2, "trio"), (4, "trio_asyncio")]
+
+
+# ------------------------------------------------------------------ sizes: small modules, short functions
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's length: its ``def`` line to its last, less its docstring (documentation is not logic)."""
+    length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        length -= first.end_lineno - first.lineno + 1  # type: ignore[operator]
+    return length
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    found = []
+    if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+        found.append(f"{lines} lines")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _function_lines(node) > MAX_FUNCTION_LINES:
+            found.append(f"{node.name}() at line {node.lineno}: {_function_lines(node)} lines")
+    return found
+
+
+def test_no_module_over_500_lines_and_no_function_over_80():
+    over = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if found := _oversized(path):
+            over[relative] = found
+    assert over == {}, "split it: one concept per module, one step per function"
+
+
+def test_the_size_checker_counts_code_not_docstrings(tmp_path):
+    long_doc = '"""' + "\n" * 100 + '"""'
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        f"def documented():\n    {long_doc}\n    return 1\n\n"
+        + "async def long():\n"
+        + "    x = 0\n" * 80
+        + "    return x\n",
+        encoding="utf-8",
+    )
+    assert _oversized(probe) == ["long() at line 105: 82 lines"]  # documented() is 103 lines, 2 of them code

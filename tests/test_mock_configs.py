@@ -27,8 +27,7 @@ from skyrl_structured.config import read_knob, resolve_resilience
 from skyrl_structured.envs._executors import env_executor_kind
 from skyrl_structured.envs._kinds import make_executor
 from skyrl_structured.testing import ScriptedEngine, ScriptedVLMEngine
-
-from .test_parity_upstream import REPLIES, assert_same_output, batch, copy_batch, run_upstream, turn_handler
+from tests._parity import REPLIES, assert_same_output, batch, copy_batch, run_upstream, turn_handler
 
 skyrl_config = pytest.importorskip("skyrl.train.config")
 
@@ -75,7 +74,7 @@ def test_magicmock_gym_config_builds_and_generates_as_skyrls_generator_does(toke
 @pytest.mark.anyio
 async def test_magicmock_gym_config_builds_and_generates_the_vision_language_generator(anyio_backend, tokenizer):
     pytest.importorskip("torch")
-    from .test_integrations_skyrl import vlm_picture_batch
+    from ._vlm import vlm_picture_batch
 
     cfg = skyrl_generator_cfg(batched=False)
     cfg.max_input_length = 2048

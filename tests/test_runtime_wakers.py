@@ -1,4 +1,4 @@
-"""The loop's coalesced wake-up on its own: ``LoopWaker``, ``current_waker``, ``loop_scheduler``, ``resolve_future``.
+"""The loop's coalesced wake-up on its own: ``LoopWaker``, ``current_waker``, ``loop_scheduler``, ``loop_waiter``.
 
 Worker threads (env calls, remote env replies) hand their completions to the event loop through
 it. What the env layer relies on: a completion queued from any thread runs in the loop's thread;
@@ -23,7 +23,8 @@ import anyio.lowlevel
 import pytest
 import sniffio
 
-from skyrl_structured._runtime.wakers import LoopWaker, current_waker, loop_scheduler, resolve_future
+from skyrl_structured._runtime.native import loop_waiter
+from skyrl_structured._runtime.wakers import LoopWaker, current_waker, loop_scheduler
 
 pytestmark = pytest.mark.anyio
 
@@ -97,15 +98,15 @@ async def test_a_completion_from_another_thread_is_delivered_in_the_loops_thread
 
     # The two ways an env call's waiter waits (EnvCall.wait): a bare asyncio future, else an event.
     if waker.loop is not None:
-        future: asyncio.Future[None] = waker.loop.create_future()
+        wake, woken = loop_waiter(waker.loop)
 
         def deliver() -> None:
             completed()
-            resolve_future(future)
+            wake()
 
         threading.Thread(target=waker, args=(deliver,), daemon=True).start()
         with anyio.fail_after(GENEROUS_S):
-            await future
+            await woken
     else:
         event = waker.event_class()
 
@@ -194,17 +195,19 @@ async def test_after_its_loop_is_gone_a_waker_drops_callbacks_without_raising(an
     assert token.wakeups == 2
 
 
-def test_resolve_future_completes_a_waiting_future_and_leaves_a_cancelled_one_alone():
+def test_a_loop_waiter_wakes_once_and_leaves_a_cancelled_wait_alone():
     loop = asyncio.new_event_loop()
     try:
-        waiting = loop.create_future()
-        resolve_future(waiting)
-        assert waiting.done()
-        assert waiting.result() is None
-        resolve_future(waiting)  # a second completion is harmless
-        cancelled = loop.create_future()
+        wake, woken = loop_waiter(loop)
+        assert isinstance(woken, asyncio.Future)
+        wake()
+        assert woken.done()
+        assert woken.result() is None
+        wake()  # a second completion is harmless
+        wake, cancelled = loop_waiter(loop)
+        assert isinstance(cancelled, asyncio.Future)
         cancelled.cancel()  # its waiter was cancelled
-        resolve_future(cancelled)
+        wake()
         assert cancelled.cancelled()
     finally:
         loop.close()

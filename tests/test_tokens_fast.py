@@ -17,8 +17,8 @@ from skyrl_structured._episode.chat import BUILTIN_CHAT_TEMPLATES, ChatTokenizer
 from skyrl_structured._episode.fast_render import FAST_RENDER_TRANSFORMERS, FastRender
 from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
+from tests._chat_templates import CUSTOM_TEMPLATE
 from tests.helpers import TemplateCalls
-from tests.test_tokens_memo import CUSTOM_TEMPLATE
 
 # A Llama-style template that reads the tokenizer's special tokens from the template variables.
 SPECIALS_TEMPLATE = (

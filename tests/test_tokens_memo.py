@@ -12,15 +12,8 @@ from hypothesis import strategies as st
 from skyrl_structured._episode.chat import _MEMO_ENTRIES, BUILTIN_CHAT_TEMPLATES, ChatTokenizer
 from skyrl_structured.tiny import build_chatml_tokenizer
 from skyrl_structured.types import ConversationType
+from tests._chat_templates import CUSTOM_TEMPLATE
 from tests.helpers import TemplateCalls
-
-# A custom template unlike ChatML: role names in brackets, a BOS-like prefix, its own generation prompt.
-CUSTOM_TEMPLATE = """\
-{{- '<|endoftext|>' -}}
-{%- for m in messages -%}
-{{- '[' ~ m['role'] | upper ~ '] ' ~ m['content'] | trim ~ '<|im_end|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '[ASSISTANT] ' -}}{%- endif -%}"""
 
 TEMPLATES: dict[str, str | None] = {"tokenizer's own": None, **BUILTIN_CHAT_TEMPLATES, "custom": CUSTOM_TEMPLATE}
 

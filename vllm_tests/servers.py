@@ -394,10 +394,12 @@ class VLLMServer:
 class SmallKVServer(VLLMServer):
     """A lane server whose KV cache holds only :data:`SMALL_KV_BLOCKS` blocks of :data:`SMALL_KV_BLOCK_SIZE`
     tokens (``--num-gpu-blocks-override``): a small batch of multi-turn rollouts run all at once does
-    not fit, so vLLM preempts (the admission tests). No log line per request: nothing reads them."""
+    not fit, so vLLM preempts (the admission tests). Its RL routes are on (``VLLM_SERVER_DEV_MODE``:
+    ``POST /pause?mode=keep`` and ``/resume``), so a test can hold a batch in the engine's queue until
+    every request is in (:meth:`added_requests`), whatever the machine's speed."""
 
     def command(self) -> list[str]:
-        cmd = [arg for arg in super().command() if arg != "--enable-log-requests"]
+        cmd = list(super().command())
         cmd[cmd.index("--max-model-len") + 1] = str(SMALL_KV_MAX_MODEL_LEN)
         return [
             *cmd,
@@ -406,6 +408,21 @@ class SmallKVServer(VLLMServer):
             "--num-gpu-blocks-override",
             str(SMALL_KV_BLOCKS),
         ]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "VLLM_SERVER_DEV_MODE": "1"}
+
+    def pause(self) -> None:
+        """Stop scheduling: requests that arrive wait in the engine's queue, none decodes (``mode=keep``)."""
+        self._post("/pause?mode=keep")
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def _post(self, path: str) -> None:
+        request = urllib.request.Request(self.url + path, data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=60.0) as answer:  # a bound only a hang reaches
+            assert answer.status == 200, (path, answer.status)
 
 
 def build_model_dir(

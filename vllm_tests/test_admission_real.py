@@ -4,7 +4,10 @@ The same small multi-turn batch (``benchmarks/admission.py``'s workload: every t
 extends the last, an env step in a worker thread, exactly ``MAX_TOKENS`` per reply) runs twice
 through ``HTTPEngine`` and ``StructuredGymGenerator`` against :class:`~vllm_tests.servers.SmallKVServer`
 (32 blocks of 32 tokens, while each rollout ends at about 5 blocks, 160 in all): all at
-once (``None``, upstream's behaviour) and ``"auto"``. The verdict is vLLM's own counter,
+once (``None``, upstream's behaviour) and ``"auto"``. All at once means all at once in the engine:
+the server is paused while the batch starts and resumed once every first request is in its queue, so
+a slow client (a loaded machine) cannot trickle the batch in and let early replies free the cache
+before the last requests arrive (CI once saw 0 preemptions so). The verdict is vLLM's own counter,
 ``vllm:num_preemptions_total``, read through ``HTTPEngine.engine_load`` with the server idle
 before and after each run: all at once preempts (the batch does not fit, else the comparison says
 nothing), ``auto`` preempts at most as often (13 to 15 against 0 to 4 in the runs that set these
@@ -15,6 +18,8 @@ rollouts' contexts). Never a time: the KV usage sampled during a run is reported
 from __future__ import annotations
 
 import itertools
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -24,7 +29,7 @@ from benchmarks.admission import Settings, make_batch, make_generator, measure
 from benchmarks.vllm_share import engine_defaults
 from skyrl_structured.engines import HTTPEngine
 
-from .servers import SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS, until_load
+from .servers import SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS, SmallKVServer, until_load
 
 pytestmark = pytest.mark.anyio
 
@@ -38,6 +43,30 @@ SETTINGS = Settings(
 )
 #: Every run's prompts carry their own number: no run finds another's prefixes in the cache.
 _RUN_NUMBERS = itertools.count(1)
+
+
+async def all_in_before_any_decodes(server: SmallKVServer, run: Callable[[], Awaitable[Any]], requests: int) -> Any:
+    """``await run()`` with the server paused until ``requests`` requests are in its engine, then resumed.
+
+    Nothing decodes before the last of them is in, however slowly the client sends them.
+    """
+    since = len(server.log_text())
+    await anyio.to_thread.run_sync(server.pause)
+    result: dict[str, Any] = {}
+
+    async def go() -> None:
+        result["run"] = await run()
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(go)
+            while len(server.added_requests(since)) < requests:  # noqa: ASYNC110 - a log line: no event tells
+                await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(server.resume)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(server.resume)  # on every path: the next test finds it serving
+    return result["run"]
 
 
 async def test_auto_preempts_at_most_as_often_as_all_at_once(
@@ -57,7 +86,11 @@ async def test_auto_preempts_at_most_as_often_as_all_at_once(
                 generator = make_generator(engine, tokenizer, limit=limit, settings=SETTINGS)
                 generator.admission_interval_s = 0.1  # several readings in a run of seconds
                 batch = make_batch(ROLLOUTS, turns=TURNS, step_s=SETTINGS.env_step_s, run=next(_RUN_NUMBERS))
-                runs[name] = await measure(engine, generator, batch, SETTINGS)
+                run = partial(measure, engine, generator, batch, SETTINGS)
+                if limit is None:  # every first request in the engine before any decodes
+                    runs[name] = await all_in_before_any_decodes(server, run, ROLLOUTS)
+                else:
+                    runs[name] = await run()
 
     every, auto = runs["all at once"], runs["auto"]
     # Both ran the whole batch: every reply exactly MAX_TOKENS tokens, the same observations.

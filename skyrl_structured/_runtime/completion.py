@@ -9,14 +9,13 @@ run there. The first outcome wins; later ones are ignored.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from functools import partial
 from typing import Generic, TypeVar
 
-from .wakers import LoopWaker, Scheduler, current_waker, resolve_future
+from .native import loop_waiter
+from .wakers import LoopWaker, Scheduler, current_waker
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +89,9 @@ class Completion(Generic[T]):
         if waker is None:
             waker = self._waker = current_waker()
         if waker.loop is not None:
-            future: asyncio.Future[None] = waker.loop.create_future()
-            if self.add_done_callback(waker, partial(resolve_future, future)):
-                await future
+            wake, woken = loop_waiter(waker.loop)
+            if self.add_done_callback(waker, wake):
+                await woken
             return
         event = waker.event_class()
         if self.add_done_callback(waker, event.set):

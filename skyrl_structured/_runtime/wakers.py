@@ -8,7 +8,6 @@ waits for a busy or already-closed loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -16,6 +15,8 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+
+from .native import AsyncioLoop, asyncio_loop, native_event_class
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,9 @@ class LoopWaker:
         self._pending: list[Callable[[], None]] = []
         self._armed = False
         #: The asyncio loop (waits on a bare future), or None.
-        self.loop: asyncio.AbstractEventLoop | None = native if isinstance(native, asyncio.AbstractEventLoop) else None
+        self.loop: AsyncioLoop | None = asyncio_loop(native)
         #: Otherwise an event class with ``set()`` and ``await wait()``: trio's own, or anyio's.
-        self.event_class: Callable[[], Any] = anyio.Event
-        if self.loop is None and type(native).__module__.startswith("trio"):
-            import trio
-
-            self.event_class = trio.Event
+        self.event_class: Callable[[], Any] = native_event_class(native)
 
     def __call__(self, callback: Callable[[], None]) -> None:
         with self._lock:
@@ -90,8 +87,3 @@ def current_waker() -> LoopWaker:
 def loop_scheduler() -> Scheduler:
     """The current event loop's coalescing thread-safe ``call soon`` (one wake-up per burst)."""
     return current_waker()
-
-
-def resolve_future(future: asyncio.Future[None]) -> None:
-    if not future.done():  # a cancelled waiter has cancelled its future
-        future.set_result(None)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._output.collector import reward_total
+from .._output.placeholders import reward_total
 from ..observe import FinishedTrajectory
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, TrajectoryID
 from ._live import METRICS_FILE, write_metrics
@@ -208,29 +208,7 @@ def write_outputs(
     a stop from then on no longer interrupts anything (the caller's "skip the pictures" ends there).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
-    files: list[str] = []
-    trajectories = output_dir / TRAJECTORIES_FILE
-    if result.output is not None:
-        output, timings = _split_timings(jsonable(result.output))
-        with (output_dir / "generator_output.json").open("w", encoding="utf-8") as f:
-            json.dump(output, f)
-        with (output_dir / "timings.json").open("w", encoding="utf-8") as f:
-            json.dump(timings, f)
-        records = result.trajectories.records if result.trajectories is not None else {}
-        partial = trajectories.with_name(TRAJECTORIES_FILE + ".partial")
-        with partial.open("w", encoding="utf-8") as f:
-            for row in _trajectory_rows(batch, result.output, result.tokenizer, records):
-                f.write(json.dumps(row) + "\n")
-        os.replace(partial, trajectories)  # a kill now leaves the appended rows or these, never half of each
-        files += OUTPUT_FILES[:3]
-    else:
-        # Leave no output of an earlier run behind to be mistaken for this one's.
-        (output_dir / "generator_output.json").unlink(missing_ok=True)
-        (output_dir / "timings.json").unlink(missing_ok=True)
-        if result.trajectories is None or not result.started_generating:
-            trajectories.unlink(missing_ok=True)  # nothing ran: no empty file to mistake for a result
-        else:
-            files.append(TRAJECTORIES_FILE)
+    files = _write_rows(output_dir, batch, result)
     traced = result.trace is not None and result.started_generating
     if traced:
         assert result.trace is not None
@@ -278,6 +256,34 @@ def write_outputs(
             after_pictures()
     summary["files"] = listed(drawn)
     write_summary_json(output_dir, summary, cfg)
+
+
+def _write_rows(output_dir: Path, batch: GeneratorInput, result: RunResult) -> list[str]:
+    """Write (or, for a step that did not complete, clear) the output and its rows; the files now there."""
+    files: list[str] = []
+    trajectories = output_dir / TRAJECTORIES_FILE
+    if result.output is not None:
+        output, timings = _split_timings(jsonable(result.output))
+        with (output_dir / "generator_output.json").open("w", encoding="utf-8") as f:
+            json.dump(output, f)
+        with (output_dir / "timings.json").open("w", encoding="utf-8") as f:
+            json.dump(timings, f)
+        records = result.trajectories.records if result.trajectories is not None else {}
+        partial = trajectories.with_name(TRAJECTORIES_FILE + ".partial")
+        with partial.open("w", encoding="utf-8") as f:
+            for row in _trajectory_rows(batch, result.output, result.tokenizer, records):
+                f.write(json.dumps(row) + "\n")
+        os.replace(partial, trajectories)  # a kill now leaves the appended rows or these, never half of each
+        files += OUTPUT_FILES[:3]
+    else:
+        # Leave no output of an earlier run behind to be mistaken for this one's.
+        (output_dir / "generator_output.json").unlink(missing_ok=True)
+        (output_dir / "timings.json").unlink(missing_ok=True)
+        if result.trajectories is None or not result.started_generating:
+            trajectories.unlink(missing_ok=True)  # nothing ran: no empty file to mistake for a result
+        else:
+            files.append(TRAJECTORIES_FILE)
+    return files
 
 
 def _plot_title(summary: dict[str, Any]) -> str:

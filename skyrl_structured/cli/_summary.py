@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from .._output.collector import reward_total
+from .._output.placeholders import reward_total
 from .._runtime.supervisor import describe_error
 from ..failures import StragglerCutError
 from ..types import GeneratorOutput
@@ -174,6 +174,15 @@ def summarize(
         summary["env_close_errors"] = tally.env_close_errors
         summary["first_env_close_error"] = tally.first_close_error
         return summary
+    summary.update(_finished_figures(cfg, result, output, rollouts, n_samples))
+    return summary
+
+
+def _finished_figures(
+    cfg: RolloutConfig, result: RunResult, output: GeneratorOutput, rollouts: int, n_samples: int
+) -> dict[str, Any]:
+    """The figures of a step that returned its output: its rows, rewards, failures and envs."""
+    tally = result.tally
     metrics = output.get("rollout_metrics") or {}
     # A straggler cut is the policy's own doing, not a failure: counted in a row of its own.
     cut = int(metrics.get("generate/num_cut_rollouts", 0))
@@ -189,36 +198,33 @@ def summarize(
         rewards = [record.reward for record in recorded]
     ok_rows = [i for i, r in enumerate(stop_reasons) if r != "rollout_error"] if stop_reasons else finals
     response_tokens = sum(len(output["response_ids"][i]) for i in ok_rows)
-    summary.update(
-        {
-            "rollouts_ok": rollouts - failed - cut,
-            "rollouts_failed": failed,
-            "rollouts_cut": cut,
-            "straggler_cutoff": cfg.generator.straggler_cutoff,
-            "rollouts_timed_out": int(metrics.get("generate/num_timed_out_rollouts", 0)),
-            "rollout_retries": int(metrics.get("generate/num_rollout_retries", 0)),
-            "failures_by_type": {
-                k.removeprefix(_FAILURE_PREFIX): int(v)
-                for k, v in metrics.items()
-                if k.startswith(_FAILURE_PREFIX) and k != _CUT_KEY
-            },
-            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-            "rollouts_rewarded": sum(1 for r in rewards if r > 0),
-            "stop_reasons": dict(sorted(Counter(stop_reasons).items())),
-            "response_tokens": response_tokens,
-            "response_tokens_mean": response_tokens / len(ok_rows) if ok_rows else None,
-            "envs_opened": int(metrics.get("generate/num_envs_opened", 0)),
-            # The library counts a close its dead worker could not run as settled; it did not close.
-            "envs_closed": int(metrics.get("generate/num_envs_closed", 0)) - lost,
-            "envs_lost_with_worker": lost,
-            "env_executor": cfg.environment.skyrl_gym.env_executor,
-            "env_workers_killed": int(metrics.get("generate/env_workers_killed", 0)),
-            "env_worker_crashes": int(metrics.get("generate/env_worker_crashes", 0)),
-            "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
-            "first_env_close_error": tally.first_close_error,
-            **trainer_truth(cfg, output, result, n_samples),
-            **_agent_figures(cfg, result, metrics),
-            "rollout_metrics": jsonable(metrics),
-        }
-    )
-    return summary
+    return {
+        "rollouts_ok": rollouts - failed - cut,
+        "rollouts_failed": failed,
+        "rollouts_cut": cut,
+        "straggler_cutoff": cfg.generator.straggler_cutoff,
+        "rollouts_timed_out": int(metrics.get("generate/num_timed_out_rollouts", 0)),
+        "rollout_retries": int(metrics.get("generate/num_rollout_retries", 0)),
+        "failures_by_type": {
+            k.removeprefix(_FAILURE_PREFIX): int(v)
+            for k, v in metrics.items()
+            if k.startswith(_FAILURE_PREFIX) and k != _CUT_KEY
+        },
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+        "rollouts_rewarded": sum(1 for r in rewards if r > 0),
+        "stop_reasons": dict(sorted(Counter(stop_reasons).items())),
+        "response_tokens": response_tokens,
+        "response_tokens_mean": response_tokens / len(ok_rows) if ok_rows else None,
+        "envs_opened": int(metrics.get("generate/num_envs_opened", 0)),
+        # The library counts a close its dead worker could not run as settled; it did not close.
+        "envs_closed": int(metrics.get("generate/num_envs_closed", 0)) - lost,
+        "envs_lost_with_worker": lost,
+        "env_executor": cfg.environment.skyrl_gym.env_executor,
+        "env_workers_killed": int(metrics.get("generate/env_workers_killed", 0)),
+        "env_worker_crashes": int(metrics.get("generate/env_worker_crashes", 0)),
+        "env_close_errors": int(metrics.get("generate/env_close_errors", 0)),
+        "first_env_close_error": tally.first_close_error,
+        **trainer_truth(cfg, output, result, n_samples),
+        **_agent_figures(cfg, result, metrics),
+        "rollout_metrics": jsonable(metrics),
+    }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from .._output.collector import reward_total
+from .._output.placeholders import reward_total
 from ..types import ROLLOUT_ERROR_STOP_REASON, GeneratorOutput
 from ._run import RunResult
 from ._schema import RolloutConfig

@@ -24,7 +24,6 @@ worker, even those that left its process group or session.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import importlib
@@ -41,6 +40,7 @@ from typing import Any, Literal, NoReturn
 import skyrl_gym
 
 from .._runtime import reaper
+from .._runtime.native import new_env_runner
 
 __all__ = [
     "MAIN_KEYS",
@@ -260,9 +260,10 @@ async def _awaited(awaitable: Any) -> Any:
 class LoopEnv:
     """An async environment driven from the worker's blocking request loop, on an event loop of its own.
 
-    The loop (an :class:`asyncio.Runner`) lives as long as the env: made here, ``__aenter__`` run
-    on it; ``close`` runs ``__aexit__(None, None, None)`` (else an ``aclose`` or ``close``, awaited when
-    it returns an awaitable), then closes the loop, cancelling whatever tasks the env left behind.
+    The loop (an :class:`asyncio.Runner`, made by the runtime's bridge) lives as long as the env: made
+    here, ``__aenter__`` run on it; ``close`` runs ``__aexit__(None, None, None)`` (else an ``aclose`` or
+    ``close``, awaited when it returns an awaitable), then closes the loop, cancelling whatever tasks the
+    env left behind.
     An env whose ``__aenter__`` raises is not made (the protocol: it cleaned up after itself); its
     loop is closed at once. One loop for the env's life, not one per call, so clients bound to the
     loop that opened them (an ``httpx.AsyncClient``) keep working from ``init`` to the close.
@@ -270,7 +271,7 @@ class LoopEnv:
 
     def __init__(self, env: Any) -> None:
         self.env = env
-        self._runner = asyncio.Runner()
+        self._runner = new_env_runner()
         enter = getattr(env, "__aenter__", None)
         if enter is not None and getattr(env, "__aexit__", None) is not None:
             try:

@@ -379,7 +379,28 @@ async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup)
             later = await gen.generate(batch(False), disable_tqdm=True)
     finally:
         await gen.aclose()
-    expected = ["stop"] * len(prompts)
+    problems += _output_problems(attack, target, len(prompts), out, later)
+    ledger = _ledger(root)
+    if (own := _close_error_problem(root, ledger)) is not None:
+        problems.append(own)
+    problems += _leftover_problems(root)
+    for _, struck, closes in ledger.values():
+        want = 0 if struck in ("worker_killed_in_step", "step_past_deadline") else 1
+        if closes != want:
+            problems.append(f"an env ({'attacked' if struck else 'not attacked'}) was closed {closes} times")
+    deadline = time.monotonic() + _CLEANUP_S
+    pids = {pid for pid, _, _ in ledger.values()}
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - other processes
+        await anyio.sleep(0.05)
+    if alive := [pid for pid in pids if _alive(pid)]:
+        problems.append(f"env worker processes still alive after aclose(): {sorted(alive)}")
+    return problems, True
+
+
+def _output_problems(attack: str, target: int, rows: int, out: Any, later: Any) -> list[str]:
+    """What is wrong with the attacked batch's output ``out`` and the clean batch's after it, ``later``."""
+    problems: list[str] = []
+    expected = ["stop"] * rows
     reasons = list(out["stop_reasons"] or [])
     stops = ["rollout_error" if r == "rollout_error" else "stop" for r in reasons]
     if attack != "crash_in_close":
@@ -399,21 +420,7 @@ async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup)
     killed_later = (later["rollout_metrics"] or {}).get("generate/env_workers_killed")
     if killed_later:
         problems.append(f"the batch after the attack killed {killed_later} workers")
-    ledger = _ledger(root)
-    if (own := _close_error_problem(root, ledger)) is not None:
-        problems.append(own)
-    problems += _leftover_problems(root)
-    for _, struck, closes in ledger.values():
-        want = 0 if struck in ("worker_killed_in_step", "step_past_deadline") else 1
-        if closes != want:
-            problems.append(f"an env ({'attacked' if struck else 'not attacked'}) was closed {closes} times")
-    deadline = time.monotonic() + _CLEANUP_S
-    pids = {pid for pid, _, _ in ledger.values()}
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - other processes
-        await anyio.sleep(0.05)
-    if alive := [pid for pid in pids if _alive(pid)]:
-        problems.append(f"env worker processes still alive after aclose(): {sorted(alive)}")
-    return problems, True
+    return problems
 
 
 def run_executor_attacks(env_executor: EnvExecutorKind, setup: Setup, backends: Sequence[str]) -> list[ExecutorResult]:

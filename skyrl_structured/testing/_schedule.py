@@ -32,7 +32,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -331,16 +331,7 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
             if census is not None and (lines := census.leftovers(grace_s=setup.leak_grace_s)):
                 leftovers = _shared_leftovers(lines, options, lanes, time.monotonic() - lanes_started)
                 budget.record(leftovers)
-            for position in pending:  # a thread problem while sharing: judged again, alone
-                shared_result = results.get(position)
-                if shared_result is None or not any(_is_shared_state(p) for p in shared_result.problems):
-                    continue
-                if budget.spent():
-                    del results[position]  # unconfirmed, and no time left to confirm it: not run
-                    continue
-                backend, case = order[position]
-                results[position] = run_isolated(backend, case, setups.get(case.max_env_workers, setup))
-                budget.record(results[position])
+            _judge_alone(pending, results, order, lambda workers: setups.get(workers, setup), budget)
         else:
             for position in pending:
                 result = run(position)
@@ -357,3 +348,23 @@ def run_all(setup: Setup, cases: Sequence[Case], options: RunOptions) -> Concurr
     report.case_timeouts = {w: s.case_timeout_s for w, s in setups.items()}
     bar.finish(report.summary().splitlines()[0])
     return report
+
+
+def _judge_alone(
+    pending: Sequence[int],
+    results: dict[int, CaseResult],
+    order: Sequence[tuple[str, Case]],
+    setup_for: Callable[[int], Setup],
+    budget: _Budget,
+) -> None:
+    """Run again, alone, each case that showed a thread problem while sharing (its result replaced)."""
+    for position in pending:
+        shared_result = results.get(position)
+        if shared_result is None or not any(_is_shared_state(p) for p in shared_result.problems):
+            continue
+        if budget.spent():
+            del results[position]  # unconfirmed, and no time left to confirm it: not run
+            continue
+        backend, case = order[position]
+        results[position] = run_isolated(backend, case, setup_for(case.max_env_workers))
+        budget.record(results[position])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 
 import anyio
 import pytest
@@ -19,17 +18,11 @@ from skyrl_structured.engines import (
 from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 
+from ._servers import closed_port_url
+
 pytestmark = pytest.mark.anyio
 
 ONE_TOKEN: InferenceEngineInput = {"prompt_token_ids": [[1]]}
-
-
-def closed_port_url() -> str:
-    """A URL nothing listens on (the port was free a moment ago)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def echo_engine(tokenizer, label: str = "ok") -> ScriptedEngine:

@@ -29,8 +29,7 @@ from skyrl_structured.observe import EngineRoute, PrometheusObserver, RolloutObs
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, VLLMServer, serve_vllm
 
 from ..helpers import not_none
-from .test_http import closed_port_url
-from .test_load import Scripted, echo, vllm_metrics
+from ._servers import Scripted, closed_port_url, echo, vllm_metrics
 
 pytestmark = pytest.mark.anyio
 

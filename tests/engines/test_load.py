@@ -15,48 +15,9 @@ from skyrl_structured.engines._load_reader import LoadReader
 from skyrl_structured.engines._prometheus import Sample, parse_samples
 from skyrl_structured.engines._vllm_metrics import engine_load_from_metrics, kv_capacity_tokens
 from skyrl_structured.engines.load import EngineLoad, ReportsLoad
-from skyrl_structured.testing import Reply, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
 
-from .test_http import closed_port_url
-
-
-def vllm_metrics(
-    kv: float | list[float] = 0.25,
-    running: int = 3,
-    waiting: int = 1,
-    preemptions: int | None = 7,
-    hits: int | None = 40,
-    queries: int | None = 100,
-) -> str:
-    """``GET /metrics`` as vLLM 0.32 writes it (one block per engine when ``kv`` is a list)."""
-    usages = kv if isinstance(kv, list) else [kv]
-    lines = []
-    for engine, usage in enumerate(usages):
-        labels = f'engine="{engine}",model_name="tiny"'
-        share = 1 if engine == 0 else 0  # the request counts and counters all on engine 0
-        lines += [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {running * share}.0",
-            f"vllm:num_requests_waiting{{{labels}}} {waiting * share}.0",
-            f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 99.0',
-            f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
-        ]
-        for name, value in (
-            ("vllm:num_preemptions", preemptions),
-            ("vllm:prefix_cache_hits", hits),
-            ("vllm:prefix_cache_queries", queries),
-        ):
-            if value is not None:
-                lines += [
-                    f"# TYPE {name} counter",
-                    f"{name}_total{{{labels}}} {value * share}.0",
-                    f"{name}_created{{{labels}}} 1.7e+09",
-                ]
-    lines.append('python_info{implementation="CPython",major="3"} 1.0')
-    return "\n".join(lines) + "\n"
-
+from ._servers import Scripted, closed_port_url, echo, vllm_metrics
 
 #: ``vllm:cache_config_info`` as vLLM 0.32 writes it (rendered from its own ``CacheConfig.metrics_info()``
 #: with 128 blocks of 32 tokens), with its fields as placeholders.
@@ -83,27 +44,6 @@ def cache_config_info(*, tokens: str = "4096", blocks: str = "128", block_size: 
     return (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"
     ) + "".join(sample.replace("{engine}", str(engine)) for engine in range(engines))
-
-
-class Scripted:
-    """A ``/metrics`` route whose text the test sets; other routes are the test server's own."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.status = 200
-        self.requests: list[ServedRequest] = []
-
-    def __call__(self, request: ServedRequest) -> RawResponse | None:
-        if request.path != "/metrics":
-            return None
-        self.requests.append(request)
-        if self.status != 200:
-            return RawResponse(self.status, b'{"detail":"Not Found"}')
-        return RawResponse(200, self.text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-
-def echo(tokenizer) -> ScriptedEngine:
-    return ScriptedEngine(tokenizer, lambda call: Reply("ok"))
 
 
 def stripped(loads: list[EngineLoad]) -> list[tuple[str, float, int, int, int, int, int]]:
