@@ -14,11 +14,13 @@ import anthropic
 import openai
 import pytest
 
-from skyrl_structured.agents import serve_capture
+from skyrl_structured.agents import AgentContext, StructuredAgentGenerator, serve_capture
+from skyrl_structured.cli._config import load_config
 from skyrl_structured.engines import HTTPEngine
 from skyrl_structured.engines.errors import EngineHTTPError
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from skyrl_structured.testing.vllm_server import RawResponse, ServedRequest, serve_vllm
+from skyrl_structured.types import TrajectoryID
 from tests._agents import client, in_thread
 
 pytestmark = pytest.mark.anyio
@@ -168,3 +170,44 @@ async def test_another_engine_failure_is_still_a_500(tokenizer, anyio_backend):
         "completions": 500,
     }
     assert all(answer.response.json()["error"]["code"] == 500 for answer in answers.values())
+
+
+async def test_the_generators_agent_context_length_refuses_before_the_engine(tokenizer, anyio_backend):
+    """``generator.agent_context_length`` (from the CLI's parser here) reaches the endpoint: an agent's too-long
+    prompt is its API's 400 before any engine call; the agent compacts, as Claude Code does, and goes on."""
+    n = prompt_length(tokenizer)
+    short = [{"role": "user", "content": "Capital?"}]
+    seen: list[Any] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        seen.append(await anthropic_answer(ctx.anthropic_base_url))
+
+        def compacted() -> Any:
+            with anthropic.Anthropic(base_url=ctx.anthropic_base_url, api_key="unused", max_retries=0) as c:
+                return c.messages.create(model="m", max_tokens=8, messages=short)  # type: ignore[arg-type]
+
+        seen.append(await in_thread(compacted))
+        return 0.25
+
+    engine = ScriptedEngine.from_replies(tokenizer, "Paris.")
+    cli = load_config(["agent=default", f"generator.agent_context_length={n - 1}"])
+    generator = StructuredAgentGenerator.from_config(cli.generator, engine, tokenizer, agent)
+    assert generator.endpoint.agent_context_length == n - 1
+    output = await generator.generate(
+        {"prompts": [QUESTION], "env_classes": ["agent"], "env_extras": [{}], "trajectory_ids": [TrajectoryID("t", 0)]}
+    )
+    refused, answered = seen
+    assert isinstance(refused, anthropic.BadRequestError), refused
+    assert refused.response.json()["error"]["message"] == f"prompt is too long: {n} tokens > {n - 1} maximum"
+    assert answered.content[0].text == "Paris."
+    (call,) = engine.calls  # only the compacted prompt reached the engine
+    assert "Capital?" in tokenizer.decode(call.prompt_token_ids)
+    assert output["prompt_token_ids"] == [call.prompt_token_ids]
+    assert output["rewards"][0][-1] == 0.25  # type: ignore[index]
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "16"])
+def test_a_bad_agent_context_length_is_refused_in_one_line(tokenizer, value):
+    engine = ScriptedEngine.from_replies(tokenizer, "never sent")
+    with pytest.raises(ValueError, match=r"`generator\.agent_context_length` must be the model's context length"):
+        StructuredAgentGenerator(engine, tokenizer, lambda ctx: 0.0, agent_context_length=value)

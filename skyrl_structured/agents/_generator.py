@@ -248,6 +248,7 @@ class StructuredAgentGenerator(FramedGenerator):
             host=self.endpoint.agent_endpoint_host,
             port=self.endpoint.agent_endpoint_port,
             url=self.endpoint.agent_endpoint_url,
+            context_length=self.endpoint.agent_context_length,
             close_timeout_s=self.resilience.env_cleanup_timeout_s,
         ) as server:
             self._server = server

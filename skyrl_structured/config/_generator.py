@@ -194,6 +194,12 @@ class GeneratorConfig:
         "with a wildcard host (0.0.0.0).",
         _ENDPOINT_DEFAULTS.agent_endpoint_url,
     )
+    agent_context_length: int | None = _help(
+        "With an agent: the model's context length in tokens (vLLM's max_model_len). A longer prompt is answered "
+        "with its API's own 400 (OpenAI's context_length_exceeded, Anthropic's 'prompt is too long') before any "
+        "engine call; null: only when the engine refuses it.",
+        _ENDPOINT_DEFAULTS.agent_context_length,
+    )
 
     def __post_init__(self) -> None:
         if self.eval_sampling_params is None:

@@ -128,9 +128,19 @@ class AgentEndpointSettings:
     agent_endpoint_host: str = "127.0.0.1"
     agent_endpoint_port: int = 0
     agent_endpoint_url: str | None = None
+    #: The model's context length in tokens, when known: a longer prompt gets its API's own 400 before any engine call.
+    agent_context_length: int | None = None
 
     def __post_init__(self) -> None:
         host, port, url = self.agent_endpoint_host, self.agent_endpoint_port, self.agent_endpoint_url
+        length = self.agent_context_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise invalid_value(
+                "generator.agent_context_length",
+                length,
+                "the model's context length in tokens (a positive integer, vLLM's max_model_len), or null",
+                with_type=True,
+            )
         if not isinstance(host, str) or not host.strip():
             raise invalid_value(
                 "generator.agent_endpoint_host",
