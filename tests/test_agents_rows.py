@@ -214,7 +214,7 @@ async def test_a_claude_code_like_side_call_is_not_the_row_and_step_wise_keeps_i
         [1] * len(script.main[0]) + [0] * len(tail),
         [1] * len(script.main[1]),
     ]
-    assert [r[-1] for r in out["rewards"]] == [0.0, 0.0, 1.0]
+    assert [r[-1] for r in out["rewards"]] == [0.0, 0.0, 1.0]  # type: ignore[index]
 
 
 async def test_a_branch_mark_that_is_neither_main_nor_side_is_refused_by_name(tokenizer, anyio_backend):

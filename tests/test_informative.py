@@ -8,6 +8,7 @@ call, its finished samples kept and its parked ones resumed. Graded by skyrl_gym
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -15,7 +16,7 @@ import pytest
 
 from skyrl_structured import InformativeBatches, PromptGroup
 from skyrl_structured.engines.partial import offer_partial
-from skyrl_structured.observe import RolloutRef
+from skyrl_structured.observe import RolloutObserver, RolloutRef
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 
 from .helpers import make_generator
@@ -41,7 +42,7 @@ def group(k: int) -> PromptGroup:
     )
 
 
-class Graders:
+class Graders(RolloutObserver):
     """The engine: sample 0 of an informative group answers right and sample 1 wrong; both samples of an
     uninformative group answer right. ``hung`` sessions hang on their first request after offering its first
     ``HEAD`` tokens; every other request waits until the hung ones are in the engine. The requests of the
@@ -53,8 +54,8 @@ class Graders:
         tokenizer: Any,
         uninformative: set[str],
         hung: set[str],
-        last: set[str] = frozenset(),
-        first: set[str] = frozenset(),
+        last: Collection[str] = (),
+        first: Collection[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.uninformative = uninformative
