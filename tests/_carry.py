@@ -8,7 +8,14 @@ from typing import Any
 
 import anyio
 
-from skyrl_structured import GeneratorConfig, GeneratorInput, SkyRLGymConfig, StructuredGymGenerator, TrajectoryID
+from skyrl_structured import (
+    GeneratorConfig,
+    GeneratorInput,
+    GeneratorOutput,
+    SkyRLGymConfig,
+    StructuredGymGenerator,
+    TrajectoryID,
+)
 from skyrl_structured.engines.partial import offer_partial
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.testing.worker_envs import TROUBLE_ENV, register_trouble_env
@@ -99,4 +106,17 @@ def trouble_batch(n: int, ledger: Any) -> GeneratorInput:
         "env_classes": [TROUBLE_ENV] * n,
         "env_extras": [{"ledger_dir": str(ledger), "turns": 2} for _ in range(n)],
         "trajectory_ids": [TrajectoryID(f"q{i // 2}", i % 2) for i in range(n)],
+    }
+
+
+def row(out: GeneratorOutput, i: int) -> dict[str, Any]:
+    """Row ``i`` as the trainer reads it."""
+    logprobs = out["rollout_logprobs"]
+    return {
+        "prompt": out["prompt_token_ids"][i],
+        "response": out["response_ids"][i],
+        "loss_mask": out["loss_masks"][i],
+        "reward": out["rewards"][i],
+        "logprobs": logprobs[i] if logprobs is not None else None,
+        "stop_reason": (out["stop_reasons"] or [])[i],
     }

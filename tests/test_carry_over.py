@@ -16,10 +16,10 @@ from typing import Any
 import anyio
 import pytest
 
-from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, GeneratorOutput, StructuredGymGenerator
+from skyrl_structured import ROLLOUT_ERROR_STOP_REASON, GeneratorInput, StructuredGymGenerator
 from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
-from tests._carry import CARRY, HEAD, Script, process_generator, trouble_batch
+from tests._carry import CARRY, HEAD, Script, process_generator, row, trouble_batch
 from tests._env_workers import worker_pids
 from tests._pids import alive
 
@@ -35,19 +35,6 @@ def carrying(tokenizer: Any, script: Script, **cfg: Any) -> StructuredGymGenerat
 def no_more_cuts(gen: StructuredGymGenerator) -> None:
     """From now on the cutoff cuts nothing (``straggler_cutoff=1.0``): a later call's rows all run to their end."""
     gen.resilience = dataclasses.replace(gen.resilience, straggler_cutoff=1.0)
-
-
-def row(out: GeneratorOutput, i: int) -> dict[str, Any]:
-    """Row ``i`` as the trainer reads it."""
-    logprobs = out["rollout_logprobs"]
-    return {
-        "prompt": out["prompt_token_ids"][i],
-        "response": out["response_ids"][i],
-        "loss_mask": out["loss_masks"][i],
-        "reward": out["rewards"][i],
-        "logprobs": logprobs[i] if logprobs is not None else None,
-        "stop_reason": (out["stop_reasons"] or [])[i],
-    }
 
 
 async def test_a_resumed_row_is_the_uncut_row_token_for_token(tokenizer: Any) -> None:

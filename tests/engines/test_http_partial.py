@@ -19,22 +19,13 @@ from skyrl_structured.engines.partial import collecting_partial
 from skyrl_structured.testing import EngineCall, Reply, ScriptedEngine
 from skyrl_structured.testing.envs import EnvLedger
 from skyrl_structured.testing.vllm_server import ServedRequest, serve_vllm
+from tests._carry import CARRY, FIRST, HEAD, SECOND, row
 from tests.helpers import make_batch, make_generator, other_tasks
 
 pytestmark = pytest.mark.anyio
 
 #: A bound only a hang reaches.
 HANG_S = 60.0
-FIRST = "first #### 7"
-SECOND = "second #### 8"
-#: How many tokens of the first reply the server streams before the cut request is held.
-HEAD = 3
-CARRY: dict[str, Any] = {
-    "skip_failed_rollouts": True,
-    "failure_budget_action": "warn",
-    "straggler_cutoff": 0.75,
-    "carry_over_cut_rollouts": True,
-}
 
 
 def first_reply(tokenizer: Any) -> tuple[list[int], list[float]]:
@@ -165,18 +156,6 @@ class HeldFirstTurn:
         if request.headers.get("x-session-id") == self.hung and sent == HEAD and not self.holding.is_set():
             self.holding.set()
             await anyio.sleep_forever()
-
-
-def row(out: GeneratorOutput, i: int) -> dict[str, Any]:
-    logprobs = out["rollout_logprobs"]
-    return {
-        "prompt": out["prompt_token_ids"][i],
-        "response": out["response_ids"][i],
-        "loss_mask": out["loss_masks"][i],
-        "reward": out["rewards"][i],
-        "logprobs": logprobs[i] if logprobs is not None else None,
-        "stop_reason": (out["stop_reasons"] or [])[i],
-    }
 
 
 async def run_over_http(tokenizer: Any, script: HeldFirstTurn, steps: int, **cfg: Any) -> list[GeneratorOutput]:
