@@ -163,6 +163,7 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     agent_endpoint_host: str = _knob("agent_endpoint_host")
     agent_endpoint_port: int = _knob("agent_endpoint_port")
     agent_endpoint_url: str | None = _knob("agent_endpoint_url")
+    agent_context_length: int | None = _knob("agent_context_length")
 
 
 _GYM_FIELDS = {f.name: f for f in dataclasses.fields(SkyRLGymConfig)}
