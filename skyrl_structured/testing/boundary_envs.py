@@ -31,6 +31,7 @@ from typing import Any
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 
+from ._leaked import keep
 from .detached import start_detached
 from .worker_envs import TroubleEnv, act
 
@@ -146,8 +147,11 @@ class BoundaryEnv(TroubleEnv):
     def _spawn(self) -> None:
         child = subprocess.Popen(["sleep", "1000"])
         shell = subprocess.Popen(["sh", "-c", "sleep 1000 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+        keep(child)  # left running on purpose (the process-tree checks kill them): reaped at exit
+        keep(shell)
         assert shell.stdout is not None
         grandchild = int(shell.stdout.readline())
+        shell.stdout.close()
         self._write("children", f"{child.pid}\n{shell.pid}\n{grandchild}\n")
 
     def _write(self, suffix: str, text: str) -> None:

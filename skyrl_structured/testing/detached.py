@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from ._leaked import keep
+
 __all__ = ["start_detached", "write_pids"]
 
 #: Forks a child that starts a session of its own and forks ``sleep 1000``; prints that pid; both parents exit.
@@ -36,9 +38,6 @@ os.close(w)
 print(os.read(r, 64).decode(), flush=True)
 """
 
-#: Kept so that the ``Popen`` objects of children left running are never collected (no ResourceWarning).
-_kept: list[subprocess.Popen[str]] = []
-
 
 def start_detached() -> list[int]:
     """Start the three detached ``sleep 1000`` of the module docstring; their process ids."""
@@ -46,7 +45,7 @@ def start_detached() -> list[int]:
         ["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
     )
     new_session = subprocess.Popen(["sleep", "1000"], start_new_session=True, text=True)
-    _kept.append(new_session)
+    keep(new_session)  # left running on purpose: reaped at exit, never collected while it runs
     forked = subprocess.run([sys.executable, "-c", _DOUBLE_FORK], capture_output=True, text=True, check=True)
     return [int(setsid.stdout), new_session.pid, int(forked.stdout)]
 

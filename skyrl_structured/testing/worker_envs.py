@@ -40,6 +40,8 @@ import anyio.lowlevel
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from ._leaked import keep
+
 __all__ = [
     "ASYNC_GENERATOR_STEP_ENV",
     "ASYNC_TROUBLE_ENV",
@@ -57,8 +59,6 @@ TROUBLE_ENV = "skyrl_structured_trouble"
 ASYNC_TROUBLE_ENV = "skyrl_structured_async_trouble"
 #: The registry id of :class:`AsyncGeneratorStepEnv` (:func:`register_trouble_env` registers it too).
 ASYNC_GENERATOR_STEP_ENV = "skyrl_structured_async_generator_step"
-#: The sandboxes ``sandbox="forget"`` envs left running: held, so no ``Popen`` is collected while it runs.
-_FORGOTTEN: list[subprocess.Popen[bytes]] = []
 
 
 class _Alarm(Exception):
@@ -146,7 +146,7 @@ class TroubleEnv(BaseTextEnv):  # type: ignore[misc]
             self.sandbox.kill()
             self.sandbox.wait()
         elif self.sandbox is not None:
-            _FORGOTTEN.append(self.sandbox)
+            keep(self.sandbox)  # left running on purpose: reaped at exit, never collected while it runs
         act(self.on_close)
 
     def get_metrics(self) -> dict[str, Any]:
