@@ -44,6 +44,7 @@ from tests._agents import (
     row,
     tombstones,
 )
+from tests._http import parse_answers
 
 pytestmark = pytest.mark.anyio
 
@@ -81,15 +82,7 @@ async def exchange(port: int, *parts: bytes) -> list[tuple[int, dict[str, str], 
                     data += await stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
                     break
-    answers = []
-    while data:
-        head, _, data = data.partition(b"\r\n\r\n")
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
-        length = int(headers.get("content-length", 0))
-        answers.append((int(status_line.split()[1]), headers, data[:length]))
-        data = data[length:]
-    return answers
+    return parse_answers(data)
 
 
 def assert_ended_answer(answer: tuple[int, dict[str, str], bytes], message: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from skyrl_structured._http import Request, Response, ServerThread, serve
+from tests._http import parse_answers
 
 pytestmark = pytest.mark.anyio
 
@@ -54,19 +55,6 @@ async def raw_exchange(port: int, *parts: bytes) -> bytes:
                     return data
 
 
-def answers(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """The ``Content-Length``-framed answers in ``data``, as ``(status, headers, body)``."""
-    found = []
-    while data:
-        head, _, data = data.partition(b"\r\n\r\n")
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
-        length = int(headers.get("content-length", 0))
-        found.append((int(status_line.split()[1]), headers, data[:length]))
-        data = data[length:]
-    return found
-
-
 def refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=HANG_S).close()
@@ -93,7 +81,7 @@ async def test_100_continue_is_answered_before_the_body_is_sent(anyio_backend, l
     async with leak_tracker, serve(echo, shaped_error, what="t", max_body=MAX_BODY) as server:
         head = b"POST /c HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n"
         data = await raw_exchange(server.port, head, b"body")
-    interim, final = answers(data)
+    interim, final = parse_answers(data)
     assert interim[0] == 100
     assert final[0] == 200
     assert json.loads(final[2])["body"] == "body"
@@ -114,7 +102,7 @@ async def test_a_body_over_the_limit_is_refused_413_in_the_servers_shape_and_the
         chunked += f"{MAX_BODY + 1:x}\r\n".encode() + b"a" * (MAX_BODY + 1) + b"\r\n0\r\n\r\n"
         streamed = await raw_exchange(server.port, chunked)
     for data in (declared, streamed):
-        ((status, _, body),) = answers(data)  # one answer, then the server closed the connection
+        ((status, _, body),) = parse_answers(data)  # one answer, then the server closed the connection
         assert status == 413
         assert json.loads(body)["error"]["code"] == 413
         assert f"limit of {MAX_BODY} bytes" in json.loads(body)["error"]["message"]
@@ -124,7 +112,7 @@ async def test_a_body_over_the_limit_is_refused_413_in_the_servers_shape_and_the
 async def test_a_malformed_request_is_answered_400_in_the_servers_shape(anyio_backend):
     async with serve(echo, shaped_error, what="t", max_body=MAX_BODY) as server:
         data = await raw_exchange(server.port, b"NOT HTTP AT ALL\r\n\r\n")
-    ((status, headers, body),) = answers(data)
+    ((status, headers, body),) = parse_answers(data)
     assert status == 400
     assert headers["content-type"] == "application/json"
     assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
@@ -134,7 +122,7 @@ async def test_pipelined_requests_on_one_keep_alive_connection_are_answered_in_o
     async with serve(echo, shaped_error, what="t", max_body=MAX_BODY) as server:
         requests = b"".join(f"POST /{k} HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\n{k}".encode() for k in range(3))
         data = await raw_exchange(server.port, requests + b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-    found = answers(data)
+    found = parse_answers(data)
     assert [status for status, _, _ in found] == [200] * 4
     assert [json.loads(body)["path"] for _, _, body in found] == ["/0", "/1", "/2", "/last"]
     assert [json.loads(body)["body"] for _, _, body in found] == ["0", "1", "2", ""]
@@ -284,9 +272,9 @@ async def test_a_server_thread_answers_on_duplicated_sockets_with_connection_clo
     # The original socket is closed: the duplicate keeps the port answering.
     try:
         head = b"POST /p HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"
-        interim, answer = answers(await raw_exchange(port, head, b"{}"))
-        ((raised, _, raised_body),) = answers(await raw_exchange(port, b"GET /raise HTTP/1.1\r\nhost: x\r\n\r\n"))
-        ((malformed, _, _),) = answers(await raw_exchange(port, b"NOT HTTP\r\n\r\n"))
+        interim, answer = parse_answers(await raw_exchange(port, head, b"{}"))
+        ((raised, _, raised_body),) = parse_answers(await raw_exchange(port, b"GET /raise HTTP/1.1\r\nhost: x\r\n\r\n"))
+        ((malformed, _, _),) = parse_answers(await raw_exchange(port, b"NOT HTTP\r\n\r\n"))
     finally:
         thread.stop()
         assert await anyio.to_thread.run_sync(thread.join, HANG_S)
