@@ -162,7 +162,9 @@ _POOL_LOOPS = {
 }
 
 
-_PLUMBING = ("/anyio/", "/trio/", "/asyncio/", "/outcome/", "/sniffio/", "/concurrent/futures/")
+# trio_asyncio among them: once anything imports it (the engines' trio bridge does), the asyncio
+# loops of that process are its loops, and a worker handing a call to one is in its frames.
+_PLUMBING = ("/anyio/", "/trio/", "/trio_asyncio/", "/asyncio/", "/outcome/", "/sniffio/", "/concurrent/futures/")
 
 
 def _is_plumbing(code: CodeType) -> bool:

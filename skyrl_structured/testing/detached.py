@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from ._leaked import keep
-
 __all__ = ["start_detached", "write_pids"]
 
 #: Forks a child that starts a session of its own and forks ``sleep 1000``; prints that pid; both parents exit.
@@ -39,13 +37,20 @@ print(os.read(r, 64).decode(), flush=True)
 """
 
 
-def start_detached() -> list[int]:
-    """Start the three detached ``sleep 1000`` of the module docstring; their process ids."""
+def start_detached(*, hold: bool = True) -> list[int]:
+    """Start the three detached ``sleep 1000`` of the module docstring; their process ids.
+
+    ``hold`` keeps the ``Popen`` of the one this process starts until its exit (``testing._leaked``);
+    the script passes False: its children must outlive it for the generator under test to kill them.
+    """
     setsid = subprocess.run(
         ["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
     )
     new_session = subprocess.Popen(["sleep", "1000"], start_new_session=True, text=True)
-    keep(new_session)  # left running on purpose: reaped at exit, never collected while it runs
+    if hold:  # left running on purpose: reaped at exit, never collected while it runs
+        from ._leaked import keep  # imported here: run by path, this file has no package
+
+        keep(new_session)
     forked = subprocess.run([sys.executable, "-c", _DOUBLE_FORK], capture_output=True, text=True, check=True)
     return [int(setsid.stdout), new_session.pid, int(forked.stdout)]
 
@@ -58,6 +63,6 @@ def write_pids(path: str | os.PathLike[str], pids: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    write_pids(sys.argv[1], [os.getpid(), *start_detached()])
+    write_pids(sys.argv[1], [os.getpid(), *start_detached(hold=False)])
     if sys.argv[2:] == ["hang"]:
         time.sleep(1000)
