@@ -61,8 +61,9 @@ async def test_envs_live_in_worker_processes_and_close_once(anyio_backend, token
 async def test_a_hung_step_fails_only_its_rollout_and_the_next_batch_is_clean(anyio_backend, tokenizer, tmp_path):
     # One worker per env (the placement rule with max_env_workers >= rollouts): a kill has no bystanders.
     # The workers start outside any deadline (and so does the killed one's replacement); the deadline
-    # bounds warm workers' calls only, generously: only the hang overruns it on a loaded machine.
-    gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=5.0)
+    # bounds warm workers' calls only, generously: only the hang overruns it on a loaded machine (5 s
+    # did not: a clean rollout overran it once with every core oversubscribed, so 30 s).
+    gen = make_gen(tokenizer, workers=6, skip_failed_rollouts=True, rollout_timeout_s=30.0)
     try:
         await without_rollout_deadline(gen, batch(6, tmp_path))
         out = await gen.generate(batch(6, tmp_path, {2: {"on_step": {1: "hang"}}}), disable_tqdm=True)

@@ -128,6 +128,7 @@ def test_the_kit_in_ray_mode_names_an_envs_raising_close(backend: str):
     )
     assert [case.backend for case in report.cases] == [backend] * 3  # three attacks
     for case in report.cases:
+        assert len(case.problems) == 1, (case.name, case.problems)
         (problem,) = case.problems
         assert problem.startswith(
             "the environment's own close raised RuntimeError: trouble env: raising on request at "

@@ -134,7 +134,10 @@ SCRIPT = """
 from skyrl_structured.testing import SCRIPTED_ENV, ConcurrencyReport, check_structured_concurrency
 prompts = [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
 env = "skyrl_structured.testing.worker_envs:TroubleEnv"
-report = check_structured_concurrency(env, env_executor="process", prompts=prompts, backends=("asyncio",))
+# The warm-up's deadline is case_timeout_s (20 s unset): a loaded machine overran 20 s once; only a hang passes 120 s.
+report = check_structured_concurrency(
+    env, env_executor="process", prompts=prompts, backends=("asyncio",), case_timeout_s=120.0
+)
 print(report.summary())
 """
 
