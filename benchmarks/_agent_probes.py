@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import anyio
+import anyio.abc
 from anyio.abc import TaskGroup
 
 from skyrl_structured._runtime.loop_lag import LoopLag
@@ -87,18 +88,21 @@ class Window:
         self._sampler = anyio.CancelScope()
         self.wall = self.cpu = 0.0
         self.children: dict[int, float] = {}
-        self.opened = False
 
-    async def _sample(self) -> None:
+    async def _sample(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         with self._sampler:
+            task_status.started()  # the sampler runs on to its first sleep, its due time set, before the batch
             await self.lag.sample()
 
-    def open(self) -> None:
-        """Start timing and sampling (on the loop, once the endpoint serves)."""
-        self.opened = True
+    async def open(self) -> None:
+        """Start sampling, then timing (on the loop, once the endpoint serves).
+
+        The sampler's first sleep is due before the batch's first step, so a batch that never lets the
+        loop run it (instant engine calls that never wait) still shows its whole length as lag.
+        """
         self.children = {pid: cpu for pid in descendants(os.getpid()) if (cpu := proc_cpu_s(pid)) is not None}
+        await self._group.start(self._sample)
         self.wall, self.cpu = time.perf_counter(), time.process_time()
-        self._group.start_soon(self._sample)
 
     def close(self) -> None:
         """Stop: the wall and CPU seconds since :meth:`open`, and each child's CPU seconds in between."""

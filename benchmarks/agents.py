@@ -232,7 +232,7 @@ async def _serve_batch(kind: str, engine: Any, tokenizer: Any, rows: int, backen
     started = time.perf_counter()
     async with serve_capture(engine, tokenizer, model="bench", **options) as server:
         batch.start_s = time.perf_counter() - started
-        window.open()
+        await window.open()
         if kind == "remote" or is_workers(kind):
             await _child_rollouts(server, rows, batch, backend)
         else:
@@ -253,7 +253,7 @@ async def _run_batch(
         batch = await _serve_batch(kind, engine, tokenizer, rows, backend, window)
     else:
         batch = Batch()
-        window.open()
+        await window.open()
         async with anyio.create_task_group() as group:
             for row in range(rows):
                 if kind == "engine":
