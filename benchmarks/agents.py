@@ -346,7 +346,10 @@ def _counts(text: str, name: str) -> list[int]:
 
 def _contenders(args: argparse.Namespace) -> list[str]:
     """The contenders of this run: ``--contenders`` (default all), ``workers`` only where it can run."""
-    counts = [auto_workers() if part.strip() == "auto" else int(part) for part in args.workers.split(",")]
+    parts = [part.strip() for part in args.workers.split(",")]
+    if not all(part == "auto" or (part.isdigit() and int(part) > 0) for part in parts):
+        raise SystemExit(f"--workers takes auto or positive integers separated by commas, got {args.workers!r}")
+    counts = [auto_workers() if part == "auto" else int(part) for part in parts]
     workers = ["workers" if i == 0 else f"workers_{n}" for i, n in enumerate(counts)]
     _WORKER_COUNTS.clear()
     _WORKER_COUNTS.update(zip(workers, counts, strict=True))

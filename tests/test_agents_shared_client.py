@@ -143,7 +143,8 @@ def test_a_loop_client_is_not_carried_into_another_loop(tmp_path):
 
 async def test_the_anthropic_recipe_runs_as_written_with_its_shared_client(tokenizer, anyio_backend, tmp_path):
     recipe = _module(_doc_block("# claude_style.py: run with agent=claude_style:messages_agent"), "claude", tmp_path)
-    recipe.calculate = lambda expression: str(sum(int(x) for x in expression.split("+")))  # the page leaves it `...`
+    # The page leaves the tool's body out (`...`); the agent looks it up in its module when it runs.
+    recipe.calculate = lambda expression: str(sum(int(x) for x in expression.split("+")))  # type: ignore[attr-defined]
     model = with_template(tokenizer, hermes_template(strip_think=False))
 
     def reply(call: Any) -> str:

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from benchmarks import _agent_probes, agents
+from benchmarks import _agent_calls, _agent_probes, agents
 
 from .helpers import LONG_RUN_TIMEOUT_S
 
@@ -50,7 +50,7 @@ def test_quick_run_measures_every_contender_on_both_backends(tmp_path, capsys):
     assert agents.main(["--quick", "--tokenizer", "tiny", "--agents", "4,8", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["machine"]["quick"] is True
-    assert results["turns"] == agents.TURNS == 3
+    assert results["turns"] == _agent_calls.TURNS == 3
     assert agents.ENDPOINT_CONTENDERS == ("httpx", "openai", "openai_shared", "openai_own", "remote")
     skipped = _agent_probes.workers_unsupported()
     workers = [] if skipped else ["workers"]
@@ -109,17 +109,19 @@ def test_contenders_can_be_chosen_and_an_unknown_one_is_refused(tmp_path):
         agents.main([*argv, "--contenders", "direct,nope"])
     with pytest.raises(SystemExit, match="positive integers"):
         agents.main([*argv, "--agents", "0"])
+    with pytest.raises(SystemExit, match="--workers takes auto or positive integers"):
+        agents.main([*argv, "--workers", "0"])
 
 
 def test_the_engine_floor_renders_what_the_direct_agent_sends(tokenizer):
     pool = agents._TurnPool.build(tokenizer)
     prompts = agents.engine_prompts(tokenizer, pool, 3)
     assert [len(calls) for calls in prompts] == [3, 3, 3]
-    messages = agents.first_messages(2)
+    messages = _agent_calls.first_messages(2)
     for turn in range(3):
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert prompts[2][turn] == list(rendered)
-        messages = agents.next_messages(messages, pool.texts[turn], 2, turn)
+        messages = _agent_calls.next_messages(messages, pool.texts[turn], 2, turn)
 
 
 def test_a_child_process_cpu_is_read_from_proc():
@@ -127,9 +129,12 @@ def test_a_child_process_cpu_is_read_from_proc():
     spin = "import sys,time\nwhile time.process_time() < 0.2: pass\nprint('spun', flush=True)\nsys.stdin.read()"
     child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None
         assert child.stdout.readline() == "spun\n"
         assert child.pid in _agent_probes.descendants(os.getpid())
-        assert _agent_probes.proc_cpu_s(child.pid) >= 0.19  # clock ticks: 10 ms granularity
+        used = _agent_probes.proc_cpu_s(child.pid)
+        assert used is not None
+        assert used >= 0.19  # clock ticks: 10 ms granularity
     finally:
         child.communicate("")
     assert child.returncode == 0
