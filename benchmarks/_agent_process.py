@@ -1,4 +1,4 @@
-"""The ``remote`` contender's agents: a child process that runs the ``httpx`` agents against given session URLs.
+"""The ``remote`` and ``workers`` contenders' agents: a child process running the ``httpx`` agents on given URLs.
 
     python -m benchmarks._agent_process BACKEND < urls.json > result.json
 
@@ -17,17 +17,17 @@ import sys
 
 import anyio
 
-from .agents import _agent, _Batch, _http_client, _httpx_call
+from ._agent_calls import Batch, agent, http_client, httpx_call
 from .harness import run_loop
 
 
-async def _rollout(base_url: str, row: int, batch: _Batch) -> None:
-    async with _http_client() as http:
-        await _agent(_httpx_call(http, base_url), row, batch)
+async def _rollout(base_url: str, row: int, batch: Batch) -> None:
+    async with http_client() as http:
+        await agent(httpx_call(http, base_url), row, batch)
 
 
-async def _run(urls: list[str]) -> _Batch:
-    batch = _Batch()
+async def _run(urls: list[str]) -> Batch:
+    batch = Batch()
     async with anyio.create_task_group() as group:
         for row, url in enumerate(urls):
             group.start_soon(_rollout, url, row, batch)

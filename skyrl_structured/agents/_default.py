@@ -4,11 +4,14 @@ It is what ``skyrl-structured rollout agent=default`` runs against the offline t
 example of the shape any agent takes: an async function of :class:`~._generator.AgentContext` that
 talks to ``ctx.base_url`` and returns its reward.
 
-Its client is one per rollout (the base URL and key are the session's), but the TLS context under it
-is one per process (:func:`_tls`): ``openai.AsyncOpenAI`` left to build its own HTTP client loads the
-system's certificates each time, about 30-55 ms of CPU on the event loop per rollout, so a burst of
-256 rollouts froze the loop for over ten seconds. A context is not bound to an event loop or a
-thread, unlike the HTTP client and its connections, which stay per rollout and closed with it.
+The TLS context under its client is one per process (:func:`_tls`): ``openai.AsyncOpenAI`` left to
+build its own HTTP client loads the system's certificates each time, about 30-55 ms of CPU on the
+event loop per rollout, so a burst of 256 rollouts froze the loop for over ten seconds. The client
+itself is one per rollout, closed with it, unlike the one-per-event-loop client docs/agents.md
+recommends for agents of one's own (``base.with_options(base_url=..., api_key=...)``): this agent runs
+in whatever event loop calls it (every test's, the command's), and an HTTP client's connections
+belong to the loop that opened them and would be left open when that loop ends. The costly part of a
+client per rollout is the context, and that one is shared.
 """
 
 from __future__ import annotations
