@@ -34,6 +34,7 @@ from ..errors import CaptureWorkerError
 from ..observe import RolloutObserver
 from ._capture import Capture, restore_capture
 from ._frames import Frame, error_fields
+from ._routes import closed_in_flight
 from ._session import CaptureSession
 from ._wire import APIError
 
@@ -100,27 +101,38 @@ class Attachment:
             scope.cancel()
 
     async def _serve_call(self, worker: CaptureWorker, session: CaptureSession, frame: Frame) -> None:
+        """Run one ``call`` frame's engine call; whatever ends it, the worker gets its ``reply`` or ``fail``."""
         _, call_id, _key, prompt_ids, params, prompt_param = frame
-        with anyio.CancelScope() as scope:
-            self._calls[(worker, call_id)] = scope
-            try:
-                text, sampled, stop, logprobs = await self.server.engine_sample(
-                    session, prompt_ids, params, prompt_param
-                )
-            except APIError as error:
-                worker.post(("fail", call_id, error_fields(error)))
-                return
-            except Exception as exc:
-                logger.exception("capture endpoint: a call of rollout %s failed in the trainer", session.rollout)
-                failure = APIError(500, f"the capture endpoint failed: {type(exc).__name__}: {exc}")
-                worker.post(("fail", call_id, error_fields(failure)))
-                return
-            finally:
-                self._calls.pop((worker, call_id), None)
-                _running.pop((worker, call_id), None)
-            worker.post(("reply", call_id, text, sampled, stop, logprobs))
-            return
-        worker.post(("fail", call_id, error_fields(APIError(499, "the request's client left"))))
+        answer: Frame | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._calls[(worker, call_id)] = scope
+                try:
+                    text, sampled, stop, logprobs = await self.server.engine_sample(
+                        session, prompt_ids, params, prompt_param
+                    )
+                    answer = ("reply", call_id, text, sampled, stop, logprobs)
+                except APIError as error:
+                    answer = ("fail", call_id, error_fields(error))
+                except Exception as exc:
+                    logger.exception("capture endpoint: a call of rollout %s failed in the trainer", session.rollout)
+                    failure = APIError(500, f"the capture endpoint failed: {type(exc).__name__}: {exc}")
+                    answer = ("fail", call_id, error_fields(failure))
+        finally:
+            self._calls.pop((worker, call_id), None)
+            _running.pop((worker, call_id), None)
+            if answer is None:  # cancelled: by its client (a ``cancel`` frame), or with the rollout
+                answer = ("fail", call_id, error_fields(_cancelled(session)))
+            worker.post(answer)
+
+
+def _cancelled(session: CaptureSession) -> APIError:
+    if session.closed:
+        return closed_in_flight(session)
+    return APIError(
+        499,
+        f"rollout {session.rollout} was cancelled while this request was in flight; the engine request was cancelled",
+    )
 
 
 #: How long a pool started for one ``serve_capture`` block waits for its workers to be ready (a hang bound).
@@ -153,12 +165,14 @@ async def attached(
         async with anyio.create_task_group() as group:
             attachment = server.attachment = Attachment(server, pool, group)
             group.start_soon(attachment.dispatch)
+            pool.attach(+1)
             try:
                 yield server
             except Exception as exc:  # re-raised below as itself, not wrapped in the task group's ExceptionGroup
                 failure = exc
             finally:
                 attachment.closed = True
+                pool.attach(-1)
                 group.cancel_scope.cancel()
         if failure is not None:
             raise failure
@@ -216,6 +230,8 @@ async def pooled_session(
         _afterlife=server.afterlife,
     )
     session.worker = worker.index
+    # The worker hears of the close at once: its requests in flight answer 499 as the in-loop endpoint's do.
+    session.on_close = lambda reason: _begin_close(worker, session, reason, cleanup_timeout_s)
     worker.sessions[key] = _Entry(session, attachment)
     opened = worker.request(("open", key, session.id, rollout, sampling_params))
     try:
@@ -223,6 +239,7 @@ async def pooled_session(
         opened.result()
     except BaseException:
         worker.sessions.pop(key, None)
+        worker.post(("close", 0, key, "cancelled", 0.0))  # opened there or not: forgotten there
         raise
     context.cleanup.envs_opened += 1
     context.emit(RolloutObserver.env_opened)
@@ -247,6 +264,12 @@ async def pooled_session(
         await _close(server, worker, session, reason, cleanup_timeout_s, error)
 
 
+def _begin_close(worker: CaptureWorker, session: CaptureSession, reason: str, limit_s: float) -> None:
+    """Tell the worker a session closed (from :meth:`CaptureSession.close`); :func:`_close` awaits its answer."""
+    if session.lost is None:
+        session.closing = worker.request(("close", session.api_key, reason, limit_s))
+
+
 async def _close(
     server: CaptureServer,
     worker: CaptureWorker,
@@ -260,7 +283,7 @@ async def _close(
     context.emit(RolloutObserver.cleanup_started, "env_close")
     session.close(reason)
     drained = await session._drain(limit_s)
-    closed = worker.request(("close", session.api_key, reason, limit_s)) if session.lost is None else None
+    closed = session.closing if session.lost is None else None
     state: Any = None
     if closed is not None:
         with anyio.move_on_after(limit_s + 1.0, shield=True):

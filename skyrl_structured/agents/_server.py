@@ -132,6 +132,9 @@ class CaptureServer:
         self.pool: Any = None
         #: The calls of pooled sessions the trainer runs (see :mod:`._pooled`), set while attached.
         self.attachment: Any = None
+        #: An endpoint worker's: no ``generate()`` or ``serving()`` holds its pool now (ended sessions' answers
+        #: then say the endpoint has closed, as a tombstone's do).
+        self.detached = False
 
     @property
     def open_sessions(self) -> int:
@@ -343,7 +346,7 @@ class CaptureServer:
             return session
         ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
         if ended is not None:
-            raise rollout_ended(ended)
+            raise rollout_ended(ended, endpoint_closed=self.detached)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
     def _closed_answer(self, request: Request | None) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,10 @@ class CaptureSession:
     lost: BaseException | None = None
     #: The scope of the session's body, which :meth:`lose` cancels (pooled sessions).
     _body: anyio.CancelScope | None = field(default=None, repr=False)
+    #: Called once by :meth:`close` with its reason (a pooled session tells its worker), and what that
+    #: started: the worker's answer, with what it captured.
+    on_close: Callable[[str], None] | None = field(default=None, repr=False)
+    closing: Completion[Any] | None = field(default=None, repr=False)
     #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
     _drained: anyio.Event | None = None
 
@@ -85,6 +90,8 @@ class CaptureSession:
         self.stores.clear()
         for scope in list(self._inflight):
             scope.cancel()
+        if self.on_close is not None:
+            self.on_close(reason)
 
     def lose(self, error: BaseException) -> None:
         """The session's endpoint worker died: its body and engine calls are cancelled, its rollout fails with

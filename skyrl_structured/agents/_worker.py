@@ -134,6 +134,8 @@ class _Link:
             entry = self._calls.pop(frame[1], None)
             if entry is not None and not entry[2].done():
                 entry[2].set_exception(error_from(frame[2]))
+        elif kind in ("attached", "detached"):
+            server.detached = kind == "detached"
         elif kind == "ended":
             for key, session_id, rollout in frame[1]:
                 server.remember_ended(key, session_id, rollout)

@@ -275,6 +275,8 @@ class CaptureWorkers:
         self.restarts = 0
         self.sessions_lost = 0
         self._closing = False
+        #: The ``serve_capture`` blocks attached now (0: the workers say the endpoint has closed).
+        self._attached = 0
 
     @property
     def size(self) -> int:
@@ -315,6 +317,17 @@ class CaptureWorkers:
             self.placed[(batch, index)] = worker
             return worker
 
+    def attach(self, change: int) -> None:
+        """A ``serve_capture`` block attached (+1) or detached (-1); the workers hear when none or the first is."""
+        with self._lock:
+            self._attached += change
+            frame = (
+                ("attached",) if self._attached == 1 and change > 0 else ("detached",) if not self._attached else None
+            )
+        if frame is not None:
+            for worker in list(self.workers):
+                worker.post(frame)
+
     def remember_ended(self, key: str, session_id: str, rollout: str) -> None:
         with self._lock:
             self.ended[key] = (session_id, rollout)
@@ -331,6 +344,7 @@ class CaptureWorkers:
             ended = list(self.ended.items())
         if ended:
             worker.post(("ended", [(key, sid, rollout) for key, (sid, rollout) in ended]))
+        worker.post(("attached",) if self._attached else ("detached",))
         if tombstone is not None:
             tombstone.stop()
 
