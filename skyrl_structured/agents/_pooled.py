@@ -185,6 +185,9 @@ async def attached(
                 await anyio.to_thread.run_sync(pool.shutdown, close_timeout_s or 1.0)
 
 
+#: How long a rollout whose worker has exited waits for the death to be seen (its reader joins the guardian).
+_DEATH_SEEN_S = 15.0
+
 #: Which attachment runs each worker's call, by (worker, call id): where a ``cancel`` frame goes.
 _running: dict[tuple[CaptureWorker, int], Attachment] = {}
 
@@ -251,6 +254,7 @@ async def pooled_session(
             try:
                 yield session
             except Exception as exc:
+                await _lost_with(worker, session)
                 if session.lost is not None:
                     raise session.lost from exc
                 raise
@@ -262,6 +266,16 @@ async def pooled_session(
         raise
     finally:
         await _close(server, worker, session, reason, cleanup_timeout_s, error)
+
+
+async def _lost_with(worker: CaptureWorker, session: CaptureSession) -> None:
+    """When the rollout failed as its worker died (its agent saw the connection drop before the trainer saw
+    the death), wait until the death reaches the session, so the rollout fails with the worker's error."""
+    if session.lost is not None or not worker.exited():
+        return
+    with anyio.move_on_after(_DEATH_SEEN_S):
+        while session.lost is None:  # noqa: ASYNC110 - set by the worker's reader thread through the loop
+            await anyio.sleep(0.005)
 
 
 def _begin_close(worker: CaptureWorker, session: CaptureSession, reason: str, limit_s: float) -> None:

@@ -61,12 +61,14 @@ Deliver = Callable[["CaptureWorker", Frame], None]
 
 
 def _signal_name(code: int | None) -> str:
-    if code is None or code >= 0:
+    """How a process ended: its signal's name (a negative code, or 128 + N as a shell reports it), or its code."""
+    if code is None or 0 <= code <= 128:
         return f"exit code {code}"
+    number = -code if code < 0 else code - 128
     try:
-        return signal.Signals(-code).name
+        return signal.Signals(number).name
     except ValueError:
-        return f"signal {-code}"
+        return f"exit code {code}"
 
 
 class CaptureWorker:
@@ -102,6 +104,31 @@ class CaptureWorker:
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._reap = threading.Lock()
+
+    def exited(self) -> bool:
+        """Whether the worker process has ended: read now, before its reader may have seen it.
+
+        Its channel is at EOF once the kernel closed its files (before the sockets of its connections, opened
+        later), or the process is a zombie.
+        """
+        if self.death is not None:
+            return True
+        if self.pid is None:
+            return False
+        try:
+            if self._channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                return True
+        except BlockingIOError:
+            pass
+        except OSError:
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", encoding="ascii") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+        except (IndexError, ValueError):
+            return False
 
     def __repr__(self) -> str:
         return f"capture endpoint worker {self.index} (pid {self.pid}, port {self.port})"
