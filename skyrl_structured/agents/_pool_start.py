@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import pickle
+import socket
 from typing import Any
 
 import anyio.to_thread
 
 from .._runtime.cores import auto_endpoint_workers, usable_cores
 from ..config import AUTO, AgentEndpointSettings
-from ._workers import CaptureWorkers, make_pool, worker_spec
+from ._routes import _advertised_url
+from ._workers import CaptureWorkers
 
-__all__ = ["START_S", "pool_metrics", "resolve_workers", "start_pool"]
+__all__ = ["START_S", "make_pool", "pool_metrics", "resolve_workers", "start_pool", "worker_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +103,59 @@ def pool_metrics(pool: CaptureWorkers | None, before: tuple[int, int, int]) -> d
 
 def pool_counts(pool: CaptureWorkers | None) -> tuple[int, int, int]:
     return (pool.deaths, pool.restarts, pool.sessions_lost) if pool is not None else (0, 0, 0)
+
+
+def worker_spec(
+    tokenizer: Any, model: str, chat_template_kwargs: dict[str, Any] | None, context_length: int | None
+) -> bytes:
+    """What every worker of a pool starts from, pickled once (the tokenizer among it).
+
+    Raises:
+        ValueError: the tokenizer cannot be pickled, or its class lives in ``__main__`` (which no worker imports).
+    """
+    for what, value in (("tokenizer", tokenizer), ("chat_template_kwargs", chat_template_kwargs)):
+        module = getattr(type(value), "__module__", "")
+        if module == "__main__":
+            raise ValueError(
+                f"the {what}'s class {type(value).__qualname__} is defined in __main__, which endpoint "
+                "workers never import"
+            )
+    settings = {
+        "tokenizer": tokenizer,
+        "model": model,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "context_length": context_length,
+    }
+    try:
+        return pickle.dumps(settings, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise ValueError(
+            f"the tokenizer cannot be pickled for the endpoint workers: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def make_pool(count: int, settings: AgentEndpointSettings, spec: bytes, *, mode: str = "") -> CaptureWorkers:
+    """A pool of ``count`` workers on ports bound now (``settings``' host, port and URL); not started yet.
+
+    Raises:
+        OSError: a port cannot be bound.
+    """
+    sockets = bind_ports(settings.agent_endpoint_host, settings.agent_endpoint_port, count)
+    urls = [_advertised_url(settings, int(one.getsockname()[1])) for one in sockets]
+    return CaptureWorkers(sockets, urls, spec, mode=mode)
+
+
+def bind_ports(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` listening sockets on ``host``: ``port`` onwards, or free ports (port 0). Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bound: list[socket.socket] = []
+    try:
+        for i in range(count):
+            one = socket.create_server((host, port + i if port else 0), family=family, backlog=4096)
+            one.set_inheritable(False)
+            bound.append(one)
+    except OSError:
+        for one in bound:
+            one.close()
+        raise
+    return bound

@@ -144,7 +144,7 @@ async def attached(
     server: CaptureServer, workers: int | CaptureWorkers, settings: AgentEndpointSettings, close_timeout_s: float
 ) -> AsyncIterator[CaptureServer]:
     """``serve_capture`` on endpoint workers: a pool of ``workers`` started for the block, or the pool given."""
-    from ._workers import make_pool, worker_spec
+    from ._pool_start import make_pool, worker_spec
 
     if isinstance(workers, int):
         spec = worker_spec(server.tokenizer, server.model, server.chat_template_kwargs, server.context_length)
@@ -236,12 +236,14 @@ async def pooled_session(
     # The worker hears of the close at once: its requests in flight answer 499 as the in-loop endpoint's do.
     session.on_close = lambda reason: _begin_close(worker, session, reason, cleanup_timeout_s)
     worker.sessions[key] = _Entry(session, attachment)
+    server._sessions[key] = session  # counted open here too (requests never look it up in the trainer)
     opened = worker.request(("open", key, session.id, rollout, sampling_params))
     try:
         await opened.wait()
         opened.result()
     except BaseException:
         worker.sessions.pop(key, None)
+        server._sessions.pop(key, None)
         worker.post(("close", 0, key, "cancelled", 0.0))  # opened there or not: forgotten there
         raise
     context.cleanup.envs_opened += 1
@@ -309,7 +311,7 @@ async def _close(
         drained = drained and worker_drained
     worker.sessions.pop(session.api_key, None)
     server.pool.remember_ended(session.api_key, session.id, session.rollout)
-    server.remember_ended(session.api_key, session.id, session.rollout)
+    server.end_session(session.api_key)
     if state is not None:
         restore_capture(session.capture, state)
     if drained and state is not None:

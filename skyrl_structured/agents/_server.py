@@ -171,7 +171,7 @@ class CaptureServer:
             return
         key = secrets.token_urlsafe(24)  # 192 bits, the credential
         context = self.rollout_context(context)
-        session = self.open_session(key, context.ref.session_id or "", rollout, sampling_params, context=context)
+        session = self.open_session(key, str(context.ref.session_id), rollout, sampling_params, context=context)
         session.base_url = f"{self.url}/sessions/{key}/v1"
         # An agent's environment is its capture session: observers and the cleanup stats count it
         # opened here and closed below, as they count a gym rollout's environment.
@@ -442,9 +442,8 @@ async def serve_capture(
     Anthropic's 400 "prompt is too long: N tokens > M maximum") before any engine call. Without it the
     engine's own refusal of a too-long prompt is answered the same way.
 
-    ``workers``: N > 0 serves the sessions' HTTP from N endpoint worker processes, one port each
-    (``url`` then needs ``{port}``; a fixed ``port`` binds ``port..port+N-1``), started for the block;
-    a pool (a generator's) is attached to for the block (see :mod:`._workers`).
+    ``workers``: N > 0 serves the sessions from N endpoint worker processes started for the block, one port
+    each (``url`` needs ``{port}``; a fixed ``port`` binds ``port..port+N-1``); a pool given is attached to.
 
     Raises:
         ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
