@@ -255,7 +255,7 @@ def test_the_knob_takes_auto_zero_or_a_count(value):
 def test_the_knob_refuses_anything_else_in_one_line(tokenizer, value):
     with pytest.raises(ValueError, match=r"^`generator.agent_endpoint_workers` must be \"auto\", 0 ") as caught:
         StructuredAgentGenerator(
-            ScriptedEngine.from_replies(tokenizer, "x"), tokenizer, chat, agent_endpoint_workers=value
+            ScriptedEngine.from_replies(tokenizer, "x"), tokenizer, lambda ctx: 1.0, agent_endpoint_workers=value
         )
     assert "\n" not in str(caught.value)
 
