@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL for a worker being killed.
 KILL_GRACE_S = 0.5
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
