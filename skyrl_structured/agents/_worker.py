@@ -40,15 +40,27 @@ _CLOSE_S = 1.0
 _CHUNK = 1 << 18
 
 
-def capture_main(channel: socket.socket, lifeline: Any, listener: socket.socket, spec: bytes, index: int) -> None:
-    """A worker process's whole life (started by :class:`~._workers.CaptureWorker`): serve until ``exit``."""
+def capture_main(
+    channel: socket.socket,
+    lifeline: Any,
+    listener: socket.socket,
+    spec: bytes,
+    index: int,
+    ended: list[tuple[str, str, str]],
+) -> None:
+    """A worker process's whole life (started by :class:`~._workers.CaptureWorker`): serve until ``exit``.
+
+    ``ended`` are the sessions a replaced worker's port answers ``rollout_ended`` for: ``(key, id, rollout)``.
+    """
     guarded_child(lifeline)
     # The worker is in its own session; a SIGINT sent to it anyway is ignored: the trainer decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    anyio.run(_serve, channel, listener, spec, index, backend="asyncio")
+    anyio.run(_serve, channel, listener, spec, index, ended, backend="asyncio")
 
 
-async def _serve(channel: socket.socket, listener: socket.socket, spec: bytes, index: int) -> None:
+async def _serve(
+    channel: socket.socket, listener: socket.socket, spec: bytes, index: int, ended: list[tuple[str, str, str]]
+) -> None:
     settings: dict[str, Any] = pickle.loads(spec)
     server = CaptureServer(
         None,  # type: ignore[arg-type]  # the engine is the trainer's: every call goes through the channel
@@ -57,6 +69,8 @@ async def _serve(channel: socket.socket, listener: socket.socket, spec: bytes, i
         chat_template_kwargs=settings["chat_template_kwargs"],
         context_length=settings["context_length"],
     )
+    for key, session_id, rollout in ended:
+        server.remember_ended(key, session_id, rollout)
     stream = await anyio.abc.UNIXSocketStream.from_socket(channel)
     link = _Link(stream, server)
     server.sampler = link.sample

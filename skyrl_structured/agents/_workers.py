@@ -72,7 +72,15 @@ def _signal_name(code: int | None) -> str:
 class CaptureWorker:
     """One endpoint worker process on one port, and the two threads that carry its channel."""
 
-    def __init__(self, pool: CaptureWorkers, index: int, listener: socket.socket, url: str, spec: bytes) -> None:
+    def __init__(
+        self,
+        pool: CaptureWorkers,
+        index: int,
+        listener: socket.socket,
+        url: str,
+        spec: bytes,
+        ended: list[tuple[str, str, str]] | None = None,
+    ) -> None:
         self.pool = pool
         self.index = index
         self.listener = listener
@@ -84,7 +92,7 @@ class CaptureWorker:
         self._child_ends: tuple[Any, ...] = (child, lifeline_r)
         self.process = context.Process(
             target=capture_main,
-            args=(child, lifeline_r, listener, spec, index),
+            args=(child, lifeline_r, listener, spec, index, ended or []),
             name=f"capture-endpoint-{index}",
             daemon=True,
         )
@@ -420,7 +428,9 @@ class CaptureWorkers:
         with self._lock:
             if self._closing:
                 return
-            fresh = CaptureWorker(self, worker.index, worker.listener, worker.url, self._spec)
+            # The ended keys go with its start: its first answer on the port already knows them.
+            ended = [(key, sid, rollout) for key, (sid, rollout) in self.ended.items()]
+            fresh = CaptureWorker(self, worker.index, worker.listener, worker.url, self._spec, ended)
             self.workers[worker.index] = fresh
             self.restarts += 1
         fresh.start()
