@@ -12,6 +12,7 @@
      |    +-- MalformedEngineReplyError (also ValueError) the engine's reply breaks its contract
      |    +-- VisionFeatureError       (also ValueError) a render's image features cannot be read back
      |    +-- AgentError               (also RuntimeError) an agent rollout that cannot become a trajectory
+     |    +-- CaptureWorkerError       (also RuntimeError) the capture endpoint worker serving its session died
      +-- GeneratorOutputError          (a ValueError) a whole GeneratorOutput breaks SkyRL's contract
 
 Each rollout error keeps the standard-library base it had before the tree existed, so code that
@@ -28,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "AgentError",
+    "CaptureWorkerError",
     "EnvBoundaryError",
     "EnvWorkerError",
     "GeneratorOutputError",
@@ -118,6 +120,16 @@ class VisionFeatureError(RolloutError, ValueError):
 
 class AgentError(RolloutError, RuntimeError):
     """An agent rollout that cannot become a trajectory: no chat call captured, or a result without a reward."""
+
+
+class CaptureWorkerError(RolloutError, RuntimeError):
+    """The capture endpoint worker process serving an agent's session died (``agent_endpoint_workers``).
+
+    Only the rollouts whose sessions were on that worker fail with it (retried from scratch with
+    ``max_rollout_retries``, else placeholders with ``skip_failed_rollouts``); the worker is replaced on
+    the same port. The message names the worker's index, pid, port, signal or exit code and the
+    sessions it had open.
+    """
 
 
 class GeneratorOutputError(ValueError):

@@ -10,7 +10,8 @@ import copy
 import socket
 import textwrap
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -389,3 +390,12 @@ async def generate_paused_until(
             generator.resume()
         outer.cancel_scope.cancel()
     return result["out"], released_first
+
+
+@asynccontextmanager
+async def closing(generator: Any) -> AsyncIterator[Any]:
+    """The block, then ``generator.aclose()`` (its endpoint workers stop): inside a leak tracker, nothing is left."""
+    try:
+        yield generator
+    finally:
+        await generator.aclose()

@@ -23,6 +23,7 @@ from tests._agents import (
     batch,
     chat,
     client,
+    closing,
     error_of,
     hermes_template,
     one_call_agent,
@@ -45,7 +46,7 @@ async def test_an_openai_agent_trains_token_exact(tokenizer, anyio_backend):
     tracker = LeakTracker()
     engine = tool_engine(hermes)
     generator = StructuredAgentGenerator(tracker.track_engine(engine), hermes, tool_agent)
-    async with tracker:
+    async with tracker, closing(generator):
         out = await generator.generate(batch(2))
     validate_generator_output(2, out)
     skyrl_validate_generator_output(2, out)  # SkyRL's trainer's own check
@@ -198,7 +199,7 @@ async def test_cancelling_a_step_answers_499_aborts_the_engine_call_and_leaves_n
 
     tracker = LeakTracker()
     generator = StructuredAgentGenerator(tracker.track_engine(engine), tokenizer, agent)
-    async with tracker, generator.serving():
+    async with tracker, closing(generator), generator.serving():
         async with anyio.create_task_group() as group:
             group.start_soon(generator.generate, batch(1))
             await entered.wait()

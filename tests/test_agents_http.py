@@ -413,7 +413,9 @@ _FD_EXHAUSTION = textwrap.dedent(
     async def main():
         global failed
         failed = anyio.Event()
-        generator = StructuredAgentGenerator(ScriptedEngine(tokenizer, lambda call: "ok"), tokenizer, agent)
+        generator = StructuredAgentGenerator(  # the trainer's own accept loop runs out of descriptors: in-loop
+            ScriptedEngine(tokenizer, lambda call: "ok"), tokenizer, agent, agent_endpoint_workers=0
+        )
         with anyio.fail_after(120):
             out = await generator.generate({"prompts": [[{"role": "user", "content": "hi"}]], "env_extras": [{}]})
         print("reward", out["rewards"][0][-1], "logged", len(accept_failed))

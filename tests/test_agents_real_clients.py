@@ -329,6 +329,7 @@ async def test_a_mini_swe_agent_thread_ends_its_rollout_within_the_deadline_plus
         env_cleanup_timeout_s=CLEANUP_S,
         skip_failed_rollouts=True,
         failure_budget_action="warn",
+        agent_endpoint_workers=0,  # the in-loop endpoint's tombstone (workers keep their ports until aclose())
     )
     released_first = False
 

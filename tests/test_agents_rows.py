@@ -152,7 +152,9 @@ async def test_a_side_call_answered_last_does_not_become_the_row(tokenizer, anyi
         assert ctx.session.calls[-1].sampled_ids == script.side  # the side call completed last
         return 1.0
 
-    out = await StructuredAgentGenerator(script.engine, tokenizer, agent).generate(one_row())
+    # The agent reads the session's calls while it is open: the in-loop endpoint's (a worker's are in the worker).
+    generator = StructuredAgentGenerator(script.engine, tokenizer, agent, agent_endpoint_workers=0)
+    out = await generator.generate(one_row())
     validate_generator_output(1, out)
     assert_row_is_the_main_conversation(out, script, turns)
 
@@ -195,7 +197,9 @@ async def test_a_claude_code_like_side_call_is_not_the_row_and_step_wise_keeps_i
             assert ctx.session.calls[-1].sampled_ids == script.side  # the side call completed last
             return 1.0
 
-        generator = StructuredAgentGenerator(script.engine, tokenizer, agent, step_wise_trajectories=step_wise)
+        generator = StructuredAgentGenerator(  # the agent reads the open session's calls: the in-loop endpoint's
+            script.engine, tokenizer, agent, step_wise_trajectories=step_wise, agent_endpoint_workers=0
+        )
         outputs[step_wise] = await generator.generate(one_row())
     validate_generator_output(1, outputs[False])
     assert_row_is_the_main_conversation(outputs[False], scripts[False], 2)

@@ -35,6 +35,7 @@ from tests._agents import (
     batch,
     chat,
     client,
+    closing,
     error_of,
     hermes_template,
     one_call_agent,
@@ -255,7 +256,7 @@ async def test_a_pause_stops_agent_deadlines_and_a_rollout_past_its_deadline_get
     async def run() -> None:
         result["out"] = await generator.generate(batch(2))
 
-    async with tracker, generator.serving():
+    async with tracker, closing(generator), generator.serving():
         with anyio.fail_after(60):
             async with anyio.create_task_group() as group:
                 generator.pause()
@@ -359,7 +360,7 @@ async def test_stragglers_are_cut_their_requests_answered_499_and_their_command_
         straggler_cutoff=1 / 3,
         straggler_grace_s=0.0,
     )
-    async with tracker, generator.serving():
+    async with tracker, closing(generator), generator.serving():
         with anyio.fail_after(60):
             out = await generator.generate(batch(3))
         for rollout in ("q1_0", "q2_0"):

@@ -105,6 +105,7 @@ async def test_a_sync_agent_that_keeps_retrying_is_abandoned_past_the_cleanup_bo
         rollout_timeout_s=DEADLINE,
         env_cleanup_timeout_s=CLEANUP_S,
         skip_failed_rollouts=True,
+        agent_endpoint_workers=0,  # the in-loop endpoint's tombstone (workers keep their ports until aclose())
     )
     try:
         out, released_first = await generate_paused_until(

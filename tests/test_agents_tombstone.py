@@ -161,6 +161,7 @@ async def test_an_agent_abandoned_by_a_generate_call_without_serving_gets_the_40
         rollout_timeout_s=DEADLINE,
         env_cleanup_timeout_s=CLEANUP_S,
         skip_failed_rollouts=True,
+        agent_endpoint_workers=0,  # the in-loop endpoint's tombstone (workers keep their ports until aclose())
     )
     try:
         out, released_first = await generate_paused_until(generator, blocker.all_entered, row1_returned, late.go)
@@ -278,7 +279,9 @@ async def test_the_port_closes_once_the_last_of_several_abandoned_calls_returns(
 
 async def test_serving_keeps_its_live_endpoint_and_aclose_closes_the_port_kept_after_it(tokenizer, anyio_backend):
     call: Completion[None] = Completion()
-    generator = StructuredAgentGenerator(ScriptedEngine.from_replies(tokenizer, "ok"), tokenizer, lambda ctx: 1.0)
+    generator = StructuredAgentGenerator(  # the in-loop endpoint's tombstone (workers keep their ports until aclose())
+        ScriptedEngine.from_replies(tokenizer, "ok"), tokenizer, lambda ctx: 1.0, agent_endpoint_workers=0
+    )
     try:
         async with generator.serving() as server:
             async with server.session("t0_0") as session:
@@ -300,7 +303,11 @@ async def test_a_fixed_port_kept_for_abandoned_agents_is_taken_back_by_the_next_
         port = int(probe.getsockname()[1])
     call: Completion[None] = Completion()
     generator = StructuredAgentGenerator(
-        ScriptedEngine.from_replies(tokenizer, "ok"), tokenizer, lambda ctx: 1.0, agent_endpoint_port=port
+        ScriptedEngine.from_replies(tokenizer, "ok"),
+        tokenizer,
+        lambda ctx: 1.0,
+        agent_endpoint_port=port,
+        agent_endpoint_workers=0,  # the in-loop endpoint's tombstone (workers keep their ports until aclose())
     )
     try:
         async with generator.serving() as first, first.session("t0_0") as session:

@@ -94,10 +94,12 @@ def test_every_rollout_error_is_a_rollout_error_and_keeps_its_standard_library_b
         "MalformedEngineReplyError": ValueError,
         "VisionFeatureError": ValueError,
         "AgentError": RuntimeError,
+        "CaptureWorkerError": RuntimeError,
     }
     for name, base in expected_bases.items():
         cls = getattr(errors, name)
-        assert cls is getattr(skyrl_structured, name, None) or name == "AgentError"  # agents export their own
+        agents_own = name in ("AgentError", "CaptureWorkerError")  # skyrl_structured.agents exports these
+        assert cls is getattr(skyrl_structured, name, None) or agents_own
         assert issubclass(cls, skyrl_structured.RolloutError), name
         assert issubclass(cls, base), name
         assert name in errors.__doc__, f"{name} is missing from the tree in errors.py's docstring"

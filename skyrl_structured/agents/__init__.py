@@ -137,7 +137,7 @@ Streaming: a ``stream: true`` request of any API gets the same answer as that AP
 returns whole replies, so a reply is streamed once whole, not token by token (see docs/agents.md).
 """
 
-from ..errors import AgentError
+from ..errors import AgentError, CaptureWorkerError
 from ._apierrors import APIError
 from ._capture import Branch, CallRecord, Capture
 from ._check import CallCheck, CaptureCheck, check_capture
@@ -161,6 +161,7 @@ __all__ = [
     "CaptureCheck",
     "CaptureServer",
     "CaptureSession",
+    "CaptureWorkerError",
     "StructuredAgentGenerator",
     "SyncAgentFn",
     "check_agent_choice",

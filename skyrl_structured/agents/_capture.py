@@ -8,13 +8,14 @@ sampled ids and logprobs exactly as returned.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._conversation import decode, encode
 
-__all__ = ["Branch", "CallRecord", "CallTag", "Capture", "Prepared"]
+__all__ = ["Branch", "CallRecord", "CallTag", "Capture", "Prepared", "capture_state", "restore_capture"]
 
 
 # ----------------------------------------------------------------------------- branches
@@ -253,3 +254,15 @@ def _last_end_within(branch: Branch, rendered: str) -> tuple[int, int] | None:
         else:
             high = middle
     return branch.ends[low - 1] if low else None
+
+
+def capture_state(capture: Capture) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What a capture recorded, as plain data (branches, calls): what an endpoint worker sends the trainer."""
+    return [dataclasses.asdict(b) for b in capture.branches], [dataclasses.asdict(c) for c in capture.calls]
+
+
+def restore_capture(capture: Capture, state: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> None:
+    """Make ``capture`` hold what :func:`capture_state` took: the same branches and calls, field by field."""
+    branches, calls = state
+    capture.branches = [Branch(**{**b, "ends": [tuple(e) for e in b["ends"]]}) for b in branches]
+    capture.calls = [CallRecord(**{**c, "tag": CallTag(**c["tag"])}) for c in calls]

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import anyio
 import anyio.to_thread
 
 from .._output.collector import OutputSpec, collect
+from .._runtime.completion import Completion
 from .._runtime.contexts import BatchRequest, BatchShape, RolloutContext, sampling_params_dict
 from .._runtime.frame import BatchFrame, BatchJob, FramedGenerator
 from ..config import (
@@ -45,11 +47,13 @@ from ..types import (
 from ..validate import check_batch_input
 from ._capture import Capture
 from ._knobs import OUTPUT_KNOBS, read_knobs
+from ._pool_start import pool_counts, pool_metrics, start_pool
 from ._rows import step_wise as _step_wise
 from ._rows import trajectory as _trajectory
 from ._server import CaptureServer, CaptureSession, serve_capture
 from ._threads import AgentThreads, is_async_agent
 from ._tombstone import Afterlife
+from ._workers import CaptureWorkers
 
 __all__ = ["AgentContext", "AgentError", "AgentFn", "StructuredAgentGenerator", "SyncAgentFn"]
 
@@ -194,6 +198,11 @@ class StructuredAgentGenerator(FramedGenerator):
         self._agent_threads = AgentThreads(max_agent_threads)
         #: The closed endpoints whose ports still answer abandoned agent threads (see ``_tombstone``).
         self._afterlives: list[Afterlife] = []
+        #: The endpoint worker processes (``agent_endpoint_workers``), started at the first endpoint and kept
+        #: until :meth:`aclose` (shared by concurrent ``generate()`` calls); None: in the trainer's loop.
+        self._pool: CaptureWorkers | None = None
+        self._pool_started: Completion[None] | None = None
+        self._pool_finalizer: weakref.finalize[Any, Any] | None = None
 
     @classmethod
     def from_config(
@@ -238,7 +247,8 @@ class StructuredAgentGenerator(FramedGenerator):
         next endpoint.
         """
         self._afterlives = [a for a in self._afterlives if a.tombstone is not None]
-        if self.endpoint.agent_endpoint_port:
+        pool = await self._endpoint_pool()
+        if self.endpoint.agent_endpoint_port and pool is None:
             await self._stop_tombstones()  # they hold the port this endpoint binds
         async with serve_capture(
             self.inference_engine_client,
@@ -250,6 +260,7 @@ class StructuredAgentGenerator(FramedGenerator):
             url=self.endpoint.agent_endpoint_url,
             context_length=self.endpoint.agent_context_length,
             close_timeout_s=self.resilience.env_cleanup_timeout_s,
+            workers=pool if pool is not None else 0,
         ) as server:
             self._server = server
             try:
@@ -294,8 +305,32 @@ class StructuredAgentGenerator(FramedGenerator):
     async def aclose(self) -> None:
         """Close the ports that still answer abandoned agent threads (the endpoint itself lives inside
         ``generate()`` or :meth:`serving`): the gym generator's interface, for callers that close whichever
-        generator they built."""
+        generator they built. The endpoint worker processes stop here."""
         await self._stop_tombstones()
+        pool, self._pool, self._pool_started = self._pool, None, None
+        if pool is not None:
+            if self._pool_finalizer is not None:
+                self._pool_finalizer.detach()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(pool.shutdown)
+
+    async def _endpoint_pool(self) -> CaptureWorkers | None:
+        """The endpoint worker pool, started by the first endpoint (its start awaited off every rollout's clock)."""
+        if self._pool_started is None:
+            self._pool_started = started = Completion[None]()
+            try:
+                self._pool = await start_pool(self.endpoint, self.tokenizer, self.model, self.chat_template_kwargs)
+            except BaseException as exc:
+                self._pool_started = None
+                started.settle(None, exc if isinstance(exc, Exception) else RuntimeError("the start was cancelled"))
+                raise
+            if self._pool is not None:  # at garbage collection or interpreter exit, whichever comes first
+                self._pool_finalizer = weakref.finalize(self, self._pool.shutdown, 2.0)
+            started.settle(None)
+        else:
+            await self._pool_started.wait()
+            self._pool_started.result()
+        return self._pool
 
     async def _stop_tombstones(self) -> None:
         """Close every port kept answering for this generator's abandoned agents, and wait until it is closed."""
@@ -315,6 +350,7 @@ class StructuredAgentGenerator(FramedGenerator):
         ]
         #: The session of each rollout's successful attempt (for the agent metrics).
         captured: list[Capture | None] = [None] * len(request.prompts)
+        pool, before = self._pool, pool_counts(self._pool)
 
         async def rollout(i: int, context: RolloutContext) -> TrajectoryOutput | StepWiseOutput:
             started = time.monotonic()
@@ -359,7 +395,10 @@ class StructuredAgentGenerator(FramedGenerator):
             output=lambda result: collect(result, shape, self._output_spec(result.results)),
             default_params=dict(request.sampling_params or {}),
             batch_metadata=input_batch.get("batch_metadata"),
-            metrics=lambda _result: _capture_metrics([c for c in captured if c is not None]),
+            metrics=lambda _result: {
+                **_capture_metrics([c for c in captured if c is not None]),
+                **pool_metrics(pool, before),
+            },
         )
 
     def _output_spec(self, results: list[Any]) -> OutputSpec:

@@ -7,13 +7,29 @@ the route table is the registry's (:data:`~._wire.ROUTES`).
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._http import Request
+from ..config import AgentEndpointSettings
+from ..types import TrajectoryID
 from ._wire import ROUTES, SURROGATE_ESCAPE, APIError, check_encodable, messages
 
-__all__ = ["ROUTE_LIST", "error_shape", "json_body", "misplaced", "request_parts", "rollout_ended", "split_path"]
+if TYPE_CHECKING:
+    from ._capture import CallRecord
+    from ._session import CaptureSession
+
+__all__ = [
+    "ROUTE_LIST",
+    "closed_in_flight",
+    "error_shape",
+    "json_body",
+    "misplaced",
+    "request_parts",
+    "rollout_ended",
+    "split_path",
+]
 
 
 def rollout_ended(ended: tuple[str, str] | None, *, endpoint_closed: bool = False) -> APIError:
@@ -88,3 +104,38 @@ def split_path(path: str, headers: dict[str, str]) -> tuple[str | None, str | No
     if len(parts) >= 2 and parts[1] == "v1":
         return None, bearer, "/" + "/".join(parts[2:])
     return None, bearer, path
+
+
+def closed_in_flight(session: CaptureSession) -> APIError:
+    """The 499 of a request whose session closed while it was in flight."""
+    return APIError(
+        499,
+        f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
+        "the engine request was cancelled",
+    )
+
+
+def _number(calls: list[CallRecord], call: CallRecord) -> int:
+    """``call``'s index among the session's calls (the last one, unless calls of the session raced it)."""
+    for index in range(len(calls) - 1, -1, -1):
+        if calls[index] is call:
+            return index
+    return len(calls) - 1
+
+
+def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:
+    """The endpoint's root URL as agents are given it: the configured one with ``{port}`` filled, or host:port."""
+    if settings.agent_endpoint_url is not None:
+        return settings.agent_endpoint_url.replace("{port}", str(port)).rstrip("/")
+    host = settings.agent_endpoint_host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _engine_session_id(trajectory_id: TrajectoryID | None) -> str:
+    """A capture session's id (public): 128 random bits, after ``"<instance_id>_<repetition_id>~"`` for a
+    rollout with a trajectory id, so that routing over several servers
+    (:func:`~skyrl_structured.engines.routing.session_group`) places the session with its prompt group."""
+    token = secrets.token_hex(16)
+    if trajectory_id is None:
+        return token
+    return f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}~{token}"

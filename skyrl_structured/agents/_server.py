@@ -24,9 +24,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -38,10 +38,22 @@ from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
 from ..config import AgentEndpointSettings, ResilienceSettings
 from ..observe import RolloutObserver, RolloutRef
-from ..types import InferenceClient, InferenceEngineInput, TrajectoryID
+from ..types import InferenceClient, InferenceEngineInput
 from ._capture import CallRecord, CallTag, Capture, Prepared
 from ._conversation import render
-from ._routes import ROUTE_LIST, error_shape, json_body, misplaced, request_parts, rollout_ended, split_path
+from ._routes import (
+    ROUTE_LIST,
+    _advertised_url,
+    _engine_session_id,
+    _number,
+    closed_in_flight,
+    error_shape,
+    json_body,
+    misplaced,
+    request_parts,
+    rollout_ended,
+    split_path,
+)
 from ._rows import call_tag
 from ._session import CaptureSession
 from ._tombstone import Afterlife
@@ -54,6 +66,9 @@ from ._wire import (
     WireAPI,
     context_refusal,
 )
+
+if TYPE_CHECKING:
+    from ._workers import CaptureWorkers
 
 __all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
 
@@ -69,6 +84,10 @@ _LOOPBACK = ("127.", "::1", "localhost")
 #: ``finish_session`` (each shielded): a hung engine cannot keep a rollout from ending. The generator
 #: passes its ``env_cleanup_timeout_s``; this is that knob's default.
 _CLEANUP_BOUND_S: float = ResilienceSettings.env_cleanup_timeout_s
+
+
+#: ``sampler(session, prepared, sampling, prompt_param) -> CallRecord``: one call sampled and recorded.
+Sampler = Callable[[CaptureSession, Prepared, dict[str, Any], str], Awaitable[CallRecord]]
 
 
 def _error_response(error: APIError, shape: Callable[[APIError], Any] = APIError.body) -> Response:
@@ -106,6 +125,16 @@ class CaptureServer:
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
         #: The agent calls abandoned on this endpoint, and its tombstone once closed (see :mod:`._tombstone`).
         self.afterlife = Afterlife()
+        #: How a prepared call is sampled and recorded: the engine in this loop (an endpoint worker's samples
+        #: through the trainer instead, :mod:`._worker`).
+        self.sampler: Sampler = self._sample
+        #: The endpoint worker processes serving this endpoint's sessions (None: served in this loop).
+        self.pool: Any = None
+        #: The calls of pooled sessions the trainer runs (see :mod:`._pooled`), set while attached.
+        self.attachment: Any = None
+        #: An endpoint worker's: no ``generate()`` or ``serving()`` holds its pool now (ended sessions' answers
+        #: then say the endpoint has closed, as a tombstone's do).
+        self.detached = False
 
     @property
     def open_sessions(self) -> int:
@@ -132,24 +161,18 @@ class CaptureServer:
         (:class:`~skyrl_structured._runtime.sessions.SessionEnd`), each wait shielded and bounded by
         ``cleanup_timeout_s``.
         """
+        if self.pool is not None:  # sessions served by endpoint worker processes (agent_endpoint_workers)
+            from ._pooled import pooled_session
+
+            async with pooled_session(
+                self, rollout, sampling_params=sampling_params, context=context, cleanup_timeout_s=cleanup_timeout_s
+            ) as pooled:
+                yield pooled
+            return
         key = secrets.token_urlsafe(24)  # 192 bits, the credential
-        if context is None:
-            context = RolloutContext(
-                BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
-            )
-        session_id = _engine_session_id(context.ref.trajectory_id)
-        context.ref = dataclasses.replace(context.ref, session_id=session_id)
-        session = CaptureSession(
-            id=session_id,
-            api_key=key,
-            rollout=rollout,
-            base_url=f"{self.url}/sessions/{key}/v1",
-            capture=Capture(self.tokenizer, self.chat_template_kwargs),
-            sampling_params=sampling_params,
-            context=context,
-            _afterlife=self.afterlife,
-        )
-        self._sessions[key] = session
+        context = self.rollout_context(context)
+        session = self.open_session(key, str(context.ref.session_id), rollout, sampling_params, context=context)
+        session.base_url = f"{self.url}/sessions/{key}/v1"
         # An agent's environment is its capture session: observers and the cleanup stats count it
         # opened here and closed below, as they count a gym rollout's environment.
         context.cleanup.envs_opened += 1
@@ -171,12 +194,56 @@ class CaptureServer:
             else:  # requests left running past the bound, as a gym env's abandoned close
                 context.cleanup.env_cleanup_timeouts += 1
                 context.emit(RolloutObserver.cleanup_finished, "env_close", "timeout", None)
-            del self._sessions[key]
-            self._ended[key] = (session_id, rollout)
-            while len(self._ended) > _TOMBSTONES:
-                self._ended.popitem(last=False)
+            self.end_session(key)
             if session.engine_requests:
-                await run_cleanups([SessionEnd(context, session_id)], limit_s=cleanup_timeout_s, error=error)
+                await run_cleanups([SessionEnd(context, session_id=session.id)], limit_s=cleanup_timeout_s, error=error)
+
+    def rollout_context(self, context: RolloutContext | None) -> RolloutContext:
+        """The rollout attempt a new session belongs to (a context of its own when None), its ref given a fresh
+        engine session id."""
+        if context is None:
+            context = RolloutContext(
+                BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
+            )
+        context.ref = dataclasses.replace(context.ref, session_id=_engine_session_id(context.ref.trajectory_id))
+        return context
+
+    def open_session(
+        self,
+        key: str,
+        session_id: str,
+        rollout: str,
+        sampling_params: dict[str, Any] | None,
+        *,
+        context: RolloutContext | None = None,
+    ) -> CaptureSession:
+        """A session this endpoint answers from now on, by ``key`` (an endpoint worker's, or :meth:`session`'s)."""
+        if context is None:
+            context = RolloutContext(
+                BatchContext(generator=self, client=self.client, default_params={}), RolloutRef(0, 1, None)
+            )
+        session = CaptureSession(
+            id=session_id,
+            api_key=key,
+            rollout=rollout,
+            base_url="",
+            capture=Capture(self.tokenizer, self.chat_template_kwargs),
+            sampling_params=sampling_params,
+            context=context,
+            _afterlife=self.afterlife,
+        )
+        self._sessions[key] = session
+        return session
+
+    def end_session(self, key: str) -> None:
+        """Forget a closed session but for the bounded record a late request hears which rollout ended from."""
+        session = self._sessions.pop(key)
+        self.remember_ended(key, session.id, session.rollout)
+
+    def remember_ended(self, key: str, session_id: str, rollout: str) -> None:
+        self._ended[key] = (session_id, rollout)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
 
     # ------------------------------------------------------------------ the one handler
 
@@ -244,8 +311,8 @@ class CaptureServer:
             return Response.json(200, api.count(len(prepared.prompt_ids)))
         if self.context_length is not None and len(prepared.prompt_ids) > self.context_length:
             raise ContextLengthError(len(prepared.prompt_ids), self.context_length, turn.prompt_param)
-        call = await self._sample(session, prepared, dict(turn.conversation.sampling), turn.prompt_param)
-        exchange.index = len(session.calls) - 1  # recorded just now, with no await since: this call's number
+        call = await self.sampler(session, prepared, dict(turn.conversation.sampling), turn.prompt_param)
+        exchange.index = _number(session.calls, call)
         reply = api.reply(call, turn, exchange)
         if turn.stream:
             return Response.events((api.stream(reply, turn),))
@@ -279,7 +346,7 @@ class CaptureServer:
             return session
         ended = (session.id, session.rollout) if session is not None else self._ended.get(key)
         if ended is not None:
-            raise rollout_ended(ended)
+            raise rollout_ended(ended, endpoint_closed=self.detached)
         raise APIError(404, f"capture session `{key}` is unknown or closed")
 
     def _closed_answer(self, request: Request | None) -> Response:
@@ -302,7 +369,17 @@ class CaptureServer:
     async def _sample(
         self, session: CaptureSession, prepared: Prepared, params: dict[str, Any], prompt_param: str
     ) -> CallRecord:
-        """Send a prepared call to the engine and record it: what every API's route answers from.
+        """Send a prepared call to the engine and record it: what every API's route answers from (in-loop)."""
+        text, sampled, stop_reason, logprobs = await self.engine_sample(
+            session, prepared.prompt_ids, params, prompt_param
+        )
+        return session.capture.record(prepared, sampled, logprobs, stop_reason, text)
+
+    async def engine_sample(
+        self, session: CaptureSession, prompt_ids: list[int], params: dict[str, Any], prompt_param: str
+    ) -> tuple[str, list[int], str, list[float] | None]:
+        """One engine call of a session (seeded, on the rollout's pause clock, heard by its observers):
+        ``(text, sampled ids, stop reason, logprobs)``, returned only while the session is open.
 
         Raises:
             ContextLengthError: the engine refused the prompt as longer than its context (400).
@@ -311,7 +388,7 @@ class CaptureServer:
         context = session.context
         turn = session.engine_requests
         request: InferenceEngineInput = {
-            "prompt_token_ids": [prepared.prompt_ids],
+            "prompt_token_ids": [prompt_ids],
             "sampling_params": context.request_params(params, turn),  # seeded with generator.sampling_seed
             "session_ids": [session.id],
         }
@@ -322,10 +399,10 @@ class CaptureServer:
                 # The rollout's pause clock is the current one here too (HTTPEngine's request timeout stops).
                 with use_clock(context.batch.pauses):
                     text, sampled, stop_reason, logprobs, _ = await engine_call(
-                        context, turn, len(prepared.prompt_ids), lambda: context.client.generate(request)
+                        context, turn, len(prompt_ids), lambda: context.client.generate(request)
                     )
             except Exception as exc:
-                refusal = context_refusal(exc, len(prepared.prompt_ids), prompt_param)
+                refusal = context_refusal(exc, len(prompt_ids), prompt_param)
                 if refusal is not None:
                     raise refusal from None
                 logger.warning("capture endpoint: the engine failed for rollout %s: %r", session.rollout, exc)
@@ -333,12 +410,8 @@ class CaptureServer:
             finally:
                 session._request_ended(scope)
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
-                return session.capture.record(prepared, sampled, logprobs, stop_reason, text)
-        raise APIError(
-            499,
-            f"rollout {session.rollout} ended ({session.close_reason}) while this request was in flight; "
-            "the engine request was cancelled",
-        )
+                return text, sampled, stop_reason, logprobs
+        raise closed_in_flight(session)
 
 
 @asynccontextmanager
@@ -353,6 +426,7 @@ async def serve_capture(
     url: str | None = None,
     close_timeout_s: float = _CLEANUP_BOUND_S,
     context_length: int | None = None,
+    workers: int | CaptureWorkers = 0,
 ) -> AsyncIterator[CaptureServer]:
     """Serve a capture endpoint in front of ``client`` until the block exits.
 
@@ -368,6 +442,9 @@ async def serve_capture(
     Anthropic's 400 "prompt is too long: N tokens > M maximum") before any engine call. Without it the
     engine's own refusal of a too-long prompt is answered the same way.
 
+    ``workers``: N > 0 serves the sessions from N endpoint worker processes started for the block, one port
+    each (``url`` needs ``{port}``; a fixed ``port`` binds ``port..port+N-1``); a pool given is attached to.
+
     Raises:
         ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
         ValueError: a bad setting (see :class:`~skyrl_structured.config.AgentEndpointSettings`).
@@ -375,12 +452,23 @@ async def serve_capture(
     from ..engines._optional import import_optional
 
     import_optional("h11", "http", needed_by="serve_capture")
-    settings = AgentEndpointSettings(agent_endpoint_host=host, agent_endpoint_port=port, agent_endpoint_url=url)
+    settings = AgentEndpointSettings(
+        agent_endpoint_host=host,
+        agent_endpoint_port=port,
+        agent_endpoint_url=url,
+        agent_endpoint_workers=workers if isinstance(workers, int) else workers.size,
+    )
     if context_length is not None and (type(context_length) is not int or context_length < 1):
         raise ValueError(f"`context_length` must be a positive integer or None, got {context_length!r}")
     server = CaptureServer(
         client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs, context_length=context_length
     )
+    if not isinstance(workers, int) or workers:
+        from ._pooled import attached
+
+        async with attached(server, workers, settings, close_timeout_s) as pooled:
+            yield pooled
+        return
     what = "capture endpoint"
     async with serve(
         server._route,
@@ -407,21 +495,3 @@ async def serve_capture(
             # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
             # The tombstone duplicates the listening sockets before the server closes them.
             server.afterlife.bury(http.sockets, server._closed_answer, what=what)
-
-
-def _advertised_url(settings: AgentEndpointSettings, port: int) -> str:
-    """The endpoint's root URL as agents are given it: the configured one with ``{port}`` filled, or host:port."""
-    if settings.agent_endpoint_url is not None:
-        return settings.agent_endpoint_url.replace("{port}", str(port)).rstrip("/")
-    host = settings.agent_endpoint_host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _engine_session_id(trajectory_id: TrajectoryID | None) -> str:
-    """A capture session's id (public): 128 random bits, after ``"<instance_id>_<repetition_id>~"`` for a
-    rollout with a trajectory id, so that routing over several servers
-    (:func:`~skyrl_structured.engines.routing.session_group`) places the session with its prompt group."""
-    token = secrets.token_hex(16)
-    if trajectory_id is None:
-        return token
-    return f"{trajectory_id.instance_id}_{trajectory_id.repetition_id}~{token}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,16 @@ class CaptureSession:
     #: The endpoint's abandoned agent calls (its server's): set by :meth:`CaptureServer.session`.
     _afterlife: Afterlife = field(default_factory=Afterlife, repr=False)
     _inflight: set[anyio.CancelScope] = field(default_factory=set)
+    #: The endpoint worker serving the session (``agent_endpoint_workers``), by index; None: the trainer's loop.
+    worker: int | None = None
+    #: Why the session was lost before its close (its endpoint worker died): its rollout fails with it.
+    lost: BaseException | None = None
+    #: The scope of the session's body, which :meth:`lose` cancels (pooled sessions).
+    _body: anyio.CancelScope | None = field(default=None, repr=False)
+    #: Called once by :meth:`close` with its reason (a pooled session tells its worker), and what that
+    #: started: the worker's answer, with what it captured.
+    on_close: Callable[[str], None] | None = field(default=None, repr=False)
+    closing: Completion[Any] | None = field(default=None, repr=False)
     #: Set once the last in-flight request of a closed session has ended (made by :meth:`_drain`).
     _drained: anyio.Event | None = None
 
@@ -77,6 +88,19 @@ class CaptureSession:
         self.close_reason = reason
         self.closes += 1
         self.stores.clear()
+        for scope in list(self._inflight):
+            scope.cancel()
+        if self.on_close is not None:
+            self.on_close(reason)
+
+    def lose(self, error: BaseException) -> None:
+        """The session's endpoint worker died: its body and engine calls are cancelled, its rollout fails with
+        ``error`` (in the event loop's thread)."""
+        if self.lost is not None or self.closed:
+            return
+        self.lost = error
+        if self._body is not None:
+            self._body.cancel()
         for scope in list(self._inflight):
             scope.cancel()
 

@@ -200,6 +200,13 @@ class GeneratorConfig:
         "engine call; null: only when the engine refuses it.",
         _ENDPOINT_DEFAULTS.agent_context_length,
     )
+    agent_endpoint_workers: int | str = _help(
+        "With an agent: the capture endpoint's worker processes, which serve the agents' HTTP (parse, chat "
+        "template, tokenizing) off the trainer's event loop, each on a port of its own (agent_endpoint_url then "
+        "needs {port}; a fixed agent_endpoint_port P binds P..P+N-1). auto: one per usable core beyond the "
+        "first, at most 8; 0: in the trainer's event loop.",
+        _ENDPOINT_DEFAULTS.agent_endpoint_workers,
+    )
 
     def __post_init__(self) -> None:
         if self.eval_sampling_params is None:

@@ -130,9 +130,13 @@ class AgentEndpointSettings:
     agent_endpoint_url: str | None = None
     #: The model's context length in tokens, when known: a longer prompt gets its API's own 400 before any engine call.
     agent_context_length: int | None = None
+    #: Endpoint worker processes serving the sessions' HTTP (``"auto"``: one per usable core beyond the first,
+    #: at most 8; 0: in the trainer's event loop). Each listens on a port of its own.
+    agent_endpoint_workers: int | str = "auto"
 
     def __post_init__(self) -> None:
         host, port, url = self.agent_endpoint_host, self.agent_endpoint_port, self.agent_endpoint_url
+        self._check_workers()
         length = self.agent_context_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise invalid_value(
@@ -165,6 +169,28 @@ class AgentEndpointSettings:
                 url,
                 f"the URL agents reach this machine at when generator.agent_endpoint_host={host!r} (every address)",
                 "Set it, e.g. generator.agent_endpoint_url=http://10.0.0.5:{port} ({port} becomes the port bound).",
+            )
+
+    def _check_workers(self) -> None:
+        workers, port, url = self.agent_endpoint_workers, self.agent_endpoint_port, self.agent_endpoint_url
+        if workers != AUTO and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            raise invalid_value(
+                "generator.agent_endpoint_workers",
+                workers,
+                '"auto", 0 (the endpoint in the trainer\'s event loop) or a number of endpoint worker processes',
+                with_type=True,
+            )
+        if not isinstance(workers, int) or workers == 0:
+            return
+        if isinstance(url, str) and "{port}" not in url:
+            raise ValueError(
+                f"generator.agent_endpoint_workers={workers} needs one port per worker but "
+                f"generator.agent_endpoint_url={url!r} names one; put {{port}} in it or set agent_endpoint_workers=0"
+            )
+        if isinstance(port, int) and port and port + workers - 1 > 65535:
+            raise ValueError(
+                f"generator.agent_endpoint_workers={workers} binds ports {port}..{port + workers - 1} "
+                f"(generator.agent_endpoint_port={port} onwards), past 65535; lower the port or the workers"
             )
 
 

@@ -30,23 +30,24 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from multiprocessing import spawn
 from typing import Any
 
 from .._runtime.reaper import kill_tree
+from .._runtime.spawning import FORKSERVER_PRELOAD as FORKSERVER_PRELOAD
+from .._runtime.spawning import start_method as _default_start_method
+from .._runtime.spawning import without_main as _without_main
+from .._runtime.spawning import worker_context
 from ..types import SkyRLConfig
 from ._crossing import decode, encode_request
 from ._executors import EnvWorkerError, worker_pool_knobs
 from ._pool import Reply, Transport, WorkerPool
 from ._remote_executor import RemoteEnvExecutor
-from ._worker import MAIN_KEYS, Request, WorkerOp, dumps, one_line, process_main
+from ._worker import Request, WorkerOp, dumps, one_line, process_main
 
 __all__ = ["ProcessEnvExecutor", "ProcessWorker", "process_executor"]
 
@@ -54,37 +55,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL for a worker being killed.
 KILL_GRACE_S = 0.5
-#: What the fork server imports before forking workers (never ``__main__``: see the module docstring).
-FORKSERVER_PRELOAD = ("skyrl_gym", "skyrl_structured.envs._worker")
-
-_lean = threading.local()
-_original_preparation_data: Callable[[str], dict[str, Any]] = spawn.get_preparation_data
-
-
-def _preparation_data(name: str) -> dict[str, Any]:
-    """multiprocessing's preparation data, less the main module inside :func:`_without_main`."""
-    data = _original_preparation_data(name)
-    if getattr(_lean, "active", False):
-        for key in MAIN_KEYS:
-            data.pop(key, None)
-    return data
-
-
-@contextlib.contextmanager
-def _without_main() -> Iterator[None]:
-    """Start processes in this block (this thread only) without re-running ``__main__`` in them.
-
-    Both hand-offs (``popen_forkserver`` and ``popen_spawn_posix``) read ``spawn.get_preparation_data``
-    when they launch: it is wrapped once, and the wrapper drops the main keys only for a thread inside
-    this block, so every other user of multiprocessing sees the standard behaviour.
-    """
-    if spawn.get_preparation_data is not _preparation_data:
-        spawn.get_preparation_data = _preparation_data
-    _lean.active = True
-    try:
-        yield
-    finally:
-        _lean.active = False
 
 
 def _signal_name(number: int) -> str:
@@ -389,15 +359,7 @@ class ProcessEnvExecutor(RemoteEnvExecutor):
         warm: int = 0,
         max_rss_mb: float | None = None,
     ) -> None:
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"env worker processes start with 'spawn' or 'forkserver', never {start_method!r}")
-        context = multiprocessing.get_context(start_method)
-        if start_method == "forkserver":
-            # The fork server imports these once; each worker forked from it then starts in milliseconds
-            # (a spawned one imports skyrl_gym afresh: about a second). No effect once the server runs.
-            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        context = worker_context(start_method or _default_start_method())
         pool = WorkerPool(
             workers,
             lambda index: ProcessWorker(index, context),

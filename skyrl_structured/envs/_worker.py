@@ -25,7 +25,6 @@ worker, even those that left its process group or session.
 from __future__ import annotations
 
 import collections
-import contextlib
 import importlib
 import inspect
 import logging
@@ -35,12 +34,13 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import skyrl_gym
 
-from .._runtime import reaper
+from .._runtime.guardian import guarded_child
 from .._runtime.native import new_env_runner
+from .._runtime.spawning import MAIN_KEYS as MAIN_KEYS
 
 __all__ = [
     "MAIN_KEYS",
@@ -70,8 +70,6 @@ WorkerOp = Literal["ping", "main", "make", "init", "step", "close", "skip", "exi
 #: One request on the wire: ``(reply id, operation, env key, payload)``.
 Request = tuple[int, WorkerOp, int, Any]
 
-#: The keys of multiprocessing's preparation data that make a child re-run the main module.
-MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 
 #: ``dumps`` of the process executor (Ray's actors use cloudpickle's).
 Dumps = Callable[[Any], bytes]
@@ -394,27 +392,6 @@ class _Inbox:
         return True
 
 
-def _lead_group() -> None:
-    """Make this process the leader of a process group of its own (a new session), which the worker
-    and its env's children join by default: the fallback kill where a tree cannot be walked."""
-    with contextlib.suppress(OSError):  # already a group leader (not the case when forked or spawned)
-        os.setsid()
-
-
-def _guard(worker: int, lifeline: Any) -> NoReturn:
-    """The guardian's whole life: the root of the worker's process tree (DESIGN rule 21).
-
-    It holds nothing of the worker's (its pipe to the generator must close with the worker) but the
-    lifeline, whose EOF says the generator's process is gone. When the worker exits or the generator
-    dies, it kills every process left in the tree (those that left the group or session included:
-    it is their child subreaper) and exits with the worker's status, which the generator reports.
-    """
-    keep = lifeline.fileno()
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 65536)
-    reaper.exit_like(reaper.guard(worker, keep))
-
-
 def _sender(conn: Any) -> Callable[[list[Any]], None]:
     def send(replies: list[Any]) -> None:
         conn.send_bytes(dumps(replies))  # ints, bools and bytes (see serve): nothing here can fail to pickle
@@ -429,18 +406,9 @@ def process_main(conn: Any, lifeline: Any) -> None:
     here still stops that call from starting. Replies go out in bursts: once the worker has nothing
     left to run, or after ``_FLUSH_AFTER_S``.
     """
-    _lead_group()
     # The process the generator started stays as the guardian, a child subreaper; the worker is its
     # child, so whatever the worker's envs start, and leave behind, stays in the guardian's tree.
-    reaper.become_subreaper()
-    guardian = os.getpid()
-    worker = os.fork()
-    if worker != 0:
-        _guard(worker, lifeline)
-    reaper.set_parent_death_signal(signal.SIGKILL)  # the guardian is single-threaded: a reliable parent
-    if os.getppid() != guardian:  # it died before the signal was armed
-        os._exit(70)
-    lifeline.close()
+    guarded_child(lifeline)
     # The worker is in its own session, out of the terminal's reach; a SIGINT sent to it anyway is
     # ignored: the generator decides what stops, and closes the envs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -164,6 +164,7 @@ class StructuredGeneratorConfig(_SkyRLGeneratorConfig):  # type: ignore[misc]  #
     agent_endpoint_port: int = _knob("agent_endpoint_port")
     agent_endpoint_url: str | None = _knob("agent_endpoint_url")
     agent_context_length: int | None = _knob("agent_context_length")
+    agent_endpoint_workers: int | str = _knob("agent_endpoint_workers")
 
 
 _GYM_FIELDS = {f.name: f for f in dataclasses.fields(SkyRLGymConfig)}
