@@ -146,7 +146,8 @@ from ._conversation import parse_tool_calls
 from ._default import default_agent
 from ._generator import AgentContext, AgentFn, StructuredAgentGenerator, SyncAgentFn
 from ._select import AGENT_VALUES, check_agent_choice, resolve_agent
-from ._server import CaptureServer, CaptureSession, serve_capture
+from ._serve import serve_capture
+from ._server import CaptureServer, CaptureSession
 
 __all__ = [
     "AGENT_VALUES",

@@ -50,7 +50,8 @@ from ._knobs import OUTPUT_KNOBS, read_knobs
 from ._pool_start import pool_counts, pool_metrics, start_pool
 from ._rows import step_wise as _step_wise
 from ._rows import trajectory as _trajectory
-from ._server import CaptureServer, CaptureSession, serve_capture
+from ._serve import serve_capture
+from ._server import CaptureServer, CaptureSession
 from ._threads import AgentThreads, is_async_agent
 from ._tombstone import Afterlife
 from ._workers import CaptureWorkers

@@ -1,6 +1,6 @@
 """The trainer's side of sessions served by endpoint worker processes (:mod:`._workers`).
 
-A :class:`Attachment` is one :func:`~._server.serve_capture` block on a pool (``generate()``'s, or
+A :class:`Attachment` is one :func:`~._serve.serve_capture` block on a pool (``generate()``'s, or
 ``serving()``'s): the task group the trainer's engine calls run in, and the event loop the workers'
 frames are handed to. :func:`pooled_session` is :meth:`~._server.CaptureServer.session` on a pool:
 the session is placed on a worker, opened there before it is yielded (``open``, awaited ``opened``),
@@ -29,7 +29,6 @@ from .._runtime.cleanup import run_cleanups
 from .._runtime.contexts import RolloutContext
 from .._runtime.sessions import SessionEnd
 from .._runtime.wakers import current_waker
-from ..config import AgentEndpointSettings
 from ..errors import CaptureWorkerError
 from ..observe import RolloutObserver
 from ._capture import Capture, restore_capture
@@ -135,29 +134,9 @@ def _cancelled(session: CaptureSession) -> APIError:
     )
 
 
-#: How long a pool started for one ``serve_capture`` block waits for its workers to be ready (a hang bound).
-START_S = 120.0
-
-
 @asynccontextmanager
-async def attached(
-    server: CaptureServer, workers: int | CaptureWorkers, settings: AgentEndpointSettings, close_timeout_s: float
-) -> AsyncIterator[CaptureServer]:
-    """``serve_capture`` on endpoint workers: a pool of ``workers`` started for the block, or the pool given."""
-    from ._pool_start import make_pool, worker_spec
-
-    if isinstance(workers, int):
-        spec = worker_spec(server.tokenizer, server.model, server.chat_template_kwargs, server.context_length)
-        pool = make_pool(workers, settings, spec)
-        pool.start()
-        try:
-            await anyio.to_thread.run_sync(pool.wait_ready, START_S)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(pool.shutdown)
-            raise
-    else:
-        pool = workers
+async def attached(server: CaptureServer, pool: CaptureWorkers) -> AsyncIterator[CaptureServer]:
+    """``serve_capture`` on endpoint workers: ``server``'s sessions served by ``pool`` for the block."""
     server.pool = pool
     server.url, server.port = pool.urls[0], pool.workers[0].port
     failure: Exception | None = None
@@ -178,11 +157,6 @@ async def attached(
             raise failure
     finally:
         server.attachment = None
-        if isinstance(workers, int):
-            # Agent threads abandoned on the endpoint may call again: its ports answer them until they return.
-            server.afterlife.bury(pool.sockets, server._closed_answer, what="capture endpoint")
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(pool.shutdown, close_timeout_s or 1.0)
 
 
 #: How long a rollout whose worker has exited waits for the death to be seen (its reader joins the guardian).

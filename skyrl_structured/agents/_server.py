@@ -26,24 +26,23 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from .._episode.calls import engine_call
-from .._http import Request, Response, serve
+from .._http import Request, Response
 from .._runtime.cleanup import run_cleanups
 from .._runtime.contexts import BatchContext, RolloutContext
 from .._runtime.pauses import use_clock
 from .._runtime.sessions import SessionEnd
-from ..config import AgentEndpointSettings, ResilienceSettings
+from ..config import ResilienceSettings
 from ..observe import RolloutObserver, RolloutRef
 from ..types import InferenceClient, InferenceEngineInput
 from ._capture import CallRecord, CallTag, Capture, Prepared
 from ._conversation import render
 from ._routes import (
     ROUTE_LIST,
-    _advertised_url,
     _engine_session_id,
     _number,
     closed_in_flight,
@@ -67,10 +66,7 @@ from ._wire import (
     context_refusal,
 )
 
-if TYPE_CHECKING:
-    from ._workers import CaptureWorkers
-
-__all__ = ["CaptureServer", "CaptureSession", "serve_capture"]
+__all__ = ["CaptureServer", "CaptureSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -412,86 +408,3 @@ class CaptureServer:
             if not session.closed:  # else the reply raced the close: the rollout no longer takes it (499)
                 return text, sampled, stop_reason, logprobs
         raise closed_in_flight(session)
-
-
-@asynccontextmanager
-async def serve_capture(
-    client: InferenceClient,
-    tokenizer: Any,
-    *,
-    model: str = "skyrl-agent",
-    chat_template_kwargs: dict[str, Any] | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    url: str | None = None,
-    close_timeout_s: float = _CLEANUP_BOUND_S,
-    context_length: int | None = None,
-    workers: int | CaptureWorkers = 0,
-) -> AsyncIterator[CaptureServer]:
-    """Serve a capture endpoint in front of ``client`` until the block exits.
-
-    It listens on ``host``:``port`` (port 0: a free one) and gives agents ``url`` (``{port}`` in it
-    becomes the port bound; None: ``http://host:port``) as the root of their base URLs: the
-    ``generator.agent_endpoint_*`` knobs (:class:`~skyrl_structured.config.AgentEndpointSettings`).
-    A failing ``accept`` (out of file descriptors) is retried, never raised. On exit, however the
-    block ends (a caller's cancellation included), the requests being answered are answered (a closed
-    session's 499) before their connections close, waiting at most ``close_timeout_s``.
-
-    ``context_length`` is the served model's context (vLLM's ``max_model_len``) when the caller knows it:
-    a prompt longer than it is answered in its API's own error (OpenAI's 400 ``context_length_exceeded``,
-    Anthropic's 400 "prompt is too long: N tokens > M maximum") before any engine call. Without it the
-    engine's own refusal of a too-long prompt is answered the same way.
-
-    ``workers``: N > 0 serves the sessions from N endpoint worker processes started for the block, one port
-    each (``url`` needs ``{port}``; a fixed ``port`` binds ``port..port+N-1``); a pool given is attached to.
-
-    Raises:
-        ImportError: h11 is missing (``pip install 'skyrl-structured[http]'``).
-        ValueError: a bad setting (see :class:`~skyrl_structured.config.AgentEndpointSettings`).
-    """
-    from ..engines._optional import import_optional
-
-    import_optional("h11", "http", needed_by="serve_capture")
-    settings = AgentEndpointSettings(
-        agent_endpoint_host=host,
-        agent_endpoint_port=port,
-        agent_endpoint_url=url,
-        agent_endpoint_workers=workers if isinstance(workers, int) else workers.size,
-    )
-    if context_length is not None and (type(context_length) is not int or context_length < 1):
-        raise ValueError(f"`context_length` must be a positive integer or None, got {context_length!r}")
-    server = CaptureServer(
-        client, tokenizer, model=model, chat_template_kwargs=chat_template_kwargs, context_length=context_length
-    )
-    if not isinstance(workers, int) or workers:
-        from ._pooled import attached
-
-        async with attached(server, workers, settings, close_timeout_s) as pooled:
-            yield pooled
-        return
-    what = "capture endpoint"
-    async with serve(
-        server._route,
-        _error_answer,
-        what=what,
-        max_body=_MAX_BODY,
-        host=host,
-        port=port,
-        close_timeout_s=close_timeout_s,
-    ) as http:
-        server.port = http.port
-        server.url = _advertised_url(settings, server.port)
-        if not host.startswith(_LOOPBACK):
-            logger.info(
-                "capture endpoint listening on %s port %d beyond loopback, given to agents as %s: each session's key "
-                "is its only credential, sent in plain HTTP",
-                host,
-                server.port,
-                server.url,
-            )
-        try:
-            yield server
-        finally:
-            # Agent threads abandoned on the endpoint may call again: its port answers them until they return.
-            # The tombstone duplicates the listening sockets before the server closes them.
-            server.afterlife.bury(http.sockets, server._closed_answer, what=what)

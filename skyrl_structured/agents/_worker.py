@@ -16,7 +16,6 @@ The worker is the child of a guardian (:mod:`~skyrl_structured._runtime.guardian
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pickle
 import signal
@@ -92,6 +91,31 @@ async def _serve(
         group.cancel_scope.cancel()
 
 
+class _Answer:
+    """The trainer's answer to one call: its record, or the error to raise in the handler (set once)."""
+
+    __slots__ = ("_error", "_event", "_record")
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._record: CallRecord | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def settle(self, record: CallRecord | None = None, *, error: BaseException | None = None) -> None:
+        self._record, self._error = record, error
+        self._event.set()
+
+    async def result(self) -> CallRecord:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._record is not None
+        return self._record
+
+
 class _Link:
     """The worker's end of its channel: frames in (dispatched at once), frames out (sent by one task)."""
 
@@ -102,7 +126,7 @@ class _Link:
         self._wake = anyio.Event()
         self._ids = 0
         #: Calls sent to the trainer and not answered: their session, prepared call and waiting handler.
-        self._calls: dict[int, tuple[CaptureSession, Prepared, asyncio.Future[CallRecord]]] = {}
+        self._calls: dict[int, tuple[CaptureSession, Prepared, _Answer]] = {}
         self.group: anyio.abc.TaskGroup | None = None
 
     def post(self, frame: Frame) -> None:
@@ -147,7 +171,7 @@ class _Link:
         elif kind == "fail":
             entry = self._calls.pop(frame[1], None)
             if entry is not None and not entry[2].done():
-                entry[2].set_exception(error_from(frame[2]))
+                entry[2].settle(error=error_from(frame[2]))
         elif kind in ("attached", "detached"):
             server.detached = kind == "detached"
         elif kind == "ended":
@@ -169,13 +193,13 @@ class _Link:
         entry = self._calls.pop(call_id, None)
         if entry is None:
             return  # its handler has gone (its client left): not recorded, as in-loop
-        session, prepared, future = entry
-        if future.done():
+        session, prepared, answer = entry
+        if answer.done():
             return
         if session.closed:
-            future.set_exception(closed_in_flight(session))
+            answer.settle(error=closed_in_flight(session))
             return
-        future.set_result(session.capture.record(prepared, sampled, logprobs, stop, text))
+        answer.settle(session.capture.record(prepared, sampled, logprobs, stop, text))
 
     async def sample(
         self, session: CaptureSession, prepared: Prepared, params: dict[str, Any], prompt_param: str
@@ -183,13 +207,13 @@ class _Link:
         """The sampler of a worker's sessions: the call goes to the trainer's engine; recorded as it comes back."""
         self._ids += 1
         call_id = self._ids
-        future: asyncio.Future[CallRecord] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (session, prepared, future)
+        answer = _Answer()
+        self._calls[call_id] = (session, prepared, answer)
         with anyio.CancelScope() as scope:
             session._inflight.add(scope)
             try:
                 self.post(("call", call_id, session.api_key, prepared.prompt_ids, params, prompt_param))
-                return await future
+                return await answer.result()
             finally:
                 session._request_ended(scope)
                 if self._calls.pop(call_id, None) is not None:  # left before its answer: the engine call stops
