@@ -69,6 +69,9 @@ EXECUTOR_ATTACKS: tuple[str, ...] = ("worker_killed_in_step", "step_past_deadlin
 _DEADLINE_S = 3.0
 #: Bounds a close, and how long workers may take to exit after ``aclose()``: generous, only a hang hits it.
 _CLEANUP_S = 30.0
+#: How long a worker may take to start: a start is the pool's time, not a case's verdict, and a Ray actor
+#: once took over the default 120 s with every core oversubscribed. Only a hang takes this long.
+_START_S = 600.0
 #: How often an env call running in a worker notes where it is (what a hang's report names).
 _WATCH_S = 0.1
 
@@ -346,6 +349,7 @@ async def _attack_case(attack: str, env_executor: EnvExecutorKind, setup: Setup)
     gym = SkyRLGymConfig(
         max_env_workers=workers,
         env_executor=env_executor,
+        env_worker_start_timeout_s=_START_S,
         env_configs={ATTACKED_ENV: setup.env_config or {}},
     )
     gen = StructuredGymGenerator(cfg, gym, ScriptedEngine(tokenizer, replies_by_turn(*setup.replies)), tokenizer)

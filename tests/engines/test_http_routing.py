@@ -34,6 +34,13 @@ from ._servers import Scripted, closed_port_url, echo, vllm_metrics
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(autouse=True)
+def _placements_wait_for_their_reading(monkeypatch):
+    """Each placement here is judged on the reading it starts: a loaded machine's /metrics answer can take
+    longer than the 0.5 s a placement waits (a group then went to the busy server), so only a hang ends it."""
+    monkeypatch.setattr(http_module, "_PLACEMENT_READ_S", 120.0)
+
+
 def batch(sessions: Sequence[str], prompt: list[int]) -> InferenceEngineInput:
     ids: list[Hashable] = list(sessions)
     return {"prompt_token_ids": [prompt] * len(ids), "session_ids": ids}
