@@ -379,3 +379,57 @@ async def test_after_generate_a_late_call_hears_its_rollout_ended_from_its_worke
         assert_rollout_ended(answer, name)
     finally:
         await generator.aclose()
+
+
+UNGUARDED = textwrap.dedent(
+    """
+    import os
+    with open("main_runs", "a") as runs:  # at import: a worker that ran this __main__ would add its own line
+        runs.write(f"{os.getpid()}\\n")
+    import torch  # a trainer's __main__ imports torch: a worker must never pay for it (nor run the rest)
+    import anyio
+    import httpx
+    from skyrl_structured.agents import StructuredAgentGenerator
+    from skyrl_structured.testing import ScriptedEngine
+    from skyrl_structured.tiny import build_chatml_tokenizer
+
+    async def agent(ctx):
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                f"{ctx.base_url}/chat/completions",
+                headers={"authorization": f"Bearer {ctx.api_key}"},
+                json={"model": ctx.model, "messages": ctx.prompt},
+            )
+        return 1.0 if answer.json()["choices"][0]["message"]["content"] == "4" else 0.0
+
+    tokenizer = build_chatml_tokenizer()
+    generator = StructuredAgentGenerator(
+        ScriptedEngine.from_replies(tokenizer, "4"), tokenizer, agent, agent_endpoint_workers=1
+    )
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2
+    out = anyio.run(generator.generate, {"prompts": prompts, "env_classes": ["agent"] * 2, "env_extras": [{}] * 2})
+    print("WORKERS", generator._pool.pids() if generator._pool else None, flush=True)
+    anyio.run(generator.aclose)
+    print("ROWS", out["stop_reasons"], out["rewards"], out["rollout_metrics"]["generate/agent_endpoint_workers_max"])
+    """
+)
+
+
+def test_a_trainer_script_without_a_main_guard_that_imports_torch_runs_once(tmp_path: Path):
+    """Workers never run the trainer's ``__main__``: an unguarded script's body runs once; its rows come back."""
+    (tmp_path / "train.py").write_text(UNGUARDED, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Each row's reward on its last token (the reply "4" and its end token): the agent was answered.
+    assert "ROWS ['stop', 'stop'] [[0.0, 1.0], [0.0, 1.0]] 1" in done.stdout, done.stdout
+    assert (tmp_path / "main_runs").read_text().splitlines() == [str(done_pid(tmp_path))]
+    workers = done.stdout.split("WORKERS ", 1)[1].splitlines()[0]
+    assert workers != "None"
+
+
+def done_pid(tmp_path: Path) -> int:
+    """The one process that ran the script's body (its first line)."""
+    return int((tmp_path / "main_runs").read_text().splitlines()[0])
