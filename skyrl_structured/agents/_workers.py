@@ -107,6 +107,7 @@ class CaptureWorker:
         self._seq = 0
         self._cond = threading.Condition(threading.Lock())
         self._out: list[bytes] = []
+        self._sending = False
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._reap = threading.Lock()
@@ -160,11 +161,29 @@ class CaptureWorker:
     # ------------------------------------------------------------------ frames
 
     def post(self, frame: Frame) -> None:
-        """Queue ``frame`` for the worker (dropped once it is dead)."""
+        """Send ``frame`` to the worker (dropped once it is dead), from any thread; never blocks.
+
+        When nothing is queued or being sent, the frame goes straight into the channel's socket buffer
+        (a non-blocking send); what does not fit, or comes while the writer thread sends, is queued for it.
+        Sending in place saves the writer thread a wake-up per reply, which is most of what it cost the
+        trainer's process (``benchmarks/agents.py``, see the CHANGELOG's issue 46 lines).
+        """
+        data = encode(frame)
         with self._cond:
-            if self.death is None and not self._closing:
-                self._out.append(encode(frame))
-                self._cond.notify()
+            if self.death is not None or self._closing:
+                return
+            if not self._out and not self._sending:
+                try:
+                    sent = self._channel.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    return  # the worker is gone: the reader reports it
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            self._out.append(data)
+            self._cond.notify()
 
     def request(self, frame: Frame) -> Completion[Any]:
         """Send ``frame`` with a sequence number after its kind; the completion its answer settles."""
@@ -189,10 +208,14 @@ class CaptureWorker:
                 if not self._out:
                     return
                 data, self._out = b"".join(self._out), []
+                self._sending = True  # :meth:`post` queues behind these bytes until they are all sent
             try:
                 self._channel.sendall(data)
             except OSError:
                 return  # the worker is gone: the reader reports it
+            finally:
+                with self._cond:
+                    self._sending = False
 
     def _read(self) -> None:
         buffer = FrameBuffer()
