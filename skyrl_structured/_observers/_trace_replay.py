@@ -361,9 +361,7 @@ class TraceBuilder:
                 continue
             replaced = up and pid is not None and seen.live_pid is not None and pid != seen.live_pid
             if not seen.down and ((seen.up and not up) or lost > seen.lost or restarts > seen.restarts or replaced):
-                self._endpoint_instant(
-                    "died", {"index": index, "pid": seen.live_pid, "port": port, "sessions_lost": lost}
-                )
+                self._endpoint_instant("died", {"index": index, "pid": seen.live_pid, "port": port})
                 seen.down = True
             if replaced:
                 args = {"index": index, "pid": pid, "port": port, "previous_pid": seen.live_pid, "restarts": restarts}

@@ -27,7 +27,7 @@ counter tracks too (``engine sessions`` and ``engine load``, one series per serv
 outlives the calls), holds each worker's open sessions as a counter track (``endpoint sessions``,
 one series ``worker <index>`` per slot, category ``agent_endpoint``), read about once a second and
 as soon as a worker dies or is replaced, with process-wide instants ``endpoint worker died`` (the
-slot's index, the dead pid, its port, the sessions its deaths failed) and ``endpoint worker replaced``
+slot's index, the dead pid, its port) and ``endpoint worker replaced``
 (the new pid and the previous one).
 
 While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
