@@ -58,6 +58,17 @@ class Heard(RolloutObserver):
             self.busy.set()
 
 
+class Broken(RolloutObserver):
+    """An observer whose reading raises: logged and skipped, never the call's failure."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def endpoint_workers_read(self, workers: Any) -> None:
+        self.calls += 1
+        raise RuntimeError("a broken dashboard")
+
+
 def one_chat_agent(ports: dict[str, int], keys: dict[str, tuple[str, str]] | None = None) -> Any:
     async def agent(ctx: AgentContext) -> float:
         ports[ctx.rollout] = port_of(ctx.base_url)
@@ -83,11 +94,11 @@ def gauge(observer: PrometheusObserver, name: str, worker: int) -> float | None:
 async def test_the_trace_and_prometheus_show_each_workers_open_sessions(tokenizer, anyio_backend, tmp_path):
     hold = Hold(tokenizer)
     ports: dict[str, int] = {}
-    heard, recorder, prometheus = Heard(), TraceRecorder(), PrometheusObserver()
+    heard, recorder, prometheus, broken = Heard(), TraceRecorder(), PrometheusObserver(), Broken()
     generator = StructuredAgentGenerator(
         ScriptedEngine(tokenizer, hold), tokenizer, one_chat_agent(ports), agent_endpoint_workers=2
     )
-    generator.observers.extend([recorder, heard, prometheus])
+    generator.observers.extend([broken, recorder, heard, prometheus])
     result: dict[str, Any] = {}
     try:
 
@@ -107,6 +118,7 @@ async def test_the_trace_and_prometheus_show_each_workers_open_sessions(tokenize
     finally:
         await generator.aclose()
     assert result["out"]["stop_reasons"] == ["stop"] * ROWS
+    assert broken.calls == 1  # skipped after it raised, for the rest of the call; the others heard on
     placed = [sum(1 for port in ports.values() if port == worker_ports[w]) for w in (0, 1)]
     assert placed == [2, 2]  # each new rollout on the worker with the fewest open sessions
     assert during == {0: 2.0, 1: 2.0}
