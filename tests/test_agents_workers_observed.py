@@ -19,6 +19,7 @@ from skyrl_structured.observe import EndpointWorker, PrometheusObserver, Rollout
 from skyrl_structured.testing import EngineCall, ScriptedEngine
 from tests._agents import batch, chat, port_of, question
 from tests._pids import gone_within_bound
+from tests.trace_check import spans_by_track
 
 pytestmark = pytest.mark.anyio
 
@@ -83,6 +84,7 @@ def one_chat_agent(ports: dict[str, int], keys: dict[str, tuple[str, str]] | Non
 def endpoint_events(recorder: TraceRecorder, tmp_path: Path) -> list[dict[str, Any]]:
     """The written trace's events about the endpoint workers (read back from the file, as a user would)."""
     trace = json.loads(recorder.write(tmp_path / "trace.json").read_text(encoding="utf-8"))
+    spans_by_track(trace)  # the whole trace well formed, the rollouts' spans nested
     return [e for e in trace["traceEvents"] if e.get("pid") == ENDPOINT_PID]
 
 
