@@ -419,10 +419,10 @@ class CaptureWorkers:
             return
         logger.warning("%s", error)
         if self._failed_starts[worker.index] >= MAX_FAILED_STARTS:
-            given_up = (worker.index, MAX_FAILED_STARTS)
             with self._lock:
                 self._given_up[worker.index] = error
-            logger.error("capture endpoint worker %d failed %d starts in a row; its port is given up", *given_up)
+            message = "capture endpoint worker %d failed %d starts in a row; its port is given up"
+            logger.error(message, worker.index, MAX_FAILED_STARTS)
         else:
             self._bury(worker)
             self._replace(worker)
