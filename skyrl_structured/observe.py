@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._observers.base import BatchEvent as BatchEvent
 from ._observers.base import CleanupKind as CleanupKind
 from ._observers.base import CleanupOutcome as CleanupOutcome
+from ._observers.base import EndpointWorker as EndpointWorker
 from ._observers.base import EngineRoute as EngineRoute
 from ._observers.base import EnvMethod as EnvMethod
 from ._observers.base import FinishedTrajectory as FinishedTrajectory
@@ -38,6 +39,7 @@ from ._observers.trace import TraceRecorder as TraceRecorder
 __all__ = [
     "CleanupKind",
     "CleanupOutcome",
+    "EndpointWorker",
     "EngineRoute",
     "EnvMethod",
     "FinishedTrajectory",

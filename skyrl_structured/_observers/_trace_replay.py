@@ -35,7 +35,15 @@ from .base import CleanupKind, CleanupOutcome, EnvMethod, RolloutRef
     ROLLOUT_CUT,
     ADMISSION,
     ROUTES,
-) = range(19)
+    WORKERS,
+) = range(20)
+
+#: The trace process of the agent endpoint's workers: the generator's pool, not one call's, so a process of its
+#: own (a pid no batch reaches; Perfetto takes pid 0 for the kernel's swapper).
+ENDPOINT_PID = 2**31 - 1
+
+#: One slot of the endpoint workers as logged: (index, pid, port, up, sessions, restarts, sessions lost).
+WorkerSlot = tuple[int, int | None, int, bool, int, int, int]
 
 
 #: The track's span names, by what they cover (categories group them in Perfetto's search and in plots).
@@ -79,6 +87,21 @@ def _err(name: str | None, text: str | None) -> _Err | None:
     return None if name is None or text is None else _Err(name, text)
 
 
+class _Seen:
+    """An endpoint worker slot as the last reading showed it: what tells a death or a replacement."""
+
+    __slots__ = ("down", "live_pid", "lost", "restarts", "up")
+
+    def __init__(self, pid: int | None, up: bool, restarts: int, lost: int) -> None:
+        #: The pid it last had while up (the worker a death is about).
+        self.live_pid = pid if up else None
+        self.up = up
+        self.restarts = restarts
+        self.lost = lost
+        #: Its death is told and no replacement is up yet.
+        self.down = not up
+
+
 class TraceBuilder:
     """Turns a recorder's log into trace events: replays it, each entry at its own time."""
 
@@ -90,6 +113,8 @@ class TraceBuilder:
         #: The args of each rollout's last ended attempt and rollout spans (a cut marks them afterwards).
         self._ended: dict[tuple[int, str], dict[str, Any]] = {}
         self._batch = 0
+        #: The endpoint worker slots seen so far, by index (the pool outlives the calls: never reset).
+        self._workers: dict[int, _Seen] = {}
 
     def events(self) -> list[dict[str, Any]]:
         return [_as_event(record) if isinstance(record, tuple) else record for record in self._records]
@@ -307,6 +332,58 @@ class TraceBuilder:
                 {"ph": "C", "name": name, "cat": "routing", "pid": self._batch, "ts": now, "args": args}
             )
 
+    def endpoint_workers(self, slots: tuple[WorkerSlot, ...]) -> None:
+        """Endpoint worker processes: each one's open sessions as a counter track, a death or a replacement as
+        an instant, in a process of their own (:data:`ENDPOINT_PID`)."""
+        now = self._now_us()
+        if not self._workers:
+            meta: tuple[tuple[str, dict[str, Any]], ...] = (
+                ("process_name", {"name": "agent endpoint workers"}),
+                ("process_sort_index", {"sort_index": 0}),
+            )
+            for name, args in meta:
+                self._records.append({"ph": "M", "name": name, "pid": ENDPOINT_PID, "tid": 0, "args": args})
+        sessions = {f"worker {slot[0]}": slot[4] for slot in slots}
+        self._records.append(
+            {
+                "ph": "C",
+                "name": "endpoint sessions",
+                "cat": "agent_endpoint",
+                "pid": ENDPOINT_PID,
+                "ts": now,
+                "args": sessions,
+            }
+        )
+        for index, pid, port, up, _, restarts, lost in slots:
+            seen = self._workers.get(index)
+            if seen is None:
+                self._workers[index] = _Seen(pid, up, restarts, lost)
+                continue
+            replaced = up and pid is not None and seen.live_pid is not None and pid != seen.live_pid
+            if not seen.down and ((seen.up and not up) or lost > seen.lost or restarts > seen.restarts or replaced):
+                self._endpoint_instant("died", {"index": index, "pid": seen.live_pid, "port": port})
+                seen.down = True
+            if replaced:
+                args = {"index": index, "pid": pid, "port": port, "previous_pid": seen.live_pid, "restarts": restarts}
+                self._endpoint_instant("replaced", args)
+            if up and pid is not None:
+                seen.live_pid, seen.down = pid, False
+            seen.up, seen.restarts, seen.lost = up, restarts, lost
+
+    def _endpoint_instant(self, what: str, args: dict[str, Any]) -> None:
+        self._records.append(
+            {
+                "ph": "i",
+                "s": "p",
+                "name": f"endpoint worker {what}",
+                "cat": "agent_endpoint",
+                "pid": ENDPOINT_PID,
+                "tid": 0,
+                "ts": self._now_us(),
+                "args": args,
+            }
+        )
+
     def batch_finished(self) -> None:
         self._close_all()
 
@@ -374,4 +451,5 @@ REPLAY: dict[int, Callable[..., None]] = {
     BATCH_ABORTED: lambda b, r, name, text: b.batch_aborted(_Err(name, text)),
     ADMISSION: lambda b, r, limit, previous, reason, kv: b.admission(limit, previous, reason, kv),
     ROUTES: lambda b, r, servers: b.routes(servers),
+    WORKERS: lambda b, r, slots: b.endpoint_workers(slots),
 }

@@ -20,6 +20,7 @@ __all__ = [
     "BatchEvent",
     "CleanupKind",
     "CleanupOutcome",
+    "EndpointWorker",
     "EngineRoute",
     "EnvMethod",
     "FinishedTrajectory",
@@ -69,6 +70,26 @@ class EngineRoute(Protocol):
     def read(self) -> bool: ...
     @property
     def past_bound(self) -> bool: ...
+
+
+class EndpointWorker(Protocol):
+    """One slot of the agent endpoint's worker processes (``generator.agent_endpoint_workers``), read now
+    (:class:`~skyrl_structured.agents._readings.WorkerReading`, named structurally)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def sessions(self) -> int: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def sessions_lost(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -239,6 +260,15 @@ class RolloutObserver:
         """The inference client routes over several servers (``HTTPEngine`` with more than one ``base_urls``):
         where its sessions are and each server's load, read about once a second while the call runs and
         at its end (``routes``: one per server, in the client's order). Heard by every running call's observers.
+        """
+
+    def endpoint_workers_read(self, workers: Sequence[EndpointWorker]) -> None:
+        """The agent capture endpoint runs in worker processes (``generator.agent_endpoint_workers`` above 0):
+        each slot's worker, read when the call starts, about once a second while it runs, as soon as a worker
+        dies or its replacement is ready, and at the call's end (``workers``: one per slot, by ``index``).
+        ``pid`` is None while a worker starts; ``up`` says it is alive and ready; ``sessions`` are the open
+        sessions placed on it; ``restarts`` and ``sessions_lost`` count the slot's replacements and the
+        sessions its deaths failed. Heard by the observers of every ``generate()`` call the endpoint serves.
         """
 
     def batch_aborted(self, size: int, error: BaseException) -> None:

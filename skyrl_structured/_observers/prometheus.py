@@ -25,6 +25,9 @@ never clash); :meth:`PrometheusObserver.serve` exposes it over HTTP for Promethe
 | ``skyrl_structured_engine_sessions_placed{server}`` | gauge | sessions placed on each since the client started |
 | ``skyrl_structured_engine_load{server}`` | gauge | each server's load as routing compares it |
 | ``skyrl_structured_engine_up{server}`` | gauge | 1 while a server is not in its failover cooldown, else 0 |
+| ``skyrl_structured_agent_endpoint_sessions{worker}`` | gauge | agent endpoint workers: open sessions on each now |
+| ``skyrl_structured_agent_endpoint_worker_up{worker}`` | gauge | 1 while a worker is alive and ready, else 0 |
+| ``skyrl_structured_agent_endpoint_worker_restarts{worker}`` | gauge | times each slot's worker was replaced |
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import CleanupKind, CleanupOutcome, EngineRoute, FinishedTrajectory, RolloutObserver, RolloutRef
+from .base import (
+    CleanupKind,
+    CleanupOutcome,
+    EndpointWorker,
+    EngineRoute,
+    FinishedTrajectory,
+    RolloutObserver,
+    RolloutRef,
+)
 
 __all__ = ["PrometheusObserver"]
 
@@ -113,6 +124,28 @@ class PrometheusObserver(RolloutObserver):
             "engine_up",
             "1 while an engine server is not in its failover cooldown",
             per_server,
+            namespace=ns,
+            registry=r,
+        )
+        per_worker = ["worker"]
+        self.endpoint_sessions = prom.Gauge(
+            "agent_endpoint_sessions",
+            "Open sessions on each agent endpoint worker",
+            per_worker,
+            namespace=ns,
+            registry=r,
+        )
+        self.endpoint_worker_up = prom.Gauge(
+            "agent_endpoint_worker_up",
+            "1 while an agent endpoint worker is alive and ready",
+            per_worker,
+            namespace=ns,
+            registry=r,
+        )
+        self.endpoint_worker_restarts = prom.Gauge(
+            "agent_endpoint_worker_restarts",
+            "Times each agent endpoint worker slot's process was replaced",
+            per_worker,
             namespace=ns,
             registry=r,
         )
@@ -221,6 +254,13 @@ class PrometheusObserver(RolloutObserver):
             self.engine_sessions_placed.labels(server=route.server).set(route.placed_total)
             self.engine_load.labels(server=route.server).set(route.load)
             self.engine_up.labels(server=route.server).set(1 if route.up else 0)
+
+    def endpoint_workers_read(self, workers: Sequence[EndpointWorker]) -> None:
+        for worker in workers:
+            label = str(worker.index)
+            self.endpoint_sessions.labels(worker=label).set(worker.sessions)
+            self.endpoint_worker_up.labels(worker=label).set(1 if worker.up else 0)
+            self.endpoint_worker_restarts.labels(worker=label).set(worker.restarts)
 
     def admission_decided(self, limit: int, previous: int, reason: str, kv_cache_usage: float | None) -> None:
         self.admission_limit.set(limit)

@@ -22,7 +22,13 @@ category ``admission``) of the batch running when they were read, and each chang
 a process-wide instant named ``admission <reason>`` (``admission grow``, ``admission cut_preempted``).
 With an inference client that routes over several servers, each server's sessions and load are
 counter tracks too (``engine sessions`` and ``engine load``, one series per server URL, category
-``routing``), read about once a second.
+``routing``), read about once a second. With the agent endpoint in worker processes
+(``generator.agent_endpoint_workers``), a process of its own, ``agent endpoint workers`` (the pool
+outlives the calls), holds each worker's open sessions as a counter track (``endpoint sessions``,
+one series ``worker <index>`` per slot, category ``agent_endpoint``), read about once a second and
+as soon as a worker dies or is replaced, with process-wide instants ``endpoint worker died`` (the
+slot's index, the dead pid, its port) and ``endpoint worker replaced``
+(the new pid and the previous one).
 
 While the batch runs, :class:`TraceRecorder` only logs the events (cheap, see its docstring);
 :class:`TraceBuilder` replays the log into complete (``"ph": "X"``) events with integer
@@ -61,12 +67,14 @@ from ._trace_replay import (
     ROLLOUT_CUT,
     ROLLOUT_FINISHED,
     ROUTES,
+    WORKERS,
     TraceBuilder,
     id_text,
 )
 from .base import (
     CleanupKind,
     CleanupOutcome,
+    EndpointWorker,
     EngineRoute,
     EnvMethod,
     FinishedTrajectory,
@@ -207,6 +215,10 @@ class TraceRecorder(RolloutObserver):
     def engine_routes_read(self, routes: Sequence[EngineRoute]) -> None:
         servers = tuple((route.server, route.sessions, route.load) for route in routes)
         self._log.append((self._clock(), ROUTES, -1, 0, None, servers))
+
+    def endpoint_workers_read(self, workers: Sequence[EndpointWorker]) -> None:
+        slots = tuple((w.index, w.pid, w.port, w.up, w.sessions, w.restarts, w.sessions_lost) for w in workers)
+        self._log.append((self._clock(), WORKERS, -1, 0, None, slots))
 
 
 def _failure(error: BaseException | None) -> tuple[str | None, str | None]:

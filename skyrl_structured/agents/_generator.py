@@ -15,7 +15,7 @@ import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from ..engines._load_source import load_reader
 from ..engines.bridge import bridged_client
 from ..errors import AgentError
 from ..failures import FailedRollout
+from ..observe import Observers
 from ..types import (
     ConversationType,
     GeneratorInput,
@@ -299,8 +300,17 @@ class StructuredAgentGenerator(FramedGenerator):
             trajectory_ids=input_batch.get("trajectory_ids"),
         )
         if self._server is not None:
-            return await self._frame.run(self, self._job(self._server, request, input_batch), disable_tqdm=disable_tqdm)
+            return await self._run(self._server, request, input_batch, disable_tqdm)
         async with self.serving() as server:
+            return await self._run(server, request, input_batch, disable_tqdm)
+
+    async def _run(
+        self, server: CaptureServer, request: BatchRequest, input_batch: GeneratorInput, disable_tqdm: bool
+    ) -> GeneratorOutput:
+        """One call on ``server``; with endpoint workers its observers hear them (``endpoint_workers_read``)."""
+        attachment = server.attachment
+        heard = attachment.watch.listening(Observers(self.observers)) if attachment is not None else nullcontext()
+        with heard:
             return await self._frame.run(self, self._job(server, request, input_batch), disable_tqdm=disable_tqdm)
 
     async def aclose(self) -> None:

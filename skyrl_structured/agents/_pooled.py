@@ -9,7 +9,8 @@ then ``close`` and an awaited ``closed`` carrying what the worker captured, from
 built as in-loop. Each ``call`` frame runs :meth:`~._server.CaptureServer.engine_sample`, the
 in-loop endpoint's own engine call (seeds, pause clock, observers), in a scope the session's close
 or the worker's ``cancel`` cancels. A worker's death fails its sessions' rollouts with
-:class:`~skyrl_structured.errors.CaptureWorkerError`.
+:class:`~skyrl_structured.errors.CaptureWorkerError`. The attachment's :class:`~._readings.WorkersWatch`
+tells the observers of the calls it serves how its workers fare.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..errors import CaptureWorkerError
 from ..observe import RolloutObserver
 from ._capture import Capture, restore_capture
 from ._frames import Frame, error_fields
+from ._readings import WorkersWatch
 from ._routes import closed_in_flight
 from ._session import CaptureSession
 from ._wire import APIError
@@ -75,6 +77,8 @@ class Attachment:
         self._cancelled_early: set[tuple[CaptureWorker, int]] = set()
         self.closed = False
         pool.deliver = deliver
+        #: What the ``generate()`` calls served here hear of the workers (``endpoint_workers_read``).
+        self.watch = WorkersWatch(pool, self.hand)
 
     def hand(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on this attachment's loop soon (from any thread)."""
@@ -141,6 +145,7 @@ async def attached(server: CaptureServer, pool: CaptureWorkers) -> AsyncIterator
         async with anyio.create_task_group() as group:
             attachment = server.attachment = Attachment(server, pool, group)
             group.start_soon(attachment.runners.spawn)
+            group.start_soon(attachment.watch.run)
             pool.attach(+1)
             try:
                 yield server

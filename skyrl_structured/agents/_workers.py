@@ -39,6 +39,7 @@ from .._runtime.reaper import kill_tree
 from .._runtime.spawning import without_main, worker_context
 from ..errors import CaptureWorkerError
 from ._frames import Frame, FrameBuffer, encode, read_frames
+from ._readings import WorkerReading
 from ._routes import error_shape, request_parts, rollout_ended, split_path
 from ._tombstone import Tombstone
 from ._worker import capture_main
@@ -330,6 +331,11 @@ class CaptureWorkers:
         self.deaths = 0
         self.restarts = 0
         self.sessions_lost = 0
+        #: Per slot: its workers replaced, and the sessions its deaths failed (for :meth:`readings`).
+        self._slot_restarts = [0] * len(sockets)
+        self._slot_lost = [0] * len(sockets)
+        #: Told (from a reader thread) when a worker died or a replacement is ready (see :mod:`._readings`).
+        self.watchers: list[Callable[[], None]] = []
         self._closing = False
         #: The ``serve_capture`` blocks attached now (0: the workers say the endpoint has closed).
         self._attached = 0
@@ -373,6 +379,18 @@ class CaptureWorkers:
             self.placed[(batch, index)] = worker
             return worker
 
+    def readings(self) -> list[WorkerReading]:
+        """Each slot's worker now: its pid and port, whether it is up, its open sessions, restarts and losses."""
+        with self._lock:
+            return [
+                WorkerReading(w.index, w.pid, w.port, w.pid is not None and w.death is None, len(w.sessions), r, lost)
+                for w, r, lost in zip(self.workers, self._slot_restarts, self._slot_lost, strict=True)
+            ]
+
+    def _changed(self) -> None:
+        for watcher in list(self.watchers):
+            watcher()
+
     def attach(self, change: int) -> None:
         """A ``serve_capture`` block attached (+1) or detached (-1); the workers hear when none or the first is."""
         with self._lock:
@@ -403,6 +421,7 @@ class CaptureWorkers:
         worker.post(("attached",) if self._attached else ("detached",))
         if tombstone is not None:
             tombstone.stop()
+        self._changed()
 
     def died(self, worker: CaptureWorker, error: CaptureWorkerError, *, shutting_down: bool) -> None:
         """A worker died (its reader thread): its sessions fail, its port answers from a tombstone, it is replaced."""
@@ -413,6 +432,7 @@ class CaptureWorkers:
             if not closing:
                 self.deaths += worker.pid is not None
                 self.sessions_lost += len(lost)
+                self._slot_lost[worker.index] += len(lost)
                 if worker.pid is None:
                     self._failed_starts[worker.index] += 1
         for key, entry in lost:
@@ -424,14 +444,12 @@ class CaptureWorkers:
         if self._failed_starts[worker.index] >= MAX_FAILED_STARTS:
             with self._lock:
                 self._given_up[worker.index] = error
-            logger.error(
-                "capture endpoint worker %d failed %d starts in a row; its port is given up",
-                worker.index,
-                MAX_FAILED_STARTS,
-            )
-            return
-        self._bury(worker)
-        self._replace(worker)
+            message = "capture endpoint worker %d failed %d starts in a row; its port is given up"
+            logger.error(message, worker.index, MAX_FAILED_STARTS)
+        else:
+            self._bury(worker)
+            self._replace(worker)
+        self._changed()
 
     def _bury(self, worker: CaptureWorker) -> None:
         with self._lock:
@@ -456,6 +474,7 @@ class CaptureWorkers:
             fresh = CaptureWorker(self, worker.index, worker.listener, worker.url, self._spec, ended)
             self.workers[worker.index] = fresh
             self.restarts += 1
+            self._slot_restarts[worker.index] += 1
         fresh.start()
 
     def _ended_answer(self, request: Request | None) -> Response:
