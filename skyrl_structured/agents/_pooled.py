@@ -42,7 +42,8 @@ from ._wire import APIError
 
 if TYPE_CHECKING:
     from ._server import CaptureServer
-    from ._workers import CaptureWorker, CaptureWorkers
+    from ._worker_link import CaptureWorker
+    from ._workers import CaptureWorkers
 
 __all__ = ["Attachment", "pooled_session"]
 
