@@ -28,7 +28,6 @@ import anyio.to_thread
 
 from .._runtime.cleanup import run_cleanups
 from .._runtime.contexts import RolloutContext
-from .._runtime.runners import Runners
 from .._runtime.sessions import SessionEnd
 from .._runtime.wakers import current_waker
 from ..errors import CaptureWorkerError
@@ -70,12 +69,11 @@ class Attachment:
         self.pool = pool
         self._group = group
         self._waker = current_waker()
-        #: The tasks that run the engine calls, one call at a time each (cheaper than a task per call).
-        self.runners = Runners(group)
+        #: Calls handed to the loop, started by :meth:`dispatch` (a task of the group) as they come.
+        self._inbox: list[tuple[CaptureWorker, CaptureSession, Frame]] = []
+        self._event = anyio.Event()
         #: The engine calls running, by (worker, call id): a ``cancel`` frame cancels one.
         self._calls: dict[tuple[CaptureWorker, int], anyio.CancelScope] = {}
-        #: Calls whose ``cancel`` frame came before their task started.
-        self._cancelled_early: set[tuple[CaptureWorker, int]] = set()
         self.closed = False
         pool.deliver = deliver
         #: What the ``generate()`` calls served here hear of the workers (``endpoint_workers_read``).
@@ -86,43 +84,48 @@ class Attachment:
         self._waker(callback)
 
     def _call(self, worker: CaptureWorker, session: CaptureSession, frame: Frame) -> None:
-        """Run a ``call`` frame's engine call on one of the attachment's runners (a callback on its loop)."""
         if self.closed:
             return
         _running[(worker, frame[1])] = self
-        self.runners.submit(lambda: self._serve_call(worker, session, frame))
+        self._inbox.append((worker, session, frame))
+        self._event.set()
+
+    async def dispatch(self) -> None:
+        """Start each call handed to this loop in the attachment's task group (until the group is cancelled)."""
+        while True:
+            await self._event.wait()
+            self._event = anyio.Event()
+            calls, self._inbox = self._inbox, []
+            for worker, session, frame in calls:
+                self._group.start_soon(self._serve_call, worker, session, frame)
 
     def _cancel(self, worker: CaptureWorker, call_id: int) -> None:
         scope = self._calls.get((worker, call_id))
         if scope is not None:
             scope.cancel()
-        elif (worker, call_id) in _running:  # handed to this loop, its task not started yet
-            self._cancelled_early.add((worker, call_id))
 
     async def _serve_call(self, worker: CaptureWorker, session: CaptureSession, frame: Frame) -> None:
         """Run one ``call`` frame's engine call; whatever ends it, the worker gets its ``reply`` or ``fail``."""
         _, call_id, _key, prompt_ids, params, prompt_param = frame
         answer: Frame | None = None
-        # The call's own scope, which a ``cancel`` frame cancels (also one that came before this task started).
-        scope = self._calls[(worker, call_id)] = anyio.CancelScope()
-        if (worker, call_id) in self._cancelled_early:
-            self._cancelled_early.discard((worker, call_id))
-            scope.cancel()
         try:
-            text, sampled, stop, logprobs = await self.server.engine_sample(
-                session, prompt_ids, params, prompt_param, scope
-            )
-            answer = ("reply", call_id, text, sampled, stop, logprobs)
-        except APIError as error:  # a cancelled scope ends the engine call with the closed session's 499
-            answer = ("fail", call_id, error_fields(_cancelled(session) if scope.cancel_called else error))
-        except Exception as exc:
-            logger.exception("capture endpoint: a call of rollout %s failed in the trainer", session.rollout)
-            failure = APIError(500, f"the capture endpoint failed: {type(exc).__name__}: {exc}")
-            answer = ("fail", call_id, error_fields(failure))
+            with anyio.CancelScope() as scope:
+                self._calls[(worker, call_id)] = scope
+                try:
+                    text, sampled, stop, logprobs = await self.server.engine_sample(
+                        session, prompt_ids, params, prompt_param
+                    )
+                    answer = ("reply", call_id, text, sampled, stop, logprobs)
+                except APIError as error:
+                    answer = ("fail", call_id, error_fields(error))
+                except Exception as exc:
+                    logger.exception("capture endpoint: a call of rollout %s failed in the trainer", session.rollout)
+                    failure = APIError(500, f"the capture endpoint failed: {type(exc).__name__}: {exc}")
+                    answer = ("fail", call_id, error_fields(failure))
         finally:
             self._calls.pop((worker, call_id), None)
             _running.pop((worker, call_id), None)
-            if answer is None:  # cancelled with the block (its task group)
+            if answer is None:  # cancelled: by its client (a ``cancel`` frame), or with the rollout
                 answer = ("fail", call_id, error_fields(_cancelled(session)))
             worker.post(answer)
 
@@ -145,7 +148,7 @@ async def attached(server: CaptureServer, pool: CaptureWorkers) -> AsyncIterator
     try:
         async with anyio.create_task_group() as group:
             attachment = server.attachment = Attachment(server, pool, group)
-            group.start_soon(attachment.runners.spawn)
+            group.start_soon(attachment.dispatch)
             group.start_soon(attachment.watch.run)
             pool.attach(+1)
             try:

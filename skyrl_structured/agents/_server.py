@@ -372,18 +372,10 @@ class CaptureServer:
         return session.capture.record(prepared, sampled, logprobs, stop_reason, text)
 
     async def engine_sample(
-        self,
-        session: CaptureSession,
-        prompt_ids: list[int],
-        params: dict[str, Any],
-        prompt_param: str,
-        scope: anyio.CancelScope | None = None,
+        self, session: CaptureSession, prompt_ids: list[int], params: dict[str, Any], prompt_param: str
     ) -> tuple[str, list[int], str, list[float] | None]:
         """One engine call of a session (seeded, on the rollout's pause clock, heard by its observers):
         ``(text, sampled ids, stop reason, logprobs)``, returned only while the session is open.
-
-        ``scope``: the cancel scope to run the call in, when the caller keeps one to cancel this call alone
-        (an endpoint worker's ``cancel`` frame); else one is made here. The session's close cancels it either way.
 
         Raises:
             ContextLengthError: the engine refused the prompt as longer than its context (400).
@@ -396,9 +388,7 @@ class CaptureServer:
             "sampling_params": context.request_params(params, turn),  # seeded with generator.sampling_seed
             "session_ids": [session.id],
         }
-        if scope is None:
-            scope = anyio.CancelScope()
-        with scope:
+        with anyio.CancelScope() as scope:
             session._inflight.add(scope)
             session.engine_requests += 1
             try:

@@ -4,8 +4,8 @@ A :class:`CaptureWorker` belongs to a :class:`~._workers.CaptureWorkers` pool (s
 placement, deaths and replacement). Like an env worker process
 (:class:`~skyrl_structured.envs._process.ProcessWorker`), it has a reader thread handing the worker's
 frames to the pool (``ready``, ``opened``/``closed`` answers, and ``call``/``cancel`` frames for the
-event loop of the session they concern, :mod:`._pooled`), and a writer thread sending what could not
-be sent in place. When the channel ends, the reader waits for the process, kills what is left of its
+event loop of the session they concern, :mod:`._pooled`), and a writer thread sending every frame
+queued since its last send. When the channel ends, the reader waits for the process, kills what is left of its
 tree, and tells the pool the worker died.
 """
 
@@ -82,7 +82,6 @@ class CaptureWorker:
         self._seq = 0
         self._cond = threading.Condition(threading.Lock())
         self._out: list[bytes] = []
-        self._sending = False
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._reap = threading.Lock()
@@ -136,29 +135,18 @@ class CaptureWorker:
     # ------------------------------------------------------------------ frames
 
     def post(self, frame: Frame) -> None:
-        """Send ``frame`` to the worker (dropped once it is dead), from any thread; never blocks.
+        """Queue ``frame`` for the worker (dropped once it is dead), from any thread.
 
-        When nothing is queued or being sent, the frame goes straight into the channel's socket buffer
-        (a non-blocking send); what does not fit, or comes while the writer thread sends, is queued for it.
-        Sending in place saves the writer thread a wake-up per reply, which is most of what it cost the
-        trainer's process (``benchmarks/agents.py``, see the CHANGELOG's issue 46 lines).
+        The writer thread sends everything queued since its last send at once: under a burst of replies
+        that is one ``sendall`` (and one wake-up of the worker's loop) for many frames. Sending each frame
+        in place from the event loop instead cost more, in the trainer and in the worker
+        (``python -m benchmarks.agents --only cpu``).
         """
         data = encode(frame)
         with self._cond:
-            if self.death is not None or self._closing:
-                return
-            if not self._out and not self._sending:
-                try:
-                    sent = self._channel.send(data, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    return  # the worker is gone: the reader reports it
-                if sent == len(data):
-                    return
-                data = data[sent:]
-            self._out.append(data)
-            self._cond.notify()
+            if self.death is None and not self._closing:
+                self._out.append(data)
+                self._cond.notify()
 
     def request(self, frame: Frame) -> Completion[Any]:
         """Send ``frame`` with a sequence number after its kind; the completion its answer settles."""
@@ -183,14 +171,10 @@ class CaptureWorker:
                 if not self._out:
                     return
                 data, self._out = b"".join(self._out), []
-                self._sending = True  # :meth:`post` queues behind these bytes until they are all sent
             try:
                 self._channel.sendall(data)
             except OSError:
                 return  # the worker is gone: the reader reports it
-            finally:
-                with self._cond:
-                    self._sending = False
 
     def _read(self) -> None:
         buffer = FrameBuffer()

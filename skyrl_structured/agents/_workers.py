@@ -7,8 +7,8 @@ its placement, sticky per rollout (every session of one rollout, retries include
 while it lives; a new rollout on the live worker with the fewest open sessions).
 
 Each :class:`~._worker_link.CaptureWorker` is carried by two daemon threads, as an env worker
-process is (:class:`~skyrl_structured.envs._process.ProcessWorker`): a writer sending what could not
-be sent in place, and a reader handing frames to the event loop of the session they concern (see
+process is (:class:`~skyrl_structured.envs._process.ProcessWorker`): a writer sending every frame
+queued since its last send, and a reader handing frames to the event loop of the session they concern (see
 :mod:`._pooled`). The pool outlives event loops and ``generate()`` calls, and a worker's death is
 seen between calls: each of its open sessions then fails its rollout with
 :class:`~skyrl_structured.errors.CaptureWorkerError`, its port is answered by a
