@@ -87,6 +87,8 @@ class Window:
         self.lag = LoopLag()
         self._sampler = anyio.CancelScope()
         self.wall = self.cpu = 0.0
+        #: The event loop's thread alone (``time.thread_time``, read on the loop): the process less its other threads.
+        self.loop_cpu = 0.0
         self.children: dict[int, float] = {}
 
     async def _sample(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -102,11 +104,12 @@ class Window:
         """
         self.children = {pid: cpu for pid in descendants(os.getpid()) if (cpu := proc_cpu_s(pid)) is not None}
         await self._group.start(self._sample)
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.wall, self.cpu, self.loop_cpu = time.perf_counter(), time.process_time(), time.thread_time()
 
     def close(self) -> None:
         """Stop: the wall and CPU seconds since :meth:`open`, and each child's CPU seconds in between."""
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        self.loop_cpu = time.thread_time() - self.loop_cpu
         self.lag.stop()
         self._sampler.cancel()
         for pid, before in self.children.items():

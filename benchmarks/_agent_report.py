@@ -48,8 +48,11 @@ def _common(results: Runs, calls: int) -> dict[str, Any]:
         if kind not in ("engine", "direct"):
             row[f"{kind}_extended_calls"] = [batch.extended for _, batch in runs]
             row[f"{kind}_branches"] = [batch.branches for _, batch in runs]
+        row[f"{kind}_loop_cpu_s"] = _median([w.loop_cpu for w, _ in runs])
         if "engine" in results:
             row[f"{kind}_trainer_cpu_ms_per_call"] = 1e3 * (row[f"{kind}_cpu_s"] - row["engine_cpu_s"]) / calls
+            loop = row[f"{kind}_loop_cpu_s"] - row["engine_loop_cpu_s"]
+            row[f"{kind}_trainer_loop_cpu_ms_per_call"] = 1e3 * loop / calls
         if _is_workers(kind):
             row[f"{kind}_start_s"] = [batch.start_s for _, batch in runs]
             row[f"{kind}_proc_cpu_s"] = [dict(sorted(w.children.items())) for w, _ in runs]
@@ -70,8 +73,9 @@ def cpu_row(results: Runs, head: dict[str, Any]) -> dict[str, Any]:
             if kind in results:
                 row[key] = row[f"{kind}_cpu_added_ms_per_call"] <= GOALS["cpu_added_ms_per_call"]
     if "workers" in results and "engine" in results:
-        trainer = row["workers_trainer_cpu_ms_per_call"]
-        row["workers_cpu_meets_goal"] = trainer <= GOALS["workers_trainer_cpu_ms_per_call"]
+        # The goal is the trainer loop's CPU; the whole process's (its frame threads too) is kept beside it.
+        loop = row["workers_trainer_loop_cpu_ms_per_call"]
+        row["workers_cpu_meets_goal"] = loop <= GOALS["workers_trainer_cpu_ms_per_call"]
     return row
 
 
@@ -132,6 +136,7 @@ def _cpu_line(row: dict[str, Any], kinds: list[str]) -> str:
             text += f" +{row[f'{kind}_cpu_added_ms_per_call']:.3f} ms/call (x{row[f'{kind}_cpu_ratio']:.2f})"
         if f"{kind}_trainer_cpu_ms_per_call" in row:
             text += f" trainer {row[f'{kind}_trainer_cpu_ms_per_call']:.3f} ms/call"
+            text += f" (its loop {row[f'{kind}_trainer_loop_cpu_ms_per_call']:.3f})"
         if f"{kind}_worker_cpu_ms_per_call" in row:
             text += f" workers {row[f'{kind}_worker_cpu_ms_per_call']:.3f} ms/call"
         parts.append(text)
@@ -161,7 +166,8 @@ def show(name: str, row: dict[str, Any], kinds: list[str]) -> None:
         )
     if "workers_cpu_meets_goal" in row:
         print(
-            f"goals   {backend:7s} cpu: workers trainer {row['workers_trainer_cpu_ms_per_call']:.3f} ms/call "
-            f"(goal 0.2): {row['workers_cpu_meets_goal']}",
+            f"goals   {backend:7s} cpu: workers trainer loop {row['workers_trainer_loop_cpu_ms_per_call']:.3f} ms/call "
+            f"(goal 0.2): {row['workers_cpu_meets_goal']}; the trainer's whole process "
+            f"{row['workers_trainer_cpu_ms_per_call']:.3f} ms/call",
             flush=True,
         )

@@ -36,6 +36,9 @@ def _check_common(row, calls, kinds):
         assert 0 <= row[f"{kind}_lag_mean_ms"] <= row[f"{kind}_lag_max_ms"]
         trainer = (row[f"{kind}_cpu_s"] - row["engine_cpu_s"]) / calls
         assert row[f"{kind}_trainer_cpu_ms_per_call"] == pytest.approx(1e3 * trainer)
+        assert 0 < row[f"{kind}_loop_cpu_s"] <= row[f"{kind}_cpu_s"] + 0.01  # the loop's thread, one of the process's
+        loop = (row[f"{kind}_loop_cpu_s"] - row["engine_loop_cpu_s"]) / calls
+        assert row[f"{kind}_trainer_loop_cpu_ms_per_call"] == pytest.approx(1e3 * loop)
     for kind in [k for k in kinds if agents.is_endpoint(k)]:
         assert row[f"{kind}_extended_calls"] == [calls // 3 * 2] * row["repeats"]
         assert row[f"{kind}_branches"] == [calls // 3] * row["repeats"]
