@@ -127,7 +127,18 @@ class PrometheusObserver(RolloutObserver):
             namespace=ns,
             registry=r,
         )
-        per_worker = ["worker"]
+        self._endpoint_gauges(prom, ns)
+        if env_workers is not None:
+            self.count_env_workers(env_workers)
+        self._server: Any | None = None
+        self._thread: threading.Thread | None = None
+        #: (index, attempt) of rollouts the straggler cutoff ended, told by ``trajectory_finished`` to the
+        #: ``rollout_finished`` the generator emits right after it.
+        self._cut: set[tuple[int, int]] = set()
+
+    def _endpoint_gauges(self, prom: Any, ns: str) -> None:
+        """The agent endpoint workers' gauges, one series per worker slot (``endpoint_workers_read``)."""
+        per_worker, r = ["worker"], self.registry
         self.endpoint_sessions = prom.Gauge(
             "agent_endpoint_sessions",
             "Open sessions on each agent endpoint worker",
@@ -149,13 +160,6 @@ class PrometheusObserver(RolloutObserver):
             namespace=ns,
             registry=r,
         )
-        if env_workers is not None:
-            self.count_env_workers(env_workers)
-        self._server: Any | None = None
-        self._thread: threading.Thread | None = None
-        #: (index, attempt) of rollouts the straggler cutoff ended, told by ``trajectory_finished`` to the
-        #: ``rollout_finished`` the generator emits right after it.
-        self._cut: set[tuple[int, int]] = set()
 
     def count_env_workers(self, source: Callable[[], float]) -> None:
         """Read ``skyrl_structured_env_workers_alive`` from ``source`` at each scrape (0 until this is called)."""

@@ -28,6 +28,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -98,11 +99,28 @@ class CaptureWorkers:
             worker.start()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until every worker is ready or dead (at most ``timeout_s``); raises if none is ready."""
-        for worker in list(self.workers):
-            worker.ready.wait(timeout_s)
-        if not any(w.pid is not None and w.death is None for w in self.workers):
-            first = next((w.death for w in self.workers if w.death is not None), None)
+        """Block until every slot's worker is ready or the slot is given up (at most ``timeout_s``); raises if
+        none is ready.
+
+        A start that failed is replaced like any dead worker, and this waits for the replacement: a start
+        can fail once for a reason of the moment (the multiprocessing fork server dying as a start
+        connected to it, seen once in a loaded test run), and the pool's own retries then start it.
+        """
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            with self._lock:
+                waiting = [w for w in self.workers if w.index not in self._given_up and not _up(w)]
+            if not waiting:
+                break
+            worker = waiting[0]
+            if worker.death is None:
+                worker.ready.wait(left)
+            else:  # dead, its replacement not in place yet
+                time.sleep(min(left, 0.01))
+        if not any(_up(w) for w in self.workers):
+            first = next(iter(self._given_up.values()), None) or next(
+                (w.death for w in self.workers if w.death is not None), None
+            )
             raise CaptureWorkerError(f"no capture endpoint worker started: {first or 'none ready in time'}")
 
     def pids(self) -> list[int]:
@@ -132,7 +150,7 @@ class CaptureWorkers:
         """Each slot's worker now: its pid and port, whether it is up, its open sessions, restarts and losses."""
         with self._lock:
             return [
-                WorkerReading(w.index, w.pid, w.port, w.pid is not None and w.death is None, len(w.sessions), r, lost)
+                WorkerReading(w.index, w.pid, w.port, _up(w), len(w.sessions), r, lost)
                 for w, r, lost in zip(self.workers, self._slot_restarts, self._slot_lost, strict=True)
             ]
 
@@ -257,6 +275,11 @@ class CaptureWorkers:
             with contextlib.suppress(OSError):
                 one.close()
         logger.debug("capture endpoint workers stopped (pids %s)", self.pids())
+
+
+def _up(worker: CaptureWorker) -> bool:
+    """Whether a worker said it is ready and has not died since."""
+    return worker.pid is not None and worker.death is None
 
 
 def _unclaimed(worker: CaptureWorker, frame: Frame) -> None:
