@@ -7,7 +7,6 @@ import signal
 import time
 
 import anyio
-import pytest
 
 from skyrl_structured.agents._pool_start import make_pool, worker_spec
 from skyrl_structured.config import AgentEndpointSettings
@@ -25,7 +24,7 @@ def test_a_worker_killed_before_it_is_ready_is_replaced_and_the_pool_start_waits
         pool.start()
         # Its guardian killed as soon as it exists: the worker's start (imports, the tokenizer) takes
         # seconds, so it cannot have said it is ready yet. A start that fails is replaced by the pool.
-        while first.process.pid is None and first.death is None:  # noqa: ASYNC110 - a thread starts it
+        while first.process.pid is None and first.death is None:
             time.sleep(0.001)
         assert first.pid is None, "the worker said it was ready before the kill: this check proves nothing"
         if first.process.pid is not None:
@@ -33,7 +32,8 @@ def test_a_worker_killed_before_it_is_ready_is_replaced_and_the_pool_start_waits
         pool.wait_ready(_START_S)  # raised "no capture endpoint worker started" before the pool waited
         (worker,) = pool.workers
         assert worker is not first
-        assert worker.pid is not None and worker.death is None
+        assert worker.pid is not None
+        assert worker.death is None
         assert first.death is not None
         assert pool.restarts == 1
         pids = pool.pids()
