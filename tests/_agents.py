@@ -399,3 +399,21 @@ async def closing(generator: Any) -> AsyncIterator[Any]:
         yield generator
     finally:
         await generator.aclose()
+
+
+class Held:
+    """An engine handler holding each row's first call until :attr:`release` is set (cancel-aware)."""
+
+    def __init__(self, tokenizer: Any, rows: int) -> None:
+        self.tokenizer = tokenizer
+        self.entered = {r: anyio.Event() for r in range(rows)}
+        self.release = anyio.Event()
+
+    async def __call__(self, call: EngineCall) -> str:
+        self.entered[question(self.tokenizer, call)].set()
+        await self.release.wait()
+        return "3"
+
+    async def all_entered(self) -> None:
+        for event in self.entered.values():
+            await event.wait()

@@ -27,9 +27,9 @@ from skyrl_structured.agents import AgentContext, CaptureSession, StructuredAgen
 from skyrl_structured.agents._pool_start import resolve_workers, start_pool
 from skyrl_structured.config import AgentEndpointSettings
 from skyrl_structured.errors import CaptureWorkerError
-from skyrl_structured.testing import EngineCall, ScriptedEngine
+from skyrl_structured.testing import ScriptedEngine
 from skyrl_structured.validate import validate_generator_output
-from tests._agents import assert_rollout_ended, batch, chat, client, in_thread, port_of, question, row
+from tests._agents import Held, assert_rollout_ended, batch, chat, client, in_thread, port_of, row
 from tests._pids import alive, gone_within_bound
 
 pytestmark = pytest.mark.anyio
@@ -128,24 +128,6 @@ async def test_a_rollouts_sessions_stay_on_one_worker_and_rollouts_use_both(toke
         assert len(set(seen)) == 1, (name, seen)
     assert {seen[0] for seen in ports.values()} == worker_ports
     assert len(worker_ports) == 2
-
-
-class Held:
-    """An engine handler holding each row's first call until :attr:`release` is set (cancel-aware)."""
-
-    def __init__(self, tokenizer: Any, rows: int) -> None:
-        self.tokenizer = tokenizer
-        self.entered = {r: anyio.Event() for r in range(rows)}
-        self.release = anyio.Event()
-
-    async def __call__(self, call: EngineCall) -> str:
-        self.entered[question(self.tokenizer, call)].set()
-        await self.release.wait()
-        return "3"
-
-    async def all_entered(self) -> None:
-        for event in self.entered.values():
-            await event.wait()
 
 
 async def test_a_killed_worker_fails_only_its_rollouts_and_is_replaced(tokenizer, anyio_backend):

@@ -16,32 +16,14 @@ from skyrl_structured._observers._trace_replay import ENDPOINT_PID
 from skyrl_structured.agents import AgentContext, StructuredAgentGenerator
 from skyrl_structured.agents._readings import WorkerReading
 from skyrl_structured.observe import EndpointWorker, PrometheusObserver, RolloutObserver, TraceRecorder
-from skyrl_structured.testing import EngineCall, ScriptedEngine
-from tests._agents import batch, chat, port_of, question
+from skyrl_structured.testing import ScriptedEngine
+from tests._agents import Held, batch, chat, port_of
 from tests._pids import gone_within_bound
 from tests.trace_check import spans_by_track
 
 pytestmark = pytest.mark.anyio
 
 ROWS = 4
-
-
-class Hold:
-    """An engine handler holding each row's first call until :attr:`release` is set (cancel-aware)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.entered = {r: anyio.Event() for r in range(ROWS)}
-        self.release = anyio.Event()
-
-    async def __call__(self, call: EngineCall) -> str:
-        self.entered[question(self.tokenizer, call)].set()
-        await self.release.wait()
-        return "3"
-
-    async def all_entered(self) -> None:
-        for event in self.entered.values():
-            await event.wait()
 
 
 class Heard(RolloutObserver):
@@ -94,7 +76,7 @@ def gauge(observer: PrometheusObserver, name: str, worker: int) -> float | None:
 
 
 async def test_the_trace_and_prometheus_show_each_workers_open_sessions(tokenizer, anyio_backend, tmp_path):
-    hold = Hold(tokenizer)
+    hold = Held(tokenizer, ROWS)
     ports: dict[str, int] = {}
     heard, recorder, prometheus, broken = Heard(), TraceRecorder(), PrometheusObserver(), Broken()
     generator = StructuredAgentGenerator(
@@ -165,7 +147,7 @@ async def test_in_loop_endpoint_tells_no_worker_readings(tokenizer, anyio_backen
 
 
 async def test_a_killed_worker_is_one_death_and_one_replacement_in_the_trace(tokenizer, anyio_backend, tmp_path):
-    hold = Hold(tokenizer)
+    hold = Held(tokenizer, ROWS)
     ports: dict[str, int] = {}
     keys: dict[str, tuple[str, str]] = {}
     heard, recorder, prometheus = Heard(), TraceRecorder(), PrometheusObserver()
